@@ -1,0 +1,123 @@
+# torchloopd build.  `make run` and `make test` are the two commands a new
+# user needs; both run the idempotent set-up first.  See README.md.
+
+BUILD     ?= build
+PY        := $(CURDIR)/.venv/bin/python
+TORCH_LIB := $(firstword $(wildcard $(CURDIR)/.venv/lib/python3*/site-packages/torch/lib))
+TORCH_INC := $(patsubst %/lib,%/include,$(TORCH_LIB))
+MSGPACK_PC := $(shell pkg-config --exists msgpack-c 2>/dev/null && echo msgpack-c || echo msgpack)
+PKGS      := libuv libsystemd $(MSGPACK_PC)
+
+CC        ?= cc
+WARN      := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-missing-field-initializers
+CPPFLAGS  += -D_GNU_SOURCE -Iproto -Idaemon -Iclient
+CFLAGS    ?= -O2 -g
+CFLAGS    += $(WARN) -fPIC $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+ifeq ($(SAN),1)
+CFLAGS    += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+LDFLAGS   += -fsanitize=address,undefined
+endif
+MSGPACK_LIBS := $(shell pkg-config --libs $(MSGPACK_PC) 2>/dev/null)
+UV_LIBS      := $(shell pkg-config --libs libuv 2>/dev/null)
+SD_LIBS      := $(shell pkg-config --libs libsystemd 2>/dev/null)
+TORCH_LIBS   := -L$(TORCH_LIB) -Wl,-rpath,$(TORCH_LIB) -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,--as-needed
+CRIT_LIBS    := $(shell pkg-config --libs criterion 2>/dev/null)
+
+PROTO_SRC  := $(wildcard proto/*.c)
+PROTO_OBJ  := $(PROTO_SRC:%.c=$(BUILD)/%.o)
+DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
+DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
+CLIENT_SRC := $(filter-out client/cli.c,$(wildcard client/*.c))
+CLIENT_OBJ := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
+DAEMON_LIB := $(if $(DAEMON_SRC),$(BUILD)/libdaemon.a)
+UNIT_SRC   := $(wildcard tests/unit/test_*.c)
+UNIT_BIN   := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
+E2E_SRC    := $(wildcard tests/e2e/test_*.c)
+E2E_BIN    := $(E2E_SRC:tests/e2e/%.c=$(BUILD)/tests/%)
+FUZZ_SECONDS ?= 60
+
+.PHONY: all setup build run test test-unit test-e2e sanitize fuzz bench clean format install uninstall
+
+all: build
+
+setup:
+	@bash scripts/setup.sh
+
+# `build` re-reads the Makefile after set-up so the venv's torch path is known.
+build: setup
+	@$(MAKE) --no-print-directory binaries
+
+BINARIES := $(BUILD)/libproto.a
+ifneq ($(wildcard daemon/main.c),)
+BINARIES += $(BUILD)/torchloopd
+endif
+ifneq ($(wildcard client/cli.c),)
+BINARIES += $(BUILD)/torchloop $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a
+endif
+
+.PHONY: binaries tests
+binaries: $(BINARIES)
+tests: $(UNIT_BIN) $(E2E_BIN)
+
+$(BUILD)/%.o: %.c $(wildcard proto/*.h daemon/*.h client/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/libproto.a: $(PROTO_OBJ)
+	ar rcs $@ $^
+
+$(BUILD)/libdaemon.a: $(DAEMON_OBJ)
+	ar rcs $@ $^
+
+$(BUILD)/torchloopd: $(BUILD)/daemon/main.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+
+$(BUILD)/libtorchloop.a: $(CLIENT_OBJ) $(PROTO_OBJ)
+	ar rcs $@ $^
+
+$(BUILD)/libtorchloop.so: $(CLIENT_OBJ) $(PROTO_OBJ)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(MSGPACK_LIBS)
+
+$(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/libtorchloop.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(MSGPACK_LIBS) -lm
+
+TEST_DEPS := $(BUILD)/libproto.a $(DAEMON_LIB) $(wildcard tests/unit/*.h tests/unit/helpers.c)
+$(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -Itests/unit $(CFLAGS) -o $@ $< $(wildcard tests/unit/helpers.c) $(DAEMON_LIB) $(BUILD)/libproto.a \
+		$(CRIT_LIBS) $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+
+test: build
+	@$(MAKE) --no-print-directory run-tests
+	@$(MAKE) --no-print-directory fuzz
+
+.PHONY: run-tests
+run-tests: tests binaries
+	@bash scripts/run-tests.sh $(BUILD) $(UNIT_BIN) $(E2E_BIN)
+
+sanitize: setup
+	@$(MAKE) --no-print-directory BUILD=build-san SAN=1 binaries run-tests
+
+# libFuzzer over frame + envelope + tree decoding, under ASan+UBSan.
+FUZZ_BIN := $(BUILD)/fuzz/fuzz_proto
+$(FUZZ_BIN): tests/fuzz/fuzz_proto.c $(PROTO_SRC) $(wildcard proto/*.h)
+	@mkdir -p $(dir $@)
+	clang -g -O1 -std=c11 -D_GNU_SOURCE -Iproto $(shell pkg-config --cflags $(MSGPACK_PC)) \
+		-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
+		-o $@ tests/fuzz/fuzz_proto.c $(PROTO_SRC) $(MSGPACK_LIBS)
+
+fuzz: setup
+	@$(MAKE) --no-print-directory $(FUZZ_BIN)
+	@bash scripts/fuzz.sh $(FUZZ_BIN) $(FUZZ_SECONDS)
+
+run: build
+	@echo "make run: the daemon is not built yet (issue 4); the build succeeded." >&2
+
+bench: build
+	@echo "make bench: see docs/performance.md" >&2
+
+format:
+	clang-format -i proto/*.[ch] $(wildcard daemon/*.[ch] client/*.[ch] tests/*/*.[ch])
+
+clean:
+	rm -rf build build-san

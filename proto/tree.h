@@ -1,0 +1,82 @@
+/*
+ * tree.h - tensor trees: tensor | None | tuple | list | dict (string keys,
+ * order kept).
+ *
+ * Wire form (docs/protocol.md has the bytes):
+ *   None   -> msgpack nil
+ *   list   -> msgpack array
+ *   tuple  -> msgpack array whose first item is ext(PROTO_EXT_TUPLE, 0 bytes)
+ *   dict   -> msgpack map with str keys, in order
+ *   tensor -> ext32(PROTO_EXT_TENSOR): u8 dtype, u8 ndim, u8 pad, u8 0,
+ *             ndim x int64 LE dims, pad zero bytes, C-order LE data
+ *
+ * Decoded trees are views: tensor data and dict keys point into the frame
+ * body, nodes live in the msgpack zone of the message they came from, so a
+ * tree lives exactly as long as its message.  Trees built by callers for
+ * encoding point at caller-owned buffers; tree_encode never copies tensor
+ * bytes that are large enough to reference (see writer.h).
+ */
+#ifndef TORCHLOOP_TREE_H
+#define TORCHLOOP_TREE_H
+
+#include "protocol.h"
+#include "writer.h"
+
+#include <msgpack.h>
+#include <stdint.h>
+
+enum tree_kind { TREE_NONE, TREE_TENSOR, TREE_TUPLE, TREE_LIST, TREE_DICT };
+
+struct tree_tensor {
+	enum proto_dtype dtype;
+	uint32_t ndim;
+	int64_t shape[PROTO_MAX_NDIM];
+	uint64_t numel;
+	uint64_t nbytes;
+	const void *data;
+};
+
+struct tree_key {
+	const char *ptr;
+	uint32_t len;
+};
+
+struct tree_node {
+	enum tree_kind kind;
+	uint32_t count;		/* children of a tuple, list or dict */
+	struct tree_node *items; /* count children */
+	struct tree_key *keys;	/* count keys, dicts only */
+	struct tree_tensor tensor; /* tensors only */
+};
+
+/*
+ * Decodes o into out, allocating nodes in zone.  root names the tree in
+ * error paths (e.g. "inputs" gives inputs["f"][1]).  Enforces depth, leaf,
+ * key, dtype, shape and byte-length limits.  Returns 0 or -1 with err.
+ */
+int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
+		struct tree_node *out, struct proto_err *err);
+
+/* Encodes a tree; tensor bytes are padded to align in the receiver. */
+void tree_encode(struct writer *w, const struct tree_node *n);
+
+/* Tensor leaves in depth-first order (None leaves are skipped). */
+uint32_t tree_count_tensors(const struct tree_node *n);
+/* Tensor + None leaves. */
+uint32_t tree_count_leaves(const struct tree_node *n);
+
+/*
+ * Structural equality (kinds, counts, keys; tensors by dtype and shape; data
+ * ignored).  Returns 1 when equal; else 0 and writes the first differing
+ * path below root into path.
+ */
+int tree_same_structure(const struct tree_node *a, const struct tree_node *b, const char *root,
+			char *path, size_t path_size);
+
+/* Bytes of path text for child i of n appended to buf at *len (bounded). */
+void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node *n, uint32_t i);
+
+/* Fills a tensor's numel and nbytes from dtype and shape; -1 on overflow. */
+int tree_tensor_sizes(struct tree_tensor *t);
+
+#endif

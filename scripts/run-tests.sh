@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# run-tests.sh BUILD BIN... - runs each Criterion test binary, prints its
+# output, and ends with one summary line "N passed, N failed".  Exits 1 if
+# any test failed or crashed, or if a binary exited non-zero.
+set -uo pipefail
+build=$1; shift
+passed=0 failed=0 status=0
+export TORCHLOOP_TEST_BUILD="$build"
+for bin in "$@"; do
+	[ -x "$bin" ] || continue
+	echo "=== $bin"
+	out=$("$bin" --jobs "${CRITERION_JOBS:-2}" 2>&1); rc=$?
+	printf '%s\n' "$out"
+	line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
+	t=$(sed -n 's/.*Tested: \([0-9]*\).*/\1/p' <<<"$line")
+	p=$(sed -n 's/.*Passing: \([0-9]*\).*/\1/p' <<<"$line")
+	if [ -z "$t" ] || [ "$rc" != 0 ]; then status=1; fi
+	passed=$((passed + ${p:-0}))
+	failed=$((failed + ${t:-0} - ${p:-0}))
+done
+[ "$failed" = 0 ] || status=1
+echo "tests: $passed passed, $failed failed"
+exit $status

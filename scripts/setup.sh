@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# setup.sh - idempotent machine set-up for torchloopd: Debian packages and the
+# project's .venv.  Safe to run on every `make`; it only installs what is
+# missing.  Needs root (or sudo) only when a Debian package is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+# msgpack-c is libmsgpack-c-dev on Debian 13 and libmsgpack-dev on Debian 12.
+msgpack_pkg() {
+	if apt-cache show libmsgpack-c-dev >/dev/null 2>&1; then
+		echo libmsgpack-c-dev
+	else
+		echo libmsgpack-dev
+	fi
+}
+
+PKGS=(build-essential pkg-config libuv1-dev libcriterion-dev libsystemd-dev
+      clang valgrind systemd python3-venv ca-certificates file)
+
+missing_pkgs() {
+	local p
+	for p in "$@"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || echo "$p"
+	done
+}
+
+install_debs() {
+	local missing have_msgpack=0
+	pkg-config --exists msgpack-c 2>/dev/null && have_msgpack=1
+	pkg-config --exists msgpack 2>/dev/null && have_msgpack=1
+	missing=$(missing_pkgs "${PKGS[@]}")
+	# libFuzzer and the sanitizer runtimes for clang (package name has the version)
+	if command -v clang >/dev/null; then
+		local v
+		v=$(clang --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -1)
+		[ -n "$v" ] && missing+=" $(missing_pkgs "libclang-rt-$v-dev" 2>/dev/null)"
+	fi
+	if [ -z "${missing// /}" ] && [ $have_msgpack = 1 ]; then
+		return 0
+	fi
+	local sudo=""
+	[ "$(id -u)" = 0 ] || sudo=sudo
+	log "installing Debian packages:$missing (msgpack-c if missing)"
+	$sudo apt-get update -qq
+	[ $have_msgpack = 1 ] || missing+=" $(msgpack_pkg)"
+	# shellcheck disable=SC2086
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
+	# clang may just have been installed: its runtime package too
+	local v
+	v=$(clang --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -1)
+	if [ -n "$v" ] && [ -n "$(missing_pkgs "libclang-rt-$v-dev")" ]; then
+		DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "libclang-rt-$v-dev" >/dev/null || \
+			log "libclang-rt-$v-dev not available; the fuzzer may not link"
+	fi
+}
+
+pick_python() {
+	local c
+	for c in python3.11 python3; do
+		if command -v "$c" >/dev/null && "$c" -c 'import sys; assert sys.version_info >= (3, 10)' 2>/dev/null; then
+			echo "$c"; return 0
+		fi
+	done
+	log "no python3 >= 3.10 found"; return 1
+}
+
+install_venv() {
+	local stamp=.venv/.torchloopd-reqs
+	if [ -x .venv/bin/python ] && [ -f "$stamp" ] && cmp -s requirements.txt "$stamp"; then
+		return 0
+	fi
+	if [ ! -x .venv/bin/python ]; then
+		log "creating .venv"
+		"$(pick_python)" -m venv .venv
+	fi
+	log "installing Python requirements into .venv (torch is large; this takes minutes)"
+	.venv/bin/pip install -q -r requirements.txt
+	.venv/bin/python - <<'PY'
+import torch
+major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+assert (major, minor) >= (2, 14), f"Compiled loops require Torch >= 2.14 (found {torch.__version__})"
+PY
+	cp requirements.txt "$stamp"
+}
+
+install_debs
+install_venv
+log "ok"

@@ -1,0 +1,246 @@
+/*
+ * test_proto_msg.c - the envelope: malformed bodies (one code per class),
+ * unknown ops, typed getters that refuse bools and floats as integers, error
+ * replies and notifications round-tripping, and a stream that stays usable
+ * after a malformed (but well-framed) message.
+ */
+#include "helpers.h"
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <string.h>
+
+TestSuite(msg, .timeout = 30);
+
+struct raw_case {
+	const char *name;
+	const char *bytes;
+	size_t len;
+	enum proto_code code;
+};
+
+#define RAW(name, lit, code) {name, lit, sizeof(lit) - 1, PROTO_E_##code}
+
+/* Criterion re-executes the binary per test, so parameters carry indices. */
+static const struct raw_case RAWS[] = {
+		RAW("array top level", "\x93\x01\x02\x03", NOT_A_MAP),
+		RAW("string top level", "\xa2" "hi", NOT_A_MAP),
+		RAW("reserved byte", "\xc1", MSGPACK_INVALID),
+		RAW("truncated map", "\x81\xa2" "id", MSGPACK_INVALID),
+		RAW("truncated str", "\x82\xa2" "id\x07\xa2o", MSGPACK_INVALID),
+		RAW("trailing bytes", "\x80\x00", MSGPACK_INVALID),
+		RAW("5-byte array32 bomb", "\xdd\xff\xff\xff\xff", MSGPACK_COUNT_TOO_LARGE),
+		RAW("map16 over the bytes", "\xde\x00\x10" "\xc0\xc0", MSGPACK_COUNT_TOO_LARGE),
+		RAW("bin32 over the bytes", "\x81\xa1x\xc6\x7f\xff\xff\xff", MSGPACK_INVALID),
+		RAW("missing id", "\x81\xa2op\xa4" "scan", BAD_ENVELOPE),
+		RAW("string id", "\x82\xa2id\xa1x\xa2op\xa4" "scan", BAD_ENVELOPE),
+		RAW("negative id", "\x82\xa2id\xff\xa2op\xa4" "scan", BAD_ENVELOPE),
+		RAW("float id", "\x82\xa2id\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\xa2op\xa4scan",
+		    BAD_ENVELOPE),
+		RAW("bool id", "\x82\xa2id\xc3\xa2op\xa4" "scan", BAD_ENVELOPE),
+		RAW("missing op", "\x81\xa2id\x07", BAD_ENVELOPE),
+		RAW("integer op", "\x82\xa2id\x07\xa2op\x05", BAD_ENVELOPE),
+		RAW("empty op", "\x82\xa2id\x07\xa2op\xa0", BAD_ENVELOPE),
+};
+
+#define N_RAWS (sizeof RAWS / sizeof RAWS[0])
+
+ParameterizedTestParameters(msg, malformed_envelopes_get_their_own_code)
+{
+	static int idx[N_RAWS];
+	for (size_t i = 0; i < N_RAWS; i++)
+		idx[i] = (int)i;
+	return cr_make_param_array(int, idx, N_RAWS);
+}
+
+ParameterizedTest(int *i, msg, malformed_envelopes_get_their_own_code)
+{
+	const struct raw_case *c = &RAWS[*i];
+	struct msg m;
+	struct proto_err err;
+	uint8_t *body = frame_alloc(c->len);
+
+	memcpy(body, c->bytes, c->len);
+	cr_assert_eq(msg_parse(&m, body, c->len, MSG_REQUEST, &err), -1, "%s: accepted", c->name);
+	cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(err.code),
+		     err.message);
+	msg_destroy(&m);
+	frame_free(body);
+}
+
+Test(msg, a_frame_of_many_tiny_objects_hits_the_object_limit)
+{
+	struct tbuf b;
+	struct msg m;
+	struct proto_err err;
+	uint8_t *body;
+
+	tbuf_init(&b);
+	tbuf_request(&b, "carry");
+	msgpack_pack_array(&b.pk, 70000);
+	for (int i = 0; i < 70000; i++)
+		msgpack_pack_array(&b.pk, 0);
+	body = tbuf_body(&b);
+	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), -1);
+	cr_assert_eq(err.code, PROTO_E_OBJECT_LIMIT, "%s", err.message);
+	msg_destroy(&m);
+	frame_free(body);
+	tbuf_destroy(&b);
+}
+
+Test(msg, an_unknown_op_parses_so_the_reply_can_carry_the_id)
+{
+	static const char raw[] = "\x82\xa2id\x0b\xa2op\xa5" "frobn";
+	struct msg m;
+	struct proto_err err;
+	uint8_t *body = frame_alloc(sizeof raw - 1);
+
+	memcpy(body, raw, sizeof raw - 1);
+	cr_assert_eq(msg_parse(&m, body, sizeof raw - 1, MSG_REQUEST, &err), 0);
+	cr_assert_eq(m.op, -1);
+	cr_assert_eq(m.id, 11);
+	cr_assert_eq(m.op_len, 5);
+	msg_destroy(&m);
+	frame_free(body);
+}
+
+Test(msg, integers_exclude_bools_and_floats_as_in_the_reference)
+{
+	struct tbuf b;
+	struct msg m;
+	struct proto_err err;
+	uint8_t *body;
+	int64_t v = 0;
+	bool flag = false;
+
+	tbuf_init(&b);
+	msgpack_pack_map(&b.pk, 6);
+	tbuf_str(&b, "id");
+	msgpack_pack_uint64(&b.pk, 1);
+	tbuf_str(&b, "op");
+	tbuf_str(&b, "register");
+	tbuf_str(&b, "max_steps");
+	msgpack_pack_true(&b.pk);
+	tbuf_str(&b, "max_elements");
+	msgpack_pack_double(&b.pk, 16.0);
+	tbuf_str(&b, "recompile_budget");
+	msgpack_pack_int64(&b.pk, -3);
+	tbuf_str(&b, "force");
+	msgpack_pack_true(&b.pk);
+	body = tbuf_body(&b);
+	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), 0);
+	cr_assert_eq(msg_get_i64(&m.up.data, "max_steps", &v, &err), -1);
+	cr_assert_eq(err.code, PROTO_E_INVALID_ARGUMENT);
+	cr_assert_str_eq(err.path, "max_steps");
+	cr_assert_eq(msg_get_i64(&m.up.data, "max_elements", &v, &err), -1);
+	cr_assert_eq(msg_get_i64(&m.up.data, "recompile_budget", &v, &err), 0);
+	cr_assert_eq(v, -3);
+	cr_assert_eq(msg_get_i64(&m.up.data, "absent", &v, &err), 1);
+	cr_assert_eq(msg_get_bool(&m.up.data, "force", &flag, &err), 0);
+	cr_assert(flag);
+	msg_destroy(&m);
+	frame_free(body);
+	tbuf_destroy(&b);
+}
+
+Test(msg, an_error_reply_round_trips_code_message_and_path)
+{
+	struct writer w;
+	struct proto_err sent, got;
+	struct msg m;
+	size_t len;
+	uint8_t *bytes, *body;
+
+	proto_fail(&sent, PROTO_E_TOO_MANY_STEPS, "inputs[\"f\"][1]",
+		   "inputs[\"f\"][1]: T=200 exceeds max_steps=128");
+	cr_assert_eq(writer_init(&w), 0);
+	msg_write_error(&w, true, 77, &sent);
+	bytes = writer_to_bytes(&w, &len);
+	writer_destroy(&w);
+	body = frame_alloc(len - 4);
+	memcpy(body, bytes + 4, len - 4);
+	cr_assert_eq(msg_parse(&m, body, len - 4, MSG_REPLY, &got), 0);
+	cr_assert(m.is_error);
+	cr_assert_eq(m.id, 77);
+	msg_reply_error(&m, &got);
+	cr_assert_eq(got.code, PROTO_E_TOO_MANY_STEPS);
+	cr_assert_str_eq(got.path, sent.path);
+	cr_assert_str_eq(got.message, sent.message);
+	msg_destroy(&m);
+	frame_free(body);
+	free(bytes);
+}
+
+Test(msg, an_error_without_an_id_carries_nil)
+{
+	struct writer w;
+	struct proto_err sent, got;
+	struct msg m;
+	size_t len;
+	uint8_t *bytes, *body;
+
+	proto_fail(&sent, PROTO_E_NOT_A_MAP, NULL, "frame body must be a msgpack map");
+	cr_assert_eq(writer_init(&w), 0);
+	msg_write_error(&w, false, 0, &sent);
+	bytes = writer_to_bytes(&w, &len);
+	writer_destroy(&w);
+	body = frame_alloc(len - 4);
+	memcpy(body, bytes + 4, len - 4);
+	cr_assert_eq(msg_parse(&m, body, len - 4, MSG_REPLY, &got), 0);
+	cr_assert_not(m.has_id);
+	msg_reply_error(&m, &got);
+	cr_assert_eq(got.code, PROTO_E_NOT_A_MAP);
+	cr_assert_str_eq(got.path, "");
+	msg_destroy(&m);
+	frame_free(body);
+	free(bytes);
+}
+
+Test(msg, a_stream_stays_usable_after_a_malformed_but_framed_message)
+{
+	static const char bad[] = "\x00\x00\x00\x01\xc1";
+	static const char good[] = "\x00\x00\x00\x0f\x82\xa2id\x05\xa2op\xa6" "health";
+	uint8_t stream[sizeof bad - 1 + sizeof good - 1];
+	struct frame_reader r;
+	struct proto_err err;
+	struct msg m;
+	size_t off = 0, used;
+	int seen = 0;
+
+	memcpy(stream, bad, sizeof bad - 1);
+	memcpy(stream + sizeof bad - 1, good, sizeof good - 1);
+	frame_reader_init(&r, PROTO_FRAME_DEFAULT);
+	while (off < sizeof stream) {
+		enum frame_status st = frame_reader_feed(&r, stream + off, sizeof stream - off, &used, &err);
+		off += used;
+		if (st == FRAME_READY) {
+			uint32_t len;
+			uint8_t *body = frame_reader_take(&r, &len);
+			int rc = msg_parse(&m, body, len, MSG_REQUEST, &err);
+			if (seen++ == 0) {
+				cr_assert_eq(rc, -1);
+				cr_assert_eq(err.code, PROTO_E_MSGPACK_INVALID);
+			} else {
+				cr_assert_eq(rc, 0, "%s", err.message);
+				cr_assert_eq(m.op, PROTO_OP_HEALTH);
+				cr_assert_eq(m.id, 5);
+			}
+			msg_destroy(&m);
+			frame_free(body);
+		}
+	}
+	cr_assert_eq(seen, 2);
+	frame_reader_free(&r);
+}
+
+Test(msg, every_code_and_op_name_maps_back_to_itself)
+{
+	for (int c = 0; c < PROTO_E__COUNT; c++) {
+		const char *n = proto_code_name(c);
+		cr_assert_eq(proto_code_from_name(n, strlen(n)), c, "%s", n);
+	}
+	for (int o = 0; o < PROTO_OP__COUNT; o++) {
+		const char *n = proto_op_name(o);
+		cr_assert_eq(proto_op_from_name(n, strlen(n)), o, "%s", n);
+	}
+}

@@ -1,0 +1,386 @@
+/*
+ * test_proto_tree.c - tensor trees through the full path (tree -> writer ->
+ * frame -> msg_parse -> tree_decode): every node kind, both dtypes, 0-d and
+ * zero-size tensors, empty containers, None at root and nested, dict order,
+ * zero-copy aligned views; then one table row per malformed class, each with
+ * its own code and the offending leaf path.
+ */
+#include "helpers.h"
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+#include <string.h>
+
+TestSuite(tree, .timeout = 30);
+
+static const float F32[6] = {1.5f, -2.0f, 3.25f, 0.0f, 1e-3f, 7.0f};
+static const double F64[4] = {3.141592653589793, -1e300, 2.5e-310, 42.0};
+static const double SCALAR = 0.125;
+
+static struct tree_node tensor(enum proto_dtype dt, uint32_t ndim, const int64_t *shape,
+			       const void *data)
+{
+	struct tree_node n = {.kind = TREE_TENSOR, .tensor = {.dtype = dt, .ndim = ndim, .data = data}};
+
+	memcpy(n.tensor.shape, shape, ndim * sizeof *shape);
+	tree_tensor_sizes(&n.tensor);
+	return n;
+}
+
+/* Encodes root as the `carry` field of a request and decodes it back. */
+static void round_trip(const struct tree_node *root, struct msg *m, uint8_t **body,
+		       struct tree_node *out)
+{
+	struct writer w;
+	struct proto_err err;
+	size_t len;
+	uint8_t *bytes;
+
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, 9, "scan", 1);
+	writer_str(&w, "carry");
+	tree_encode(&w, root);
+	bytes = writer_to_bytes(&w, &len);
+	writer_destroy(&w);
+	*body = frame_alloc(len - 4);
+	memcpy(*body, bytes + 4, len - 4);
+	free(bytes);
+	cr_assert_eq(msg_parse(m, *body, len - 4, MSG_REQUEST, &err), 0, "%s", err.message);
+	cr_assert_eq(m->op, PROTO_OP_SCAN);
+	cr_assert_eq(m->id, 9);
+	cr_assert_eq(msg_get_tree(m, "carry", true, out, &err), 0, "%s: %s", err.path, err.message);
+}
+
+static void assert_same(const struct tree_node *a, const struct tree_node *b)
+{
+	cr_assert_eq(a->kind, b->kind);
+	cr_assert_eq(a->count, b->count);
+	if (a->kind == TREE_TENSOR) {
+		cr_assert_eq(a->tensor.dtype, b->tensor.dtype);
+		cr_assert_eq(a->tensor.ndim, b->tensor.ndim);
+		for (uint32_t i = 0; i < a->tensor.ndim; i++)
+			cr_assert_eq(a->tensor.shape[i], b->tensor.shape[i]);
+		cr_assert_eq(a->tensor.nbytes, b->tensor.nbytes);
+		cr_assert_eq(memcmp(a->tensor.data, b->tensor.data, a->tensor.nbytes), 0);
+		cr_assert_eq((uintptr_t)b->tensor.data % PROTO_TENSOR_ALIGN, 0, "aligned view");
+	}
+	for (uint32_t i = 0; i < a->count; i++) {
+		if (a->kind == TREE_DICT) {
+			cr_assert_eq(a->keys[i].len, b->keys[i].len);
+			cr_assert_eq(memcmp(a->keys[i].ptr, b->keys[i].ptr, a->keys[i].len), 0,
+				     "key %u in order", i);
+		}
+		assert_same(&a->items[i], &b->items[i]);
+	}
+}
+
+Test(tree, every_node_kind_round_trips_with_order_and_bytes_kept)
+{
+	static const int64_t s23[] = {2, 3}, s4[] = {4}, s0[] = {3, 0, 2};
+	struct tree_node empty_tuple = {.kind = TREE_TUPLE}, empty_list = {.kind = TREE_LIST},
+			 empty_dict = {.kind = TREE_DICT}, none = {.kind = TREE_NONE};
+	struct tree_node tuple_items[] = {tensor(PROTO_DTYPE_F64, 1, s4, F64), none, empty_tuple};
+	struct tree_node list_items[] = {tensor(PROTO_DTYPE_F32, 2, s23, F32), empty_list,
+					 tensor(PROTO_DTYPE_F64, 3, s0, NULL)};
+	struct tree_node dict_items[6];
+	struct tree_key keys[6] = {{"zeta", 4}, {"alpha", 5}, {"t", 1},
+				   {"l", 1},    {"scalar", 6}, {"", 0}};
+	struct tree_node root, out;
+	struct msg m;
+	uint8_t *body;
+
+	dict_items[0] = none;
+	dict_items[1] = empty_dict;
+	dict_items[2] = (struct tree_node){.kind = TREE_TUPLE, .count = 3, .items = tuple_items};
+	dict_items[3] = (struct tree_node){.kind = TREE_LIST, .count = 3, .items = list_items};
+	dict_items[4] = tensor(PROTO_DTYPE_F64, 0, NULL, &SCALAR);
+	dict_items[5] = empty_list;
+	root = (struct tree_node){.kind = TREE_DICT, .count = 6, .items = dict_items, .keys = keys};
+	round_trip(&root, &m, &body, &out);
+	assert_same(&root, &out);
+	cr_assert_eq(out.items[4].tensor.numel, 1, "0-d tensor has one element");
+	cr_assert_eq(out.items[3].items[2].tensor.numel, 0, "zero-size dim");
+	cr_assert_eq(tree_count_leaves(&out), 6);
+	cr_assert_eq(tree_count_tensors(&out), 4);
+	msg_destroy(&m);
+	frame_free(body);
+}
+
+Test(tree, none_at_the_root_round_trips)
+{
+	struct tree_node root = {.kind = TREE_NONE}, out;
+	struct msg m;
+	uint8_t *body;
+
+	round_trip(&root, &m, &body, &out);
+	cr_assert_eq(out.kind, TREE_NONE);
+	msg_destroy(&m);
+	frame_free(body);
+}
+
+Test(tree, a_tuple_and_a_list_with_the_same_items_stay_distinct)
+{
+	static const int64_t s4[] = {4};
+	struct tree_node items[] = {tensor(PROTO_DTYPE_F64, 1, s4, F64)};
+	struct tree_node tup = {.kind = TREE_TUPLE, .count = 1, .items = items};
+	struct tree_node lst = {.kind = TREE_LIST, .count = 1, .items = items};
+	struct tree_node out;
+	struct msg m;
+	uint8_t *body;
+	char path[64];
+
+	round_trip(&tup, &m, &body, &out);
+	cr_assert_eq(out.kind, TREE_TUPLE);
+	cr_assert_eq(tree_same_structure(&lst, &out, "carry", path, sizeof path), 0);
+	msg_destroy(&m);
+	frame_free(body);
+	round_trip(&lst, &m, &body, &out);
+	cr_assert_eq(out.kind, TREE_LIST);
+	msg_destroy(&m);
+	frame_free(body);
+}
+
+Test(tree, a_nested_path_names_dict_keys_and_indices)
+{
+	struct tree_node inner[] = {{.kind = TREE_NONE}, {.kind = TREE_NONE}};
+	struct tree_node list = {.kind = TREE_LIST, .count = 2, .items = inner};
+	struct tree_key k = {"for\"cing", 8};
+	struct tree_node root = {.kind = TREE_DICT, .count = 1, .items = &list, .keys = &k};
+	char buf[64] = "inputs";
+	size_t len = 6;
+
+	tree_path_push(buf, sizeof buf, &len, &root, 0);
+	tree_path_push(buf, sizeof buf, &len, &list, 1);
+	cr_assert_str_eq(buf, "inputs[\"for\\\"cing\"][1]");
+}
+
+/* ---- malformed trees: one row per class ------------------------------- */
+
+struct bad_case {
+	const char *name;
+	void (*build)(struct tbuf *b);
+	enum proto_code code;
+	const char *path;
+};
+
+static const int64_t S4[] = {4};
+
+static void nest(struct tbuf *b, int depth)
+{
+	for (int i = 0; i < depth; i++)
+		msgpack_pack_array(&b->pk, 1);
+	msgpack_pack_nil(&b->pk);
+}
+static void depth_16(struct tbuf *b) { nest(b, 16); }
+static void depth_17(struct tbuf *b) { nest(b, 17); }
+static void depth_33(struct tbuf *b) { nest(b, 33); }
+static void leaves_4096(struct tbuf *b)
+{
+	msgpack_pack_array(&b->pk, 4096);
+	for (int i = 0; i < 4096; i++)
+		msgpack_pack_nil(&b->pk);
+}
+static void leaves_4097(struct tbuf *b)
+{
+	msgpack_pack_array(&b->pk, 4097);
+	for (int i = 0; i < 4097; i++)
+		msgpack_pack_nil(&b->pk);
+}
+static void byte_length_short(struct tbuf *b)
+{
+	msgpack_pack_map(&b->pk, 1);
+	tbuf_str(b, "f");
+	msgpack_pack_array(&b->pk, 2);
+	msgpack_pack_nil(&b->pk);
+	tbuf_tensor(b, PROTO_DTYPE_F64, 1, S4, 0, 31);
+}
+static void byte_length_long(struct tbuf *b) { tbuf_tensor(b, PROTO_DTYPE_F32, 1, S4, 0, 17); }
+static void shape_overflow(struct tbuf *b)
+{
+	static const int64_t s[] = {INT64_C(1) << 32, INT64_C(1) << 32};
+	tbuf_tensor(b, PROTO_DTYPE_F64, 2, s, 0, 0);
+}
+static void nbytes_overflow(struct tbuf *b)
+{
+	static const int64_t s[] = {INT64_C(1) << 62};
+	tbuf_tensor(b, PROTO_DTYPE_F64, 1, s, 0, 0);
+}
+static void bad_dtype(struct tbuf *b) { tbuf_tensor(b, 3, 1, S4, 0, 32); }
+static void rank_9(struct tbuf *b)
+{
+	static const int64_t s[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
+	tbuf_tensor(b, PROTO_DTYPE_F64, 9, s, 0, 8);
+}
+static void negative_dim(struct tbuf *b)
+{
+	static const int64_t s[] = {-1};
+	tbuf_tensor(b, PROTO_DTYPE_F64, 1, s, 0, 0);
+}
+static void short_header(struct tbuf *b) { tbuf_raw(b, "\xc7\x02\x01\x02\x01", 5); }
+static void duplicate_key(struct tbuf *b)
+{
+	msgpack_pack_map(&b->pk, 3);
+	tbuf_str(b, "x");
+	msgpack_pack_nil(&b->pk);
+	tbuf_str(b, "y");
+	msgpack_pack_nil(&b->pk);
+	tbuf_str(b, "x");
+	msgpack_pack_nil(&b->pk);
+}
+static void many_keys_one_duplicate(struct tbuf *b)
+{
+	char k[16];
+	msgpack_pack_map(&b->pk, 1001);
+	for (int i = 0; i < 1000; i++) {
+		snprintf(k, sizeof k, "k%d", i);
+		tbuf_str(b, k);
+		msgpack_pack_nil(&b->pk);
+	}
+	tbuf_str(b, "k500");
+	msgpack_pack_nil(&b->pk);
+}
+static void int_key(struct tbuf *b)
+{
+	msgpack_pack_map(&b->pk, 1);
+	msgpack_pack_int(&b->pk, 1);
+	msgpack_pack_nil(&b->pk);
+}
+static void long_key(struct tbuf *b)
+{
+	char k[258];
+	memset(k, 'k', 257);
+	k[257] = '\0';
+	msgpack_pack_map(&b->pk, 1);
+	tbuf_str(b, k);
+	msgpack_pack_nil(&b->pk);
+}
+static void key_256(struct tbuf *b)
+{
+	char k[257];
+	memset(k, 'k', 256);
+	k[256] = '\0';
+	msgpack_pack_map(&b->pk, 1);
+	tbuf_str(b, k);
+	msgpack_pack_nil(&b->pk);
+}
+static void unknown_ext(struct tbuf *b)
+{
+	msgpack_pack_array(&b->pk, 1);
+	msgpack_pack_ext_with_body(&b->pk, "abcd", 4, 9);
+}
+static void int_leaf(struct tbuf *b)
+{
+	msgpack_pack_array(&b->pk, 2);
+	msgpack_pack_nil(&b->pk);
+	msgpack_pack_int(&b->pk, 3);
+}
+static void string_leaf(struct tbuf *b) { tbuf_str(b, "x0.npy"); }
+static void tuple_marker_late(struct tbuf *b)
+{
+	msgpack_pack_array(&b->pk, 2);
+	msgpack_pack_nil(&b->pk);
+	msgpack_pack_ext(&b->pk, 0, PROTO_EXT_TUPLE);
+}
+static void array32_bomb(struct tbuf *b) { tbuf_raw(b, "\xdd\xff\xff\xff\xff", 5); }
+static void map32_bomb(struct tbuf *b) { tbuf_raw(b, "\xdf\x7f\xff\xff\xff", 5); }
+
+/* Criterion re-executes the binary per test, so parameters carry indices. */
+static const struct bad_case BAD[] = {
+		{"depth 17", depth_17, PROTO_E_DEPTH_EXCEEDED,
+		 "carry[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]"},
+		{"depth 33", depth_33, PROTO_E_DEPTH_EXCEEDED, ""},
+		{"4097 leaves", leaves_4097, PROTO_E_TOO_MANY_LEAVES, "carry[4096]"},
+		{"byte length short", byte_length_short, PROTO_E_BYTE_LENGTH_MISMATCH,
+		 "carry[\"f\"][1]"},
+		{"byte length long", byte_length_long, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
+		{"shape overflow", shape_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
+		{"nbytes overflow", nbytes_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
+		{"bad dtype", bad_dtype, PROTO_E_BAD_DTYPE, "carry"},
+		{"rank 9", rank_9, PROTO_E_BAD_SHAPE, "carry"},
+		{"negative dim", negative_dim, PROTO_E_BAD_SHAPE, "carry"},
+		{"short tensor header", short_header, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
+		{"duplicate key", duplicate_key, PROTO_E_DUPLICATE_KEY, "carry"},
+		{"duplicate among many", many_keys_one_duplicate, PROTO_E_DUPLICATE_KEY, "carry"},
+		{"non-string key", int_key, PROTO_E_NON_STRING_KEY, "carry"},
+		{"257-byte key", long_key, PROTO_E_KEY_TOO_LONG, "carry"},
+		{"unknown ext tag", unknown_ext, PROTO_E_UNKNOWN_TYPE, "carry[0]"},
+		{"integer leaf", int_leaf, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
+		{"string leaf", string_leaf, PROTO_E_UNKNOWN_TYPE, "carry"},
+		{"tuple marker not first", tuple_marker_late, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
+		{"array32 header of 5 bytes", array32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
+		{"map32 header of 5 bytes", map32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
+};
+
+#define N_BAD (sizeof BAD / sizeof BAD[0])
+
+ParameterizedTestParameters(tree, malformed_trees_get_their_own_code_and_path)
+{
+	static int idx[N_BAD];
+	for (size_t i = 0; i < N_BAD; i++)
+		idx[i] = (int)i;
+	return cr_make_param_array(int, idx, N_BAD);
+}
+
+ParameterizedTest(int *i, tree, malformed_trees_get_their_own_code_and_path)
+{
+	const struct bad_case *c = &BAD[*i];
+	struct tbuf b;
+	struct msg m;
+	struct proto_err err;
+	struct tree_node out;
+	uint8_t *body;
+	int rc;
+
+	tbuf_init(&b);
+	tbuf_request(&b, "carry");
+	c->build(&b);
+	body = tbuf_body(&b);
+	rc = msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err);
+	if (rc == 0)
+		rc = msg_get_tree(&m, "carry", true, &out, &err);
+	cr_assert_eq(rc, -1, "%s: accepted", c->name);
+	cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(err.code),
+		     err.message);
+	cr_assert_str_eq(err.path, c->path, "%s: path", c->name);
+	if (c->path[0])
+		cr_assert(strstr(err.message, c->path) != NULL, "%s: message names the path: %s",
+			  c->name, err.message);
+	msg_destroy(&m);
+	frame_free(body);
+	tbuf_destroy(&b);
+}
+
+struct good_case {
+	const char *name;
+	void (*build)(struct tbuf *b);
+};
+
+static const struct good_case GOOD[] = {
+	{"depth 16", depth_16}, {"4096 leaves", leaves_4096}, {"256-byte key", key_256}};
+
+ParameterizedTestParameters(tree, trees_at_the_limits_are_accepted)
+{
+	static int idx[] = {0, 1, 2};
+	return cr_make_param_array(int, idx, 3);
+}
+
+ParameterizedTest(int *i, tree, trees_at_the_limits_are_accepted)
+{
+	const struct good_case *c = &GOOD[*i];
+	struct tbuf b;
+	struct msg m;
+	struct proto_err err;
+	struct tree_node out;
+	uint8_t *body;
+
+	tbuf_init(&b);
+	tbuf_request(&b, "carry");
+	c->build(&b);
+	body = tbuf_body(&b);
+	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), 0, "%s", err.message);
+	cr_assert_eq(msg_get_tree(&m, "carry", true, &out, &err), 0, "%s: %s", c->name,
+		     err.message);
+	msg_destroy(&m);
+	frame_free(body);
+	tbuf_destroy(&b);
+}
