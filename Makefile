@@ -20,7 +20,9 @@ endif
 MSGPACK_LIBS := $(shell pkg-config --libs $(MSGPACK_PC) 2>/dev/null)
 UV_LIBS      := $(shell pkg-config --libs libuv 2>/dev/null)
 SD_LIBS      := $(shell pkg-config --libs libsystemd 2>/dev/null)
-TORCH_LIBS   := -L$(TORCH_LIB) -Wl,-rpath,$(TORCH_LIB) -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,--as-needed
+# DT_RPATH (not RUNPATH): it also serves the artifacts the daemon dlopens,
+# which NEED libtorch.so; linking libtorch keeps that SONAME loaded anyway.
+TORCH_LIBS   := -L$(TORCH_LIB) -Wl,--disable-new-dtags -Wl,-rpath,$(TORCH_LIB) -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10 -Wl,--as-needed
 CRIT_LIBS    := $(shell pkg-config --libs criterion 2>/dev/null)
 
 PROTO_SRC  := $(wildcard proto/*.c)

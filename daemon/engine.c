@@ -1,0 +1,335 @@
+/*
+ * engine.c - dlopen'ed AOTInductor artifacts driven through the model
+ * container's extern "C" entry points, with tensors made by libtorch's C
+ * shim.  Runs on thread-pool threads; a graph may run concurrently (the
+ * container serialises per model instance).  engine_unload must only be
+ * called once no run is in flight (the registry holds references).
+ *
+ * Ownership at the ABI: Run steals the input handles (it NULLs what it took)
+ * and hands back owned output handles, which engine_result_free deletes.
+ */
+#include "engine.h"
+
+#include "aoti.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct engine_graph {
+	void *dl;
+	AOTInductorModelContainerHandle container;
+	aoti_delete_fn destroy;
+	aoti_run_fn run;
+	aoti_last_error_fn last_error;
+	size_t n_in, n_out;
+	char path[512];
+};
+
+static int runtime_fail(const struct engine_graph *g, struct proto_err *err, const char *what)
+{
+	const char *detail = NULL;
+
+	if (g->last_error != NULL && g->last_error(&detail) == 0 && detail && *detail)
+		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s: %s", g->path, what, detail);
+	return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s failed", g->path, what);
+}
+
+/* AOTI writes <name>.json next to the .so when extern kernels need the proxy executor. */
+static int needs_proxy_executor(const char *so_path, struct proto_err *err)
+{
+	char json[600];
+	size_t n = strlen(so_path);
+
+	if (n < 3 || n + 3 >= sizeof json)
+		return 0;
+	snprintf(json, sizeof json, "%.*s.json", (int)(n - 3), so_path);
+	if (access(json, F_OK) != 0)
+		return 0;
+	return proto_fail(err, PROTO_E_PROXY_EXECUTOR_REQUIRED, NULL,
+			  "%s needs AOTI's C++ proxy executor (extern-node file %s); "
+			  "torchloopd runs artifacts from C and cannot provide it",
+			  so_path, json);
+}
+
+static void *need_sym(struct engine_graph *g, const char *name, struct proto_err *err)
+{
+	void *p = dlsym(g->dl, name);
+
+	if (p == NULL)
+		proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: missing symbol %s", g->path, name);
+	return p;
+}
+
+static int resolve(struct engine_graph *g, size_t concurrency, struct proto_err *err)
+{
+	aoti_create_fn create = (aoti_create_fn)need_sym(g, "AOTInductorModelContainerCreateWithDevice", err);
+	aoti_count_fn n_in = (aoti_count_fn)need_sym(g, "AOTInductorModelContainerGetNumInputs", err);
+	aoti_count_fn n_out = (aoti_count_fn)need_sym(g, "AOTInductorModelContainerGetNumOutputs", err);
+
+	g->destroy = (aoti_delete_fn)need_sym(g, "AOTInductorModelContainerDelete", err);
+	g->run = (aoti_run_fn)need_sym(g, "AOTInductorModelContainerRun", err);
+	g->last_error = (aoti_last_error_fn)dlsym(g->dl, "AOTInductorGetLastError");
+	if (!create || !n_in || !n_out || !g->destroy || !g->run)
+		return -1;
+	if (create(&g->container, concurrency ? concurrency : 1, "cpu", NULL) != 0)
+		return runtime_fail(g, err, "creating the model container");
+	if (n_in(g->container, &g->n_in) != 0 || n_out(g->container, &g->n_out) != 0)
+		return runtime_fail(g, err, "reading the graph's arity");
+	return 0;
+}
+
+int engine_load(const char *so_path, size_t concurrency, struct engine_graph **out,
+		struct proto_err *err)
+{
+	struct engine_graph *g;
+
+	if (needs_proxy_executor(so_path, err))
+		return -1;
+	g = calloc(1, sizeof *g);
+	if (g == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	snprintf(g->path, sizeof g->path, "%s", so_path);
+	g->dl = dlopen(so_path, RTLD_NOW | RTLD_LOCAL);
+	if (g->dl == NULL) {
+		proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "dlopen %s: %s", so_path, dlerror());
+		free(g);
+		return -1;
+	}
+	if (resolve(g, concurrency, err) != 0) {
+		engine_unload(g);
+		return -1;
+	}
+	*out = g;
+	return 0;
+}
+
+void engine_unload(struct engine_graph *g)
+{
+	if (g == NULL)
+		return;
+	if (g->container != NULL)
+		g->destroy(g->container);
+	if (g->dl != NULL)
+		dlclose(g->dl);
+	free(g);
+}
+
+size_t engine_num_inputs(const struct engine_graph *g)
+{
+	return g->n_in;
+}
+
+size_t engine_num_outputs(const struct engine_graph *g)
+{
+	return g->n_out;
+}
+
+static int32_t torch_dtype(enum proto_dtype d)
+{
+	return d == PROTO_DTYPE_F32 ? aoti_torch_dtype_float32() : aoti_torch_dtype_float64();
+}
+
+static void contiguous_strides(uint32_t ndim, const int64_t *shape, int64_t *strides)
+{
+	int64_t s = 1;
+
+	for (uint32_t i = ndim; i-- > 0;) {
+		strides[i] = s;
+		s *= shape[i] > 0 ? shape[i] : 1;
+	}
+}
+
+static int check_inputs(const struct engine_graph *g, const struct engine_tensor *in, size_t n,
+			const struct engine_tensor *expected, struct proto_err *err)
+{
+	if (n != g->n_in)
+		return proto_fail(err, PROTO_E_SPEC_MISMATCH, NULL,
+				  "graph takes %zu inputs, got %zu", g->n_in, n);
+	for (size_t i = 0; i < n; i++) {
+		const struct engine_tensor *a = &in[i], *e = &expected[i];
+		if (a->dtype != e->dtype || a->ndim != e->ndim ||
+		    memcmp(a->shape, e->shape, a->ndim * sizeof a->shape[0]) != 0)
+			return proto_fail(err, PROTO_E_SPEC_MISMATCH, NULL,
+					  "input %zu differs from the compiled signature", i);
+	}
+	return 0;
+}
+
+/* Wraps (or, when misaligned, copies) one input; *copy gets any copy made. */
+static int wrap_input(const struct engine_tensor *t, AtenTensorHandle *h, void **copy,
+		      struct proto_err *err)
+{
+	int64_t strides[PROTO_MAX_NDIM];
+	void *data = t->data;
+
+	*copy = NULL;
+	if (((uintptr_t)data % PROTO_TENSOR_ALIGN) != 0 || data == NULL) {
+		size_t sz = (t->nbytes + PROTO_TENSOR_ALIGN - 1) & ~(size_t)(PROTO_TENSOR_ALIGN - 1);
+		*copy = aligned_alloc(PROTO_TENSOR_ALIGN, sz ? sz : PROTO_TENSOR_ALIGN);
+		if (*copy == NULL)
+			return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+		if (t->nbytes)
+			memcpy(*copy, data, t->nbytes);
+		data = *copy;
+	}
+	contiguous_strides(t->ndim, t->shape, strides);
+	if (aoti_torch_create_tensor_from_blob(data, t->ndim, t->shape, strides, 0,
+					       torch_dtype(t->dtype), aoti_torch_device_type_cpu(), 0,
+					       h) != 0)
+		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "cannot wrap an input tensor");
+	return 0;
+}
+
+/* Copies a strided tensor into a contiguous buffer, element by element. */
+static void strided_copy(char *dst, const char *src, uint32_t ndim, const int64_t *shape,
+			 const int64_t *strides, size_t item)
+{
+	int64_t idx[PROTO_MAX_NDIM] = {0};
+	uint64_t total = 1;
+
+	for (uint32_t i = 0; i < ndim; i++)
+		total *= (uint64_t)shape[i];
+	for (uint64_t n = 0; n < total; n++) {
+		int64_t off = 0;
+		for (uint32_t i = 0; i < ndim; i++)
+			off += idx[i] * strides[i];
+		memcpy(dst + n * item, src + off * (int64_t)item, item);
+		for (uint32_t i = ndim; i-- > 0;) {
+			if (++idx[i] < shape[i])
+				break;
+			idx[i] = 0;
+		}
+	}
+}
+
+static int read_output(struct engine_result *res, size_t i, struct proto_err *err)
+{
+	AtenTensorHandle h = res->handles[i];
+	struct engine_tensor *t = &res->tensors[i];
+	int64_t dim, *sizes, *strides, want[PROTO_MAX_NDIM];
+	int32_t dtype;
+	void *data;
+
+	if (aoti_torch_get_dim(h, &dim) != 0 || aoti_torch_get_sizes(h, &sizes) != 0 ||
+	    aoti_torch_get_strides(h, &strides) != 0 || aoti_torch_get_dtype(h, &dtype) != 0 ||
+	    aoti_torch_get_data_ptr(h, &data) != 0)
+		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "cannot read output %zu", i);
+	if (dim < 0 || dim > PROTO_MAX_NDIM)
+		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "output %zu has rank %lld", i,
+				  (long long)dim);
+	if (dtype != aoti_torch_dtype_float32() && dtype != aoti_torch_dtype_float64())
+		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL,
+				  "output %zu is not float32/float64", i);
+	t->dtype = dtype == aoti_torch_dtype_float32() ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
+	t->ndim = (uint32_t)dim;
+	t->nbytes = proto_dtype_size(t->dtype);
+	for (int64_t k = 0; k < dim; k++) {
+		t->shape[k] = sizes[k];
+		t->nbytes *= (uint64_t)sizes[k];
+	}
+	contiguous_strides(t->ndim, t->shape, want);
+	t->data = data;
+	if (t->nbytes == 0 || memcmp(want, strides, (size_t)dim * sizeof *want) == 0)
+		return 0;
+	res->copies[i] = aligned_alloc(PROTO_TENSOR_ALIGN, (t->nbytes + 63) & ~(uint64_t)63);
+	if (res->copies[i] == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	strided_copy(res->copies[i], data, t->ndim, t->shape, strides, proto_dtype_size(t->dtype));
+	t->data = res->copies[i];
+	return 0;
+}
+
+static int alloc_result(struct engine_result *res, size_t n, struct proto_err *err)
+{
+	res->n = n;
+	res->tensors = calloc(n ? n : 1, sizeof *res->tensors);
+	res->handles = calloc(n ? n : 1, sizeof *res->handles);
+	res->copies = calloc(n ? n : 1, sizeof *res->copies);
+	if (!res->tensors || !res->handles || !res->copies) {
+		engine_result_free(res);
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	}
+	return 0;
+}
+
+int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
+	       const struct engine_tensor *expected, struct engine_result *res,
+	       struct proto_err *err)
+{
+	AtenTensorHandle *handles;
+	void **copies;
+	int rc = -1;
+	size_t made = 0;
+
+	memset(res, 0, sizeof *res);
+	if (check_inputs(g, in, n_in, expected, err) != 0)
+		return -1;
+	handles = calloc(n_in ? n_in : 1, sizeof *handles);
+	copies = calloc(n_in ? n_in : 1, sizeof *copies);
+	if (handles == NULL || copies == NULL || alloc_result(res, g->n_out, err) != 0) {
+		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+		goto out;
+	}
+	for (; made < n_in; made++)
+		if (wrap_input(&in[made], &handles[made], &copies[made], err) != 0)
+			goto out;
+	if (g->run(g->container, handles, n_in, (AtenTensorHandle *)res->handles, g->n_out, NULL,
+		   NULL) != 0) {
+		runtime_fail(g, err, "running the graph");
+		goto out;
+	}
+	rc = 0;
+	for (size_t i = 0; i < g->n_out && rc == 0; i++)
+		rc = read_output(res, i, err);
+out:
+	for (size_t i = 0; handles && i < made; i++)
+		if (handles[i] != NULL) /* Run took what it NULLed */
+			aoti_torch_delete_tensor_object(handles[i]);
+	for (size_t i = 0; copies && i < n_in; i++)
+		free(copies[i]);
+	free(handles);
+	free(copies);
+	if (rc != 0)
+		engine_result_free(res);
+	return rc;
+}
+
+void engine_result_free(struct engine_result *res)
+{
+	for (size_t i = 0; i < res->n; i++) {
+		if (res->handles && res->handles[i])
+			aoti_torch_delete_tensor_object(res->handles[i]);
+		if (res->copies)
+			free(res->copies[i]);
+	}
+	free(res->tensors);
+	free(res->handles);
+	free(res->copies);
+	memset(res, 0, sizeof *res);
+}
+
+int engine_count_openmp_runtimes(void)
+{
+	FILE *f = fopen("/proc/self/maps", "r");
+	char line[1024], seen[8][512];
+	int n = 0;
+
+	if (f == NULL)
+		return -1;
+	while (fgets(line, sizeof line, f) != NULL) {
+		char *path = strchr(line, '/');
+		int dup = 0;
+		if (path == NULL || strstr(path, "libgomp") == NULL)
+			continue;
+		path[strcspn(path, "\n")] = '\0';
+		for (int i = 0; i < n; i++)
+			dup |= strcmp(seen[i], path) == 0;
+		if (!dup && n < 8)
+			snprintf(seen[n++], sizeof seen[0], "%s", path);
+	}
+	fclose(f);
+	return n;
+}

@@ -1,0 +1,657 @@
+"""torchloopd compile worker: one long-lived Python process per daemon.
+
+It speaks the daemon's framing (4-byte big-endian length + one msgpack map)
+on stdin/stdout and never sees a client socket. Each job compiles one scan
+specialization -- (tree structure, leaf shapes, dtype, T, kind) of one
+adapter body -- with torch.export + AOTInductor into a bare shared object,
+and replies with the graph's flat signature. stderr is the worker's log.
+
+The compiled graph is flat: its inputs are the tensor leaves of carry then
+inputs (None leaves dropped, depth-first, dict order kept), and its outputs
+the tensor leaves of the final carry then of the stacked outputs (then, for
+kind "vjp", the gradients for the carry's and the inputs' tensor leaves).
+The daemon owns the trees; the graph only sees tensors.
+
+Errors map to protocol codes (proto/protocol.h); nothing falls back to eager.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import struct
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+MIN_TORCH = (2, 14)
+PROTOCOL = 1
+
+
+class JobError(Exception):
+    """A compile failure with a protocol error code and a leaf path."""
+
+    def __init__(self, code: str, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.path = path
+
+
+# ---- framing ---------------------------------------------------------------
+
+
+def read_frame(stream: Any) -> dict[str, Any] | None:
+    head = stream.read(4)
+    if not head:
+        return None
+    if len(head) < 4:
+        raise EOFError("truncated frame header")
+    (length,) = struct.unpack(">I", head)
+    body = stream.read(length)
+    if len(body) < length:
+        raise EOFError("truncated frame body")
+    msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    if not isinstance(msg, dict):
+        raise ValueError("frame is not a map")
+    return msg
+
+
+def write_frame(stream: Any, msg: dict[str, Any]) -> None:
+    body = msgpack.packb(msg, use_bin_type=True)
+    stream.write(struct.pack(">I", len(body)) + body)
+    stream.flush()
+
+
+def log(msg: str) -> None:
+    print(f"worker[{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- specs: tree structure + leaf shapes, as the daemon sends them ---------
+#
+# A spec node is None, {"k": "T", "s": [dims]}, {"k": "tuple"|"list", "c": [...]}
+# or {"k": "dict", "keys": [...], "c": [...]}.
+
+
+def spec_path(path: str, node: dict[str, Any], i: int) -> str:
+    if node["k"] == "dict":
+        return f'{path}["{node["keys"][i]}"]'
+    return f"{path}[{i}]"
+
+
+def spec_leaves(spec: Any) -> list[list[int]]:
+    """Shapes of the tensor leaves in depth-first order."""
+    if spec is None:
+        return []
+    if spec["k"] == "T":
+        return [list(spec["s"])]
+    out: list[list[int]] = []
+    for child in spec["c"]:
+        out.extend(spec_leaves(child))
+    return out
+
+
+def spec_build(spec: Any, leaves: list[Any], pos: list[int]) -> Any:
+    """Rebuilds a tree of spec's structure from a flat leaf list."""
+    if spec is None:
+        return None
+    kind = spec["k"]
+    if kind == "T":
+        leaf = leaves[pos[0]]
+        pos[0] += 1
+        return leaf
+    children = [spec_build(c, leaves, pos) for c in spec["c"]]
+    if kind == "tuple":
+        return tuple(children)
+    if kind == "list":
+        return children
+    return dict(zip(spec["keys"], children))
+
+
+def tree_spec(tree: Any, path: str) -> Any:
+    """The spec of a tree the body returned; refuses non-tensor leaves."""
+    import torch
+
+    if tree is None:
+        return None
+    if isinstance(tree, torch.Tensor):
+        return {"k": "T", "s": list(tree.shape), "dtype": str(tree.dtype).removeprefix("torch.")}
+    if isinstance(tree, tuple):
+        return {"k": "tuple", "c": [tree_spec(v, f"{path}[{i}]") for i, v in enumerate(tree)]}
+    if isinstance(tree, list):
+        return {"k": "list", "c": [tree_spec(v, f"{path}[{i}]") for i, v in enumerate(tree)]}
+    if isinstance(tree, dict):
+        for key in tree:
+            if not isinstance(key, str):
+                raise JobError("BODY_ERROR", f"{path}: dict keys must be strings", path)
+        return {
+            "k": "dict",
+            "keys": list(tree.keys()),
+            "c": [tree_spec(v, f'{path}["{k}"]') for k, v in tree.items()],
+        }
+    raise JobError(
+        "BODY_ERROR",
+        f"{path}: the body returned a {type(tree).__name__}; "
+        "leaves must be tensors or None",
+        path,
+    )
+
+
+def flat_tensors(tree: Any) -> list[Any]:
+    import torch
+
+    if tree is None:
+        return []
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree
+    out: list[Any] = []
+    for v in values:
+        out.extend(flat_tensors(v))
+    return out
+
+
+def strip_dtype(spec: Any) -> Any:
+    if spec is None:
+        return None
+    if spec["k"] == "T":
+        return {"k": "T", "s": spec["s"]}
+    out = {"k": spec["k"], "c": [strip_dtype(c) for c in spec["c"]]}
+    if spec["k"] == "dict":
+        out["keys"] = spec["keys"]
+    return out
+
+
+def carry_mismatch(expected: Any, actual: Any, path: str, dtype: str) -> str | None:
+    """First difference between the carry spec and what the body returned."""
+    if expected is None or actual is None:
+        if expected is None and actual is None:
+            return None
+        return f"{path}: expected {describe(expected)}, got {describe(actual)}"
+    if expected["k"] != actual["k"]:
+        return f"{path}: expected {describe(expected)}, got {describe(actual)}"
+    if expected["k"] == "T":
+        if list(expected["s"]) != list(actual["s"]):
+            return f"{path}: expected shape {tuple(expected['s'])}, got {tuple(actual['s'])}"
+        if actual.get("dtype") != dtype:
+            return f"{path}: expected dtype {dtype}, got {actual.get('dtype')}"
+        return None
+    if expected["k"] == "dict" and list(expected["keys"]) != list(actual["keys"]):
+        return f"{path}: expected keys {expected['keys']}, got {actual['keys']}"
+    if len(expected["c"]) != len(actual["c"]):
+        return (
+            f"{path}: expected a {expected['k']} of {len(expected['c'])}, "
+            f"got {len(actual['c'])}"
+        )
+    for i, (e, a) in enumerate(zip(expected["c"], actual["c"])):
+        found = carry_mismatch(e, a, spec_path(path, expected, i), dtype)
+        if found:
+            return found
+    return None
+
+
+def describe(spec: Any) -> str:
+    if spec is None:
+        return "None"
+    if spec["k"] == "T":
+        return f"a tensor of shape {tuple(spec['s'])}"
+    return f"a {spec['k']}"
+
+
+def first_path(message: str) -> str:
+    return message.split(":", 1)[0] if message.startswith("carry") else ""
+
+
+# ---- the body ---------------------------------------------------------------
+
+
+def load_body(job: dict[str, Any]) -> Callable[..., Any]:
+    """Imports the body's module under a name unique to its source."""
+    source: str = job["body_source"]
+    filename: str = job.get("body_file") or "<adapter>"
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    name = f"torchloop_body_{digest}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_loader(name, loader=None, origin=filename)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = filename
+        try:
+            exec(compile(source, filename, "exec"), module.__dict__)
+        except Exception as exc:  # the adapter's own module failed to import
+            raise JobError("BODY_ERROR", f"importing {filename}: {exc!r}") from exc
+        sys.modules[name] = module
+    fn = getattr(module, job["entry"], None)
+    if not callable(fn):
+        raise JobError("BODY_ERROR", f"{filename} has no function {job['entry']!r}")
+    return fn
+
+
+@dataclass
+class Scan:
+    """One specialization's scan over flat tensors (the graph to compile)."""
+
+    body: Callable[..., Any]
+    carry_spec: Any
+    inputs_spec: Any
+    steps: int
+    dtype: str
+    strategy: str
+    y_spec: Any = None
+
+    @property
+    def n_carry(self) -> int:
+        return len(spec_leaves(self.carry_spec))
+
+    def step(self, carry: Any, x: Any, t: int) -> tuple[Any, Any]:
+        try:
+            out = self.body(carry, x)
+        except JobError:
+            raise
+        except Exception as exc:
+            if is_trace_error(exc):
+                raise
+            raise JobError("BODY_ERROR", f"the body raised at step {t}: {exc!r}") from exc
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise JobError(
+                "BODY_ERROR",
+                f"the body must return (new_carry, y); it returned {type(out).__name__} "
+                f"at step {t}",
+            )
+        new_carry, y = out
+        found = carry_mismatch(
+            self.carry_spec, tree_spec(new_carry, "carry"), "carry", self.dtype
+        )
+        if found:
+            raise JobError(
+                "CARRY_MISMATCH",
+                f"{found} (the body must keep the carry's structure, shapes and dtype; "
+                f"step {t})",
+                first_path(found),
+            )
+        return new_carry, y
+
+    def forward(self, *flat: Any) -> tuple[Any, ...]:
+        carry = spec_build(self.carry_spec, list(flat[: self.n_carry]), [0])
+        xs = spec_build(self.inputs_spec, list(flat[self.n_carry :]), [0])
+        if self.strategy == "unroll":
+            return self.unrolled(carry, xs)
+        return self.hop(carry, xs)
+
+    def unrolled(self, carry: Any, xs: Any) -> tuple[Any, ...]:
+        import torch
+
+        ys = []
+        for t in range(self.steps):
+            x_t = map_tensors(xs, lambda leaf, t=t: leaf[t])
+            carry, y = self.step(carry, x_t, t)
+            ys.append(y)
+        self.y_spec = tree_spec(ys[0], "outputs")
+        columns = [flat_tensors(y) for y in ys]
+        stacked = [torch.stack([col[i] for col in columns]) for i in range(len(columns[0]))]
+        return tuple(flat_tensors(carry)) + tuple(stacked)
+
+    def hop(self, carry: Any, xs: Any) -> tuple[Any, ...]:
+        """torch's scan higher-order op: Inductor lowers it to a while loop.
+
+        Its combine function must be pure and see tensors only, so it takes
+        and returns flat leaf lists and rebuilds the trees (None leaves
+        included) inside; the structural checks ran in the eager dry run.
+        """
+        from torch._higher_order_ops.scan import scan as scan_hop
+
+        carry_spec, inputs_spec, body = self.carry_spec, self.inputs_spec, self.body
+
+        def combine(c_flat: list[Any], x_flat: list[Any]) -> tuple[list[Any], list[Any]]:
+            c = spec_build(carry_spec, list(c_flat), [0])
+            x = spec_build(inputs_spec, list(x_flat), [0])
+            new_c, y = body(c, x)
+            # The op refuses outputs aliasing inputs or each other (`return c, c`).
+            return [t.clone() for t in flat_tensors(new_c)], [t.clone() for t in flat_tensors(y)]
+
+        final, ys = scan_hop(combine, flat_tensors(carry), flat_tensors(xs))
+        return tuple(final) + tuple(ys)
+
+
+def map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    import torch
+
+    if tree is None:
+        return None
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        return tuple(map_tensors(v, fn) for v in tree)
+    if isinstance(tree, list):
+        return [map_tensors(v, fn) for v in tree]
+    return {k: map_tensors(v, fn) for k, v in tree.items()}
+
+
+# ---- error classification -------------------------------------------------
+
+
+def is_trace_error(exc: BaseException) -> bool:
+    """Errors raised by the tracer itself (not by the body's own logic)."""
+    mod = type(exc).__module__
+    return mod.startswith(("torch._dynamo", "torch.fx", "torch._subclasses")) or (
+        "GuardOnDataDependentSymNode" in type(exc).__name__
+    )
+
+
+def classify(exc: BaseException) -> JobError:
+    if isinstance(exc, JobError):
+        return exc
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for e in chain:
+        if isinstance(e, JobError):
+            return e
+    text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
+    short = f"{type(exc).__name__}: {str(exc).strip()[:2000]}"
+    data_dependent = (
+        "data-dependent" in text.lower()
+        or "GuardOnDataDependentSymNode" in text
+        or "Dynamic control flow" in text
+        or "generic_jump" in text
+        or "Data-dependent" in text
+    )
+    if data_dependent:
+        return JobError(
+            "GRAPH_BREAK",
+            "the body cannot be captured as one static graph (data-dependent Python control "
+            f"flow or shapes): {short}",
+        )
+    if any(type(e).__module__.startswith("torch._dynamo") for e in chain):
+        return JobError("UNSUPPORTED_OP", f"the body uses something torch cannot capture: {short}")
+    if any("Lowering" in type(e).__name__ or "NotImplementedError" in type(e).__name__ for e in chain):
+        return JobError("UNSUPPORTED_OP", f"Inductor cannot compile an op of the body: {short}")
+    return JobError("COMPILE_FAILED", f"{short}")
+
+
+# ---- artifact checks ------------------------------------------------------
+
+
+def check_artifact(so_path: str) -> None:
+    """Refuses artifacts the C engine cannot (or should not) load."""
+    base = os.path.splitext(so_path)[0]
+    extern = [p for p in (base + ".json",) if os.path.exists(p)]
+    if extern:
+        ops = extern_ops(extern[0])
+        raise JobError(
+            "PROXY_EXECUTOR_REQUIRED",
+            "the graph calls op(s) "
+            + (", ".join(ops) or "(unknown)")
+            + " through AOTI's C++ proxy executor, which a C daemon cannot provide; "
+            "use ops Inductor lowers or that have a C shim",
+        )
+    with open(so_path, "rb") as f:
+        data = f.read()
+    problems = elf_problems(data)
+    if problems:
+        raise JobError("UNSAFE_ARTIFACT", f"{os.path.basename(so_path)}: {problems}")
+
+
+def extern_ops(path: str) -> list[str]:
+    import json
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return sorted({n.get("name", "?") for n in doc.get("nodes", [])})
+    except (OSError, ValueError):
+        return []
+
+
+def gnu_stack_offset(data: bytes) -> int | None:
+    """File offset of the PT_GNU_STACK program header's p_flags, if any."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return None
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    for i in range(phnum):
+        off = phoff + i * phentsize
+        if struct.unpack_from("<I", data, off)[0] == 0x6474E551:
+            return off + 4
+    return None
+
+
+def clear_exec_stack(so_path: str) -> bool:
+    """Clears PF_X on PT_GNU_STACK (what `execstack -c` does).
+
+    AOTI links an object without a .note.GNU-stack section, so ld marks the
+    .so as needing an executable stack although generated C++ never does
+    (only GCC's nested-function trampolines need one). Returns True if the
+    flag was set and has been cleared.
+    """
+    with open(so_path, "r+b") as f:
+        data = f.read()
+        off = gnu_stack_offset(data)
+        if off is None:
+            return False
+        flags, = struct.unpack_from("<I", data, off)
+        if not flags & 1:
+            return False
+        f.seek(off)
+        f.write(struct.pack("<I", flags & ~1))
+    return True
+
+
+def elf_problems(data: bytes) -> str:
+    """Executable stack (PT_GNU_STACK with X) or text relocations (DT_TEXTREL)."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return "not a 64-bit ELF shared object"
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    issues = []
+    for i in range(phnum):
+        off = phoff + i * phentsize
+        p_type, p_flags = struct.unpack_from("<II", data, off)
+        if p_type == 0x6474E551 and p_flags & 1:  # PT_GNU_STACK, PF_X
+            issues.append("executable stack")
+        if p_type == 2:  # PT_DYNAMIC
+            d_off, = struct.unpack_from("<Q", data, off + 8)
+            d_size, = struct.unpack_from("<Q", data, off + 32)
+            for j in range(0, d_size, 16):
+                tag, val = struct.unpack_from("<qQ", data, d_off + j)
+                if tag == 0:
+                    break
+                if tag == 22 or (tag == 30 and val & 0x4):  # DT_TEXTREL, DF_TEXTREL
+                    issues.append("text relocations")
+    return ", ".join(sorted(set(issues)))
+
+
+# ---- the job ---------------------------------------------------------------
+
+
+def aoti_options(out_path: str) -> dict[str, Any]:
+    """Inductor options for every artifact; part of the daemon's cache key.
+
+    use_consts_asm_build=False: the assembly route (weights.S) has no
+    .note.GNU-stack section, so the linker marks the whole .so as needing an
+    executable stack -- dlopen would then make every thread stack of the
+    daemon executable (and newer glibc refuses such a library outright).
+    """
+    return {
+        "aot_inductor.output_path": out_path,
+        "aot_inductor.use_consts_asm_build": False,
+        "aot_inductor.package_constants_in_so": True,
+    }
+
+
+def example_inputs(scan: Scan, torch: Any) -> list[Any]:
+    dtype = getattr(torch, scan.dtype)
+    gen = torch.Generator().manual_seed(0)
+    shapes = spec_leaves(scan.carry_spec) + spec_leaves(scan.inputs_spec)
+    return [torch.rand(s, dtype=dtype, generator=gen) for s in shapes]
+
+
+def vjp_module(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
+    """forward + VJP over the flat scan, traced with make_fx (first order)."""
+    from torch.func import vjp
+
+    def fn(*args: Any) -> tuple[Any, ...]:
+        primals, cotangents = args[:n_in], args[n_in:]
+        outs, pullback = vjp(lambda *p: scan.forward(*p), *primals)
+        grads = pullback(tuple(cotangents))
+        return tuple(outs) + tuple(grads)
+
+    return fn
+
+
+def compile_job(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    started = time.monotonic()
+    scan = Scan(
+        body=load_body(job),
+        carry_spec=job["carry"],
+        inputs_spec=job["inputs"],
+        steps=int(job["steps"]),
+        dtype=job["dtype"],
+        strategy=job.get("strategy", "scan"),
+    )
+    if scan.dtype not in ("float32", "float64"):
+        raise JobError("BAD_DTYPE", f"dtype {scan.dtype} is not float32 or float64")
+    torch.manual_seed(0)
+    args = example_inputs(scan, torch)
+    n_in = len(args)
+    # Eager dry run of the whole scan: body exceptions and carry changes get
+    # a step number and a leaf path before the tracer's messages can hide them.
+    with torch.no_grad():
+        dry = Scan(**{**scan.__dict__, "strategy": "unroll"})
+        outs = dry.forward(*args)
+    scan.y_spec = dry.y_spec
+    kind = job.get("kind", "forward")
+    if kind == "vjp":
+        cot = [torch.rand_like(o) for o in outs]
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        fn = vjp_module(scan, torch, n_in)
+        try:
+            gm = make_fx(fn, tracing_mode="real")(*args, *cot)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            raise classify(exc) from exc
+        example = tuple(args) + tuple(cot)
+        module: Any = gm
+    else:
+        module = FlatModule(scan)
+        example = tuple(args)
+    out_path = job["output"]
+    try:
+        ep = torch.export.export(module if isinstance(module, torch.nn.Module) else Wrap(module),
+                                 example, strict=bool(job.get("strict", False)))
+        so = torch._inductor.aot_compile(ep.module(), example, options=aoti_options(out_path))
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc) from exc
+    so_path = so if isinstance(so, str) else out_path
+    if clear_exec_stack(so_path):
+        log(f"{so_path}: cleared the executable-stack flag ld set")
+    check_artifact(so_path)
+    return {
+        "so": so_path,
+        "y": strip_dtype(scan.y_spec),
+        "n_inputs": len(example),
+        "n_outputs": len(outs) + (n_in if kind == "vjp" else 0),
+        "torch": torch.__version__,
+        "compile_seconds": time.monotonic() - started,
+    }
+
+
+class FlatModule:  # replaced below once torch is imported
+    pass
+
+
+class Wrap:  # replaced below once torch is imported
+    pass
+
+
+def define_modules() -> None:
+    import torch
+
+    global FlatModule, Wrap
+
+    class _Flat(torch.nn.Module):
+        def __init__(self, scan: Scan) -> None:
+            super().__init__()
+            self.scan = scan
+
+        def forward(self, *flat: Any) -> tuple[Any, ...]:
+            return self.scan.forward(*flat)
+
+    class _Wrap(torch.nn.Module):
+        def __init__(self, fn: Callable[..., Any]) -> None:
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, *flat: Any) -> Any:
+            return self.fn(*flat)
+
+    FlatModule = _Flat  # type: ignore[misc]
+    Wrap = _Wrap  # type: ignore[misc]
+
+
+def hello() -> dict[str, Any]:
+    import torch
+
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return {
+        "protocol": PROTOCOL,
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", ""),
+        "cxx11_abi": bool(torch.compiled_with_cxx11_abi()),
+        "python": sys.version.split()[0],
+        "torch_ok": version >= MIN_TORCH,
+        "torch_lib": os.path.join(os.path.dirname(torch.__file__), "lib"),
+    }
+
+
+def handle(req: dict[str, Any]) -> dict[str, Any]:
+    op = req.get("op")
+    rid = req.get("id")
+    try:
+        if op == "hello":
+            return {"id": rid, "result": hello()}
+        if op == "compile":
+            return {"id": rid, "result": compile_job(req)}
+        raise JobError("UNKNOWN_OP", f"worker has no op {op!r}")
+    except JobError as exc:
+        return {"id": rid, "error": {"code": exc.code, "message": exc.message, "path": exc.path}}
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
+        err = classify(exc)
+        log(traceback.format_exc())
+        return {"id": rid, "error": {"code": err.code, "message": err.message, "path": err.path}}
+
+
+def main() -> int:
+    # Replies go to the real stdout; anything torch prints goes to stderr.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    stdin = sys.stdin.buffer
+    import torch  # noqa: F401 - import once, up front: every job needs it
+
+    define_modules()
+    log(f"ready (torch {torch.__version__})")
+    while True:
+        try:
+            req = read_frame(stdin)
+        except (EOFError, ValueError) as exc:
+            log(f"bad frame from the daemon: {exc}")
+            return 2
+        if req is None:
+            return 0
+        write_frame(out, handle(req))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
