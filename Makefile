@@ -10,7 +10,7 @@ PKGS      := libuv libsystemd $(MSGPACK_PC)
 
 CC        ?= cc
 WARN      := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-missing-field-initializers
-CPPFLAGS  += -D_GNU_SOURCE -Iproto -Idaemon -Iclient
+CPPFLAGS  += -D_GNU_SOURCE -Iproto -Idaemon -Iclient -DTORCHLOOPD_PREFIX=\"$(CURDIR)\"
 CFLAGS    ?= -O2 -g
 CFLAGS    += $(WARN) -fPIC $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 ifeq ($(SAN),1)

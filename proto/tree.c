@@ -382,3 +382,29 @@ int tree_same_structure(const struct tree_node *a, const struct tree_node *b, co
 
 	return same_node(a, b, path, path_size, len);
 }
+
+static int visit(const struct tree_node *n, char *path, size_t size, size_t len, int with_none,
+		 tree_visit_fn fn, void *ctx)
+{
+	if (n->kind == TREE_TENSOR || (with_none && n->kind == TREE_NONE))
+		return fn(n, path, ctx);
+	for (uint32_t i = 0; i < n->count; i++) {
+		size_t l = len;
+		int rc;
+		tree_path_push(path, size, &l, n, i);
+		rc = visit(&n->items[i], path, size, l, with_none, fn, ctx);
+		path[len] = '\0';
+		if (rc != 0)
+			return rc;
+	}
+	return 0;
+}
+
+int tree_visit(const struct tree_node *n, const char *root, int with_none, tree_visit_fn fn,
+	       void *ctx)
+{
+	char path[PROTO_PATH_MAX];
+	int w = snprintf(path, sizeof path, "%s", root);
+
+	return visit(n, path, sizeof path, w < 0 ? 0 : (size_t)w, with_none, fn, ctx);
+}

@@ -79,4 +79,14 @@ void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node 
 /* Fills a tensor's numel and nbytes from dtype and shape; -1 on overflow. */
 int tree_tensor_sizes(struct tree_tensor *t);
 
+
+
+/*
+ * Calls fn for every tensor leaf (and, when with_none, every None leaf) in
+ * depth-first order with its path below root.  Stops at the first non-zero
+ * return of fn and returns it.
+ */
+typedef int (*tree_visit_fn)(const struct tree_node *leaf, const char *path, void *ctx);
+int tree_visit(const struct tree_node *n, const char *root, int with_none, tree_visit_fn fn,
+	       void *ctx);
 #endif

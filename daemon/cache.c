@@ -1,0 +1,355 @@
+/*
+ * cache.c - see cache.h.  All functions block on disk I/O and belong on the
+ * thread pool (or at start-up); none keeps state beyond the directory path.
+ */
+#include "cache.h"
+
+#include "mpguard.h"
+#include "msg.h"
+#include "sha256.h"
+#include "writer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+static int sys_fail(struct proto_err *err, const char *what, const char *path)
+{
+	return proto_fail(err, PROTO_E_INTERNAL, NULL, "%s %s: %s", what, path, strerror(errno));
+}
+
+static int mkdir_p(const char *path, mode_t mode)
+{
+	char tmp[PATH_MAX];
+
+	snprintf(tmp, sizeof tmp, "%s", path);
+	for (char *p = tmp + 1; *p; p++) {
+		if (*p != '/')
+			continue;
+		*p = '\0';
+		if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+			return -1;
+		*p = '/';
+	}
+	if (mkdir(tmp, mode) != 0 && errno != EEXIST)
+		return -1;
+	return 0;
+}
+
+static int sub(const struct cache *c, const char *name, struct proto_err *err)
+{
+	char p[PATH_MAX];
+
+	snprintf(p, sizeof p, "%s/%s", c->dir, name);
+	if (mkdir(p, 0700) != 0 && errno != EEXIST)
+		return sys_fail(err, "cannot create", p);
+	return 0;
+}
+
+int cache_open(struct cache *c, const char *dir, struct proto_err *err)
+{
+	struct statvfs vfs;
+	struct stat st;
+
+	if (strlen(dir) >= sizeof c->dir - 80)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "cache path too long: %s", dir);
+	snprintf(c->dir, sizeof c->dir, "%s", dir);
+	if (mkdir_p(dir, 0700) != 0)
+		return sys_fail(err, "cannot create cache directory", dir);
+	if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+		return sys_fail(err, "cache path is not a directory:", dir);
+	if (access(dir, W_OK | X_OK) != 0)
+		return sys_fail(err, "cache directory is not writable:", dir);
+	if (statvfs(dir, &vfs) == 0 && (vfs.f_flag & ST_NOEXEC))
+		return proto_fail(err, PROTO_E_INTERNAL, NULL,
+				  "cache directory %s is on a noexec mount: compiled graphs could "
+				  "not be loaded; choose another --cache-dir",
+				  dir);
+	if (sub(c, "objects", err) || sub(c, "tmp", err) || sub(c, "quarantine", err))
+		return -1;
+	return 0;
+}
+
+void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX])
+{
+	struct sha256 s;
+	uint8_t d[32];
+
+	sha256_init(&s);
+	sha256_update(&s, "torchloopd-cache-v1", 20);
+	for (size_t i = 0; i < n; i++)
+		sha256_update(&s, parts[i], strlen(parts[i]) + 1);
+	sha256_final(&s, d);
+	sha256_hex(d, hex);
+}
+
+static void entry_path(const struct cache *c, const char *key, const char *ext, char *out,
+		       size_t size)
+{
+	snprintf(out, size, "%s/objects/%s.%s", c->dir, key, ext);
+}
+
+void cache_so_path(const struct cache *c, const char *key, char *out, size_t size)
+{
+	entry_path(c, key, "so", out, size);
+}
+
+void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t size)
+{
+	static atomic_uint counter;
+
+	snprintf(out, size, "%s/tmp/%.16s.%ld.%u.so", c->dir, key, (long)getpid(),
+		 atomic_fetch_add(&counter, 1));
+}
+
+void cache_meta_free(struct cache_meta *meta)
+{
+	free(meta->y_spec);
+	meta->y_spec = NULL;
+}
+
+static uint8_t *slurp(const char *path, size_t *len)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	struct stat st;
+	uint8_t *buf = NULL;
+
+	if (fd < 0)
+		return NULL;
+	if (fstat(fd, &st) == 0 && st.st_size > 0 && st.st_size < (1 << 24)) {
+		buf = malloc((size_t)st.st_size);
+		if (buf && read(fd, buf, (size_t)st.st_size) != st.st_size) {
+			free(buf);
+			buf = NULL;
+		}
+		*len = (size_t)st.st_size;
+	}
+	close(fd);
+	return buf;
+}
+
+/* Parses a .meta record; 0 or -1 (then the entry is corrupt). */
+static int parse_meta(const uint8_t *buf, size_t len, struct cache_meta *m)
+{
+	msgpack_unpacked up;
+	size_t off = 0;
+	const msgpack_object *o, *y;
+	int64_t v;
+	const char *s;
+	uint32_t slen;
+	int rc = -1;
+
+	memset(m, 0, sizeof *m);
+	if (mpguard_check(buf, len, NULL) != 0)
+		return -1;
+	msgpack_unpacked_init(&up);
+	if (msgpack_unpack_next(&up, (const char *)buf, len, &off) != MSGPACK_UNPACK_SUCCESS)
+		goto out;
+	o = &up.data;
+	y = msg_obj_field(o, "y");
+	if (y == NULL || msg_get_str(o, "sha256", &s, &slen, NULL) != 0 || slen != 64)
+		goto out;
+	memcpy(m->sha256, s, 64);
+	if (msg_get_i64(o, "size", &v, NULL) != 0 || v < 0)
+		goto out;
+	m->size = (uint64_t)v;
+	if (msg_get_i64(o, "n_inputs", &v, NULL) != 0 || v < 0 || v > 65536)
+		goto out;
+	m->n_inputs = (uint32_t)v;
+	if (msg_get_i64(o, "n_outputs", &v, NULL) != 0 || v < 0 || v > 65536)
+		goto out;
+	m->n_outputs = (uint32_t)v;
+	if (msg_get_str(o, "strategy", &s, &slen, NULL) == 0 && slen < sizeof m->strategy)
+		memcpy(m->strategy, s, slen);
+	{
+		const msgpack_object *cs = msg_obj_field(o, "compile_seconds");
+		if (cs && cs->type == MSGPACK_OBJECT_FLOAT64)
+			m->compile_seconds = cs->via.f64;
+	}
+	rc = 0;
+out:
+	msgpack_unpacked_destroy(&up);
+	return rc;
+}
+
+/* The y spec is kept as raw msgpack: re-encode the object. */
+static int keep_y(const uint8_t *buf, size_t len, struct cache_meta *m)
+{
+	msgpack_unpacked up;
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	size_t off = 0;
+	int rc = -1;
+
+	msgpack_unpacked_init(&up);
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	if (msgpack_unpack_next(&up, (const char *)buf, len, &off) == MSGPACK_UNPACK_SUCCESS) {
+		msgpack_pack_object(&pk, *msg_obj_field(&up.data, "y"));
+		m->y_spec = (uint8_t *)sb.data;
+		m->y_spec_len = sb.size;
+		sb.data = NULL;
+		rc = 0;
+	}
+	msgpack_sbuffer_destroy(&sb);
+	msgpack_unpacked_destroy(&up);
+	return rc;
+}
+
+int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta,
+		 int *quarantined, struct proto_err *err)
+{
+	char so[PATH_MAX], mp[PATH_MAX], hex[CACHE_KEY_HEX];
+	uint8_t *buf;
+	size_t len = 0;
+	uint64_t size;
+
+	*quarantined = 0;
+	cache_so_path(c, key, so, sizeof so);
+	entry_path(c, key, "meta", mp, sizeof mp);
+	buf = slurp(mp, &len);
+	if (buf == NULL) {
+		if (errno != ENOENT && errno != 0 && access(mp, F_OK) == 0)
+			return sys_fail(err, "cannot read", mp);
+		return 0; /* no committed entry (a stray .so without .meta is overwritten later) */
+	}
+	if (parse_meta(buf, len, meta) != 0 || keep_y(buf, len, meta) != 0) {
+		free(buf);
+		cache_meta_free(meta);
+		cache_quarantine(c, key, "unreadable metadata");
+		*quarantined = 1;
+		return 0;
+	}
+	free(buf);
+	if (sha256_file(so, hex, &size) != 0 || size != meta->size ||
+	    strcmp(hex, meta->sha256) != 0) {
+		cache_meta_free(meta);
+		cache_quarantine(c, key, "size or sha256 mismatch");
+		*quarantined = 1;
+		return 0;
+	}
+	return 1;
+}
+
+static int fsync_path(const char *path, int flags)
+{
+	int fd = open(path, flags | O_CLOEXEC);
+	int rc;
+
+	if (fd < 0)
+		return -1;
+	rc = fsync(fd);
+	close(fd);
+	return rc;
+}
+
+static int write_meta(const struct cache *c, const char *key, const struct cache_meta *m,
+		      struct proto_err *err)
+{
+	char tmp[PATH_MAX], dst[PATH_MAX];
+	struct writer w;
+	size_t len;
+	uint8_t *bytes;
+	int fd, rc = -1;
+
+	if (writer_init(&w) != 0)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	msgpack_pack_map(&w.pk, 8);
+	writer_key_u64(&w, "v", 1);
+	writer_key_str(&w, "sha256", m->sha256);
+	writer_key_u64(&w, "size", m->size);
+	writer_key_u64(&w, "n_inputs", m->n_inputs);
+	writer_key_u64(&w, "n_outputs", m->n_outputs);
+	writer_key_f64(&w, "compile_seconds", m->compile_seconds);
+	writer_key_str(&w, "strategy", m->strategy);
+	writer_str(&w, "y");
+	writer_raw(&w, m->y_spec, m->y_spec_len);
+	bytes = writer_flatten(&w, &len, PROTO_FRAME_MAX, err);
+	writer_destroy(&w);
+	if (bytes == NULL)
+		return -1;
+	cache_tmp_path(c, key, tmp, sizeof tmp);
+	entry_path(c, key, "meta", dst, sizeof dst);
+	fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	if (fd < 0 || write(fd, bytes + 4, len - 4) != (ssize_t)(len - 4) || fsync(fd) != 0)
+		sys_fail(err, "cannot write", tmp);
+	else if (rename(tmp, dst) != 0)
+		sys_fail(err, "cannot rename to", dst);
+	else
+		rc = 0;
+	if (fd >= 0)
+		close(fd);
+	if (rc != 0)
+		unlink(tmp);
+	free(bytes);
+	return rc;
+}
+
+int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
+		 struct cache_meta *meta, struct proto_err *err)
+{
+	char so[PATH_MAX], objects[PATH_MAX];
+
+	if (fsync_path(tmp_so, O_RDONLY) != 0)
+		return sys_fail(err, "cannot fsync", tmp_so);
+	if (sha256_file(tmp_so, meta->sha256, &meta->size) != 0)
+		return sys_fail(err, "cannot hash", tmp_so);
+	chmod(tmp_so, 0500);
+	cache_so_path(c, key, so, sizeof so);
+	if (rename(tmp_so, so) != 0)
+		return sys_fail(err, "cannot rename to", so);
+	if (write_meta(c, key, meta, err) != 0)
+		return -1;
+	snprintf(objects, sizeof objects, "%s/objects", c->dir);
+	fsync_path(objects, O_RDONLY | O_DIRECTORY);
+	return 0;
+}
+
+void cache_quarantine(const struct cache *c, const char *key, const char *why)
+{
+	static const char *const exts[] = {"meta", "so"};
+	char src[PATH_MAX], dst[PATH_MAX];
+	long stamp = (long)time(NULL);
+
+	for (size_t i = 0; i < 2; i++) {
+		entry_path(c, key, exts[i], src, sizeof src);
+		snprintf(dst, sizeof dst, "%s/quarantine/%s.%ld.%ld.%s", c->dir, key, stamp,
+			 (long)getpid(), exts[i]);
+		if (rename(src, dst) != 0 && errno != ENOENT)
+			unlink(src);
+	}
+	fprintf(stderr, "torchloopd: warn cache: quarantined %.16s: %s\n", key, why);
+}
+
+int cache_lock(const struct cache *c, const char *key, int *fd, struct proto_err *err)
+{
+	char p[PATH_MAX];
+
+	entry_path(c, key, "lock", p, sizeof p);
+	*fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+	if (*fd < 0)
+		return sys_fail(err, "cannot open", p);
+	while (flock(*fd, LOCK_EX) != 0) {
+		if (errno != EINTR) {
+			close(*fd);
+			return sys_fail(err, "cannot lock", p);
+		}
+	}
+	return 0;
+}
+
+void cache_unlock(int fd)
+{
+	if (fd >= 0) {
+		flock(fd, LOCK_UN);
+		close(fd);
+	}
+}

@@ -1,0 +1,80 @@
+/*
+ * cache.h - the content-addressed on-disk artifact cache.
+ *
+ * Layout under the cache directory (mode 0700):
+ *   objects/<key>.so    the artifact; never rewritten in place
+ *   objects/<key>.meta  msgpack record: size, sha256, graph signature; its
+ *                       presence is what commits an entry
+ *   objects/<key>.lock  flock'ed while one process compiles that key
+ *   tmp/                artifacts being written (temp name, fsync, rename)
+ *   quarantine/         entries that failed verification, kept for a look
+ *
+ * A lookup verifies size and sha256 of the .so against its .meta before the
+ * caller may dlopen it; anything that fails is moved to quarantine and
+ * reported as a miss, so it gets rebuilt.  Safe with several daemons on one
+ * directory: commits are renames, compiles of one key are serialised by
+ * flock.  Blocking calls (hashing, flock, fsync): thread pool only.
+ */
+#ifndef TORCHLOOP_CACHE_H
+#define TORCHLOOP_CACHE_H
+
+#include "protocol.h"
+
+#include <limits.h>
+#include <msgpack.h>
+#include <stdint.h>
+
+#define CACHE_KEY_HEX 65
+
+struct cache {
+	char dir[PATH_MAX / 2];
+};
+
+struct cache_meta {
+	char sha256[CACHE_KEY_HEX];
+	uint64_t size;
+	uint32_t n_inputs, n_outputs;
+	double compile_seconds;
+	char strategy[16];
+	/* the worker's output spec ("y"), msgpack, owned (malloc) */
+	uint8_t *y_spec;
+	size_t y_spec_len;
+};
+
+/*
+ * Creates (mode 0700) or opens the directory and its subdirectories, and
+ * refuses one that cannot hold loadable code (noexec mount, not writable).
+ */
+int cache_open(struct cache *c, const char *dir, struct proto_err *err);
+
+/* sha256 over the NUL-separated parts: the content address. */
+void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX]);
+
+void cache_so_path(const struct cache *c, const char *key, char *out, size_t size);
+/* A fresh temporary path for the worker to write an artifact to. */
+void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t size);
+
+/*
+ * Returns 1 with meta filled when a verified entry exists, 0 when there is
+ * none (a corrupt one is quarantined first and *quarantined set), -1 with
+ * err on an I/O failure.  Free meta with cache_meta_free.
+ */
+int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta,
+		 int *quarantined, struct proto_err *err);
+void cache_meta_free(struct cache_meta *meta);
+
+/*
+ * Commits tmp_so as the entry for key: fsync, hash, rename into objects/,
+ * then write the .meta the same way.  Fills meta->size and meta->sha256.
+ */
+int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
+		 struct cache_meta *meta, struct proto_err *err);
+
+/* Moves an entry to quarantine/. */
+void cache_quarantine(const struct cache *c, const char *key, const char *why);
+
+/* flock(LOCK_EX) on the key's lock file; *fd for cache_unlock.  0 or -1. */
+int cache_lock(const struct cache *c, const char *key, int *fd, struct proto_err *err);
+void cache_unlock(int fd);
+
+#endif

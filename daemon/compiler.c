@@ -1,0 +1,514 @@
+/*
+ * compiler.c - see compiler.h.  Owns the worker's uv_process_t, its two
+ * pipes and the job timer; all are freed in their close callbacks, and the
+ * struct itself once the last of them has closed after compiler_stop.
+ */
+#include "compiler.h"
+
+#include "frame.h"
+#include "log.h"
+#include "msg.h"
+#include "spec.h"
+#include "writer.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern char **environ;
+
+struct write_req {
+	uv_write_t req;
+	struct writer w;
+};
+
+/* One worker process and its pipes; freed when all three have closed. */
+struct wproc {
+	uv_process_t proc;
+	uv_pipe_t in, out;
+	struct frame_reader reader;
+	struct compiler *c;
+	int open;
+};
+
+struct compiler {
+	uv_loop_t *loop;
+	struct wproc *wp; /* the live worker, or NULL */
+	uv_timer_t timer;
+	char python[1024], script[1024];
+	double timeout;
+	compiler_ready_cb ready;
+	void *data;
+	struct worker_info info;
+	bool running, hello_done, stopping, timed_out;
+	int open_handles;
+	struct compile_job *head, *tail, *current;
+	uint64_t next_id, restarts;
+	char **env;
+};
+
+static void spawn_worker(struct compiler *c);
+static void pump(struct compiler *c);
+
+void *compiler_data(const struct compiler *c) { return c->data; }
+const struct worker_info *compiler_info(const struct compiler *c) { return &c->info; }
+bool compiler_alive(const struct compiler *c) { return c->running && c->hello_done; }
+uint64_t compiler_restarts(const struct compiler *c) { return c->restarts; }
+pid_t compiler_pid(const struct compiler *c) { return c->running && c->wp ? c->wp->proc.pid : 0; }
+
+unsigned compiler_queue_length(const struct compiler *c)
+{
+	unsigned n = c->current != NULL;
+
+	for (struct compile_job *j = c->head; j; j = j->next)
+		n++;
+	return n;
+}
+
+/* The worker's environment: ours minus the service-manager variables. */
+static char **worker_env(void)
+{
+	static const char *const drop[] = {"NOTIFY_SOCKET=", "LISTEN_", "WATCHDOG_"};
+	size_t n = 0, k = 0;
+	char **env;
+
+	while (environ[n])
+		n++;
+	env = calloc(n + 2, sizeof *env);
+	for (size_t i = 0; env && i < n; i++) {
+		int skip = 0;
+		for (size_t d = 0; d < sizeof drop / sizeof drop[0]; d++)
+			skip |= strncmp(environ[i], drop[d], strlen(drop[d])) == 0;
+		if (!skip)
+			env[k++] = environ[i];
+	}
+	if (env)
+		env[k++] = "PYTHONDONTWRITEBYTECODE=1";
+	return env;
+}
+
+static void finish(struct compiler *c, struct compile_job *job, const struct compile_result *res,
+		   const struct proto_err *err)
+{
+	(void)c;
+	job->done(job, res, err);
+}
+
+static void fail_current(struct compiler *c, enum proto_code code, const char *why)
+{
+	struct compile_job *job = c->current;
+	struct proto_err err;
+
+	if (job == NULL)
+		return;
+	c->current = NULL;
+	uv_timer_stop(&c->timer);
+	proto_fail(&err, code, NULL, "%s", why);
+	finish(c, job, NULL, &err);
+}
+
+static void compiler_release(struct compiler *c)
+{
+	if (--c->open_handles == 0 && c->stopping) {
+		free(c->env);
+		free(c);
+	}
+}
+
+static void timer_closed(uv_handle_t *h)
+{
+	compiler_release(h->data);
+}
+
+static void wproc_closed(uv_handle_t *h)
+{
+	struct wproc *wp = h->data;
+	struct compiler *c = wp->c;
+
+	if (--wp->open > 0)
+		return;
+	frame_reader_free(&wp->reader);
+	free(wp);
+	compiler_release(c);
+}
+
+static void on_write(uv_write_t *req, int status)
+{
+	struct write_req *wr = (struct write_req *)req;
+
+	if (status != 0)
+		log_warn("compile worker: write failed: %s", uv_strerror(status));
+	writer_destroy(&wr->w);
+	free(wr);
+}
+
+/* Sends one framed message that the caller built in wr->w. */
+static int send_msg(struct compiler *c, struct write_req *wr)
+{
+	uv_buf_t bufs[64];
+	struct iovec iov[64];
+	struct proto_err err;
+	int n = writer_finish(&wr->w, iov, 64, PROTO_FRAME_MAX, &err);
+
+	if (n < 0) {
+		writer_destroy(&wr->w);
+		free(wr);
+		return -1;
+	}
+	for (int i = 0; i < n; i++)
+		bufs[i] = uv_buf_init(iov[i].iov_base, (unsigned)iov[i].iov_len);
+	if (c->wp == NULL || uv_write(&wr->req, (uv_stream_t *)&c->wp->in, bufs, (unsigned)n, on_write) != 0) {
+		writer_destroy(&wr->w);
+		free(wr);
+		return -1;
+	}
+	return 0;
+}
+
+static int send_job(struct compiler *c, struct compile_job *j)
+{
+	struct write_req *wr = malloc(sizeof *wr);
+
+	if (wr == NULL || writer_init(&wr->w) != 0) {
+		free(wr);
+		return -1;
+	}
+	msg_begin_request(&wr->w, j->id, "compile", 10);
+	writer_key_str(&wr->w, "body_source", j->body_source);
+	writer_key_str(&wr->w, "body_file", j->body_file);
+	writer_key_str(&wr->w, "entry", j->entry);
+	writer_key_str(&wr->w, "strategy", j->strategy);
+	writer_key_str(&wr->w, "kind", j->kind);
+	writer_key_str(&wr->w, "dtype", proto_dtype_name(j->dtype));
+	writer_key_i64(&wr->w, "steps", j->steps);
+	writer_key_str(&wr->w, "output", j->output);
+	writer_str(&wr->w, "carry");
+	spec_write_worker(&wr->w, j->carry);
+	writer_str(&wr->w, "inputs");
+	spec_write_worker(&wr->w, j->inputs);
+	return send_msg(c, wr);
+}
+
+static void on_timeout(uv_timer_t *t)
+{
+	struct compiler *c = t->data;
+
+	log_warn("compile worker: job %llu exceeded %.0f s; killing the worker",
+		 (unsigned long long)(c->current ? c->current->id : 0), c->timeout);
+	c->timed_out = true;
+	if (c->running && c->wp)
+		uv_kill(-c->wp->proc.pid, SIGKILL); /* its whole process group (g++ too) */
+	fail_current(c, PROTO_E_COMPILE_TIMEOUT, "the compile exceeded its timeout; the worker was restarted");
+}
+
+static void pump(struct compiler *c)
+{
+	struct compile_job *j;
+
+	if (c->current || !c->head || !c->running || !c->hello_done || c->stopping)
+		return;
+	j = c->head;
+	c->head = j->next;
+	if (c->head == NULL)
+		c->tail = NULL;
+	c->current = j;
+	if (send_job(c, j) != 0) {
+		fail_current(c, PROTO_E_INTERNAL, "cannot send the job to the compile worker");
+		pump(c);
+		return;
+	}
+	uv_timer_start(&c->timer, on_timeout, (uint64_t)(c->timeout * 1000), 0);
+}
+
+void compiler_submit(struct compiler *c, struct compile_job *job)
+{
+	struct proto_err err;
+
+	if (c->stopping) {
+		proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+		job->done(job, NULL, &err);
+		return;
+	}
+	job->id = ++c->next_id;
+	job->next = NULL;
+	if (c->tail)
+		c->tail->next = job;
+	else
+		c->head = job;
+	c->tail = job;
+	pump(c);
+}
+
+static void read_hello(struct compiler *c, const struct msg *m)
+{
+	const msgpack_object *r = msg_field(m, "result");
+	const char *s;
+	uint32_t n;
+	bool ok = false;
+	struct proto_err err;
+
+	if (msg_get_str(r, "torch", &s, &n, NULL) == 0)
+		snprintf(c->info.torch, sizeof c->info.torch, "%.*s", (int)n, s);
+	if (msg_get_str(r, "torch_git", &s, &n, NULL) == 0)
+		snprintf(c->info.torch_git, sizeof c->info.torch_git, "%.*s", (int)n, s);
+	msg_get_bool(r, "cxx11_abi", &c->info.cxx11_abi, NULL);
+	msg_get_bool(r, "torch_ok", &ok, NULL);
+	c->info.torch_ok = ok;
+	c->hello_done = true;
+	if (c->ready) {
+		compiler_ready_cb ready = c->ready;
+		c->ready = NULL;
+		if (!ok) {
+			proto_fail(&err, PROTO_E_INTERNAL, NULL,
+				   "Compiled loops require Torch >= 2.14 (found %s)", c->info.torch);
+			ready(c, &err);
+		} else {
+			ready(c, NULL);
+		}
+	}
+	pump(c);
+}
+
+static int read_result(const struct msg *m, struct compile_result *res, struct proto_err *err)
+{
+	const msgpack_object *r = msg_field(m, "result"), *y = msg_obj_field(r, "y");
+	const char *s;
+	uint32_t n;
+	int64_t v;
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+
+	memset(res, 0, sizeof *res);
+	if (y == NULL || msg_get_str(r, "so", &s, &n, NULL) != 0 || n >= sizeof res->so_path)
+		return proto_fail(err, PROTO_E_COMPILE_FAILED, NULL, "malformed worker reply");
+	memcpy(res->so_path, s, n);
+	if (msg_get_i64(r, "n_inputs", &v, NULL) == 0)
+		res->n_inputs = (uint32_t)v;
+	if (msg_get_i64(r, "n_outputs", &v, NULL) == 0)
+		res->n_outputs = (uint32_t)v;
+	{
+		const msgpack_object *cs = msg_obj_field(r, "compile_seconds");
+		if (cs && cs->type == MSGPACK_OBJECT_FLOAT64)
+			res->compile_seconds = cs->via.f64;
+	}
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	msgpack_pack_object(&pk, *y);
+	res->y_spec = (uint8_t *)sb.data;
+	res->y_spec_len = sb.size;
+	return 0;
+}
+
+static void on_reply(struct compiler *c, const uint8_t *body, uint32_t len)
+{
+	struct msg m;
+	struct proto_err err;
+	struct compile_result res;
+	struct compile_job *job = c->current;
+
+	if (msg_parse(&m, body, len, MSG_REPLY, &err) != 0) {
+		log_error("compile worker: bad reply: %s", err.message);
+	} else if (!c->hello_done) {
+		read_hello(c, &m);
+	} else if (job == NULL || !m.has_id || m.id != job->id) {
+		log_warn("compile worker: reply for an unknown job");
+	} else {
+		c->current = NULL;
+		uv_timer_stop(&c->timer);
+		if (m.is_error) {
+			msg_reply_error(&m, &err);
+			finish(c, job, NULL, &err);
+		} else if (read_result(&m, &res, &err) != 0) {
+			finish(c, job, NULL, &err);
+		} else {
+			finish(c, job, &res, NULL);
+			free(res.y_spec);
+		}
+		pump(c);
+	}
+	msg_destroy(&m);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+	struct wproc *wp = h->data;
+	uint8_t *p;
+	size_t n;
+	struct proto_err err;
+
+	(void)suggested;
+	if (frame_reader_want(&wp->reader, &p, &n, &err) == FRAME_ERROR) {
+		*buf = uv_buf_init(NULL, 0);
+		return;
+	}
+	*buf = uv_buf_init((char *)p, (unsigned)n);
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+	struct wproc *wp = s->data;
+	struct proto_err err;
+	enum frame_status st;
+
+	(void)buf;
+	if (nread == 0)
+		return;
+	if (nread < 0) {
+		uv_read_stop(s);
+		return; /* EOF: the exit callback does the rest */
+	}
+	st = frame_reader_commit(&wp->reader, (size_t)nread, &err);
+	if (st == FRAME_ERROR) {
+		log_error("compile worker: %s; killing it", err.message);
+		uv_kill(-wp->proc.pid, SIGKILL);
+		uv_read_stop(s);
+	} else if (st == FRAME_READY) {
+		uint32_t len;
+		uint8_t *body = frame_reader_take(&wp->reader, &len);
+		if (wp == wp->c->wp)
+			on_reply(wp->c, body, len);
+		frame_free(body);
+	}
+}
+
+static void close_wproc(struct wproc *wp)
+{
+	uv_close((uv_handle_t *)&wp->in, wproc_closed);
+	uv_close((uv_handle_t *)&wp->out, wproc_closed);
+	uv_close((uv_handle_t *)&wp->proc, wproc_closed);
+}
+
+static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
+{
+	struct wproc *wp = p->data;
+	struct compiler *c = wp->c;
+
+	log_warn("compile worker %d exited (status %lld, signal %d)", p->pid, (long long)status, sig);
+	c->wp = NULL;
+	c->running = false;
+	c->hello_done = false;
+	close_wproc(wp);
+	if (!c->timed_out)
+		fail_current(c, PROTO_E_WORKER_CRASHED, "the compile worker died during the compile; it was restarted");
+	c->timed_out = false;
+	if (c->ready) {
+		struct proto_err err;
+		compiler_ready_cb ready = c->ready;
+		c->ready = NULL;
+		proto_fail(&err, PROTO_E_INTERNAL, NULL,
+			   "the compile worker (%s %s) exited before it was ready; is torch installed "
+			   "in that interpreter?",
+			   c->python, c->script);
+		ready(c, &err);
+		return;
+	}
+	if (!c->stopping) {
+		c->restarts++;
+		spawn_worker(c);
+	}
+}
+
+static void send_hello(struct compiler *c)
+{
+	struct write_req *wr = malloc(sizeof *wr);
+
+	if (wr == NULL || writer_init(&wr->w) != 0) {
+		free(wr);
+		return;
+	}
+	msg_begin_request(&wr->w, 0, "hello", 0);
+	send_msg(c, wr);
+}
+
+static void spawn_worker(struct compiler *c)
+{
+	char *args[] = {c->python, "-u", c->script, NULL};
+	uv_stdio_container_t stdio[3];
+	uv_process_options_t o = {0};
+	struct wproc *wp = calloc(1, sizeof *wp);
+	int rc;
+
+	if (wp == NULL)
+		return;
+	wp->c = c;
+	frame_reader_init(&wp->reader, PROTO_FRAME_MAX);
+	uv_pipe_init(c->loop, &wp->in, 0);
+	uv_pipe_init(c->loop, &wp->out, 0);
+	wp->in.data = wp->out.data = wp->proc.data = wp;
+	wp->open = 3;
+	c->open_handles++;
+	stdio[0] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_READABLE_PIPE, .data.stream = (uv_stream_t *)&wp->in};
+	stdio[1] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_WRITABLE_PIPE, .data.stream = (uv_stream_t *)&wp->out};
+	stdio[2] = (uv_stdio_container_t){.flags = UV_INHERIT_FD, .data.fd = 2};
+	o.file = c->python;
+	o.args = args;
+	o.env = c->env;
+	o.stdio = stdio;
+	o.stdio_count = 3;
+	o.exit_cb = on_exit_cb;
+	o.flags = UV_PROCESS_DETACHED; /* own session and process group */
+	rc = uv_spawn(c->loop, &wp->proc, &o);
+	if (rc != 0) {
+		struct proto_err err;
+		log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
+		close_wproc(wp);
+		proto_fail(&err, PROTO_E_INTERNAL, NULL, "cannot start the compile worker %s: %s",
+			   c->python, uv_strerror(rc));
+		if (c->ready) {
+			compiler_ready_cb ready = c->ready;
+			c->ready = NULL;
+			ready(c, &err);
+		}
+		return;
+	}
+	c->wp = wp;
+	c->running = true;
+	uv_read_start((uv_stream_t *)&wp->out, on_alloc, on_read);
+	send_hello(c);
+	log_info("compile worker started (pid %d)", wp->proc.pid);
+}
+
+struct compiler *compiler_start(uv_loop_t *loop, const char *python, const char *script,
+				double timeout_seconds, compiler_ready_cb ready, void *data)
+{
+	struct compiler *c = calloc(1, sizeof *c);
+
+	if (c == NULL)
+		return NULL;
+	c->loop = loop;
+	c->timeout = timeout_seconds;
+	c->ready = ready;
+	c->data = data;
+	c->env = worker_env();
+	snprintf(c->python, sizeof c->python, "%s", python);
+	snprintf(c->script, sizeof c->script, "%s", script);
+	uv_timer_init(loop, &c->timer);
+	c->timer.data = c;
+	c->open_handles = 1;
+	spawn_worker(c);
+	return c;
+}
+
+void compiler_stop(struct compiler *c)
+{
+	struct proto_err err;
+
+	c->stopping = true;
+	c->ready = NULL;
+	proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+	if (c->current) {
+		struct compile_job *j = c->current;
+		c->current = NULL;
+		j->done(j, NULL, &err);
+	}
+	while (c->head) {
+		struct compile_job *j = c->head;
+		c->head = j->next;
+		j->done(j, NULL, &err);
+	}
+	c->tail = NULL;
+	uv_timer_stop(&c->timer);
+	uv_close((uv_handle_t *)&c->timer, timer_closed);
+	if (c->running && c->wp)
+		uv_kill(-c->wp->proc.pid, SIGKILL); /* the exit callback closes the rest */
+}

@@ -1,0 +1,77 @@
+/*
+ * compiler.h - supervision of the Python compile worker.
+ *
+ * One long-lived worker process (uv_spawn, its own process group, stdin and
+ * stdout pipes carrying proto frames, stderr shared with the daemon's log).
+ * Jobs queue FIFO; one is in flight at a time.  Each job has a timeout that
+ * kills the worker's process group; a crash or timeout fails the job in
+ * flight (WORKER_CRASHED / COMPILE_TIMEOUT) and the worker is respawned for
+ * the next one.  Loop thread only.  The worker inherits no client socket
+ * (everything is close-on-exec) and none of NOTIFY_SOCKET, LISTEN_*,
+ * WATCHDOG_*.
+ */
+#ifndef TORCHLOOP_COMPILER_H
+#define TORCHLOOP_COMPILER_H
+
+#include "protocol.h"
+#include "tree.h"
+
+#include <stdbool.h>
+#include <uv.h>
+
+struct compile_result {
+	char so_path[1024];
+	uint8_t *y_spec; /* msgpack of the worker's output spec; owned by the result */
+	size_t y_spec_len;
+	uint32_t n_inputs, n_outputs;
+	double compile_seconds;
+};
+
+struct compile_job;
+typedef void (*compile_done_cb)(struct compile_job *job, const struct compile_result *res,
+				const struct proto_err *err);
+
+struct compile_job {
+	/* set by the submitter; borrowed until done runs */
+	const char *body_source, *body_file, *entry, *strategy, *kind;
+	const struct tree_node *carry, *inputs;
+	enum proto_dtype dtype;
+	int64_t steps;
+	char output[1024];
+	compile_done_cb done;
+	void *data;
+	/* private */
+	uint64_t id;
+	struct compile_job *next;
+};
+
+struct worker_info {
+	char torch[64];
+	char torch_git[64];
+	bool cxx11_abi;
+	bool torch_ok;
+};
+
+struct compiler;
+
+typedef void (*compiler_ready_cb)(struct compiler *c, const struct proto_err *err);
+
+/*
+ * Spawns the worker and says hello; ready runs once with err NULL when the
+ * worker answered (info filled) or with the start-up error.
+ */
+struct compiler *compiler_start(uv_loop_t *loop, const char *python, const char *script,
+				double timeout_seconds, compiler_ready_cb ready, void *data);
+void *compiler_data(const struct compiler *c);
+const struct worker_info *compiler_info(const struct compiler *c);
+bool compiler_alive(const struct compiler *c);
+unsigned compiler_queue_length(const struct compiler *c);
+uint64_t compiler_restarts(const struct compiler *c);
+pid_t compiler_pid(const struct compiler *c);
+
+/* Queues a job; its done callback always runs exactly once (on the loop). */
+void compiler_submit(struct compiler *c, struct compile_job *job);
+/* Kills the worker and fails every job (SHUTTING_DOWN); frees after close. */
+void compiler_stop(struct compiler *c);
+
+#endif

@@ -1,0 +1,210 @@
+/*
+ * config.c - defaults, flags and --help.  Runs once at start-up on the main
+ * thread.  Paths default from the XDG variables (systemd sets
+ * RUNTIME_DIRECTORY and CACHE_DIRECTORY for the service).
+ */
+#include "config.h"
+
+#include "protocol.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <grp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifndef TORCHLOOPD_VERSION
+#define TORCHLOOPD_VERSION "0.1.0"
+#endif
+#ifndef TORCHLOOPD_PREFIX
+#define TORCHLOOPD_PREFIX ""
+#endif
+
+enum { OPT_SOCKET = 1000, OPT_CACHE, OPT_ADAPTERS, OPT_PYTHON, OPT_WORKER, OPT_ADMIN,
+       OPT_NO_PROBE, OPT_MODE, OPT_LOG, OPT_HELP, OPT_VERSION, OPT_LIMIT0 };
+
+static const struct limit {
+	const char *name;
+	long long min, def, max;
+	const char *help;
+} LIMITS[] = {
+#define CONFIG_X_LIMIT(name, field, min, def, max, help) {name, min, def, max, help},
+	CONFIG_LIMITS(CONFIG_X_LIMIT)
+#undef CONFIG_X_LIMIT
+};
+#define N_LIMITS (sizeof LIMITS / sizeof LIMITS[0])
+
+static long long *limit_field(struct config *c, size_t i)
+{
+	long long *fields[] = {
+#define CONFIG_X_PTR(name, field, min, def, max, help) &c->field,
+		CONFIG_LIMITS(CONFIG_X_PTR)
+#undef CONFIG_X_PTR
+	};
+	return fields[i];
+}
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: torchloopd [options]\n\n"
+		"Serves compiled scans (PyTorch Inductor, AOT) to local clients over a Unix socket.\n\n"
+		"  --socket PATH        listening socket (default $XDG_RUNTIME_DIR/torchloopd/torchloopd.sock;\n"
+		"                       under systemd $RUNTIME_DIRECTORY/torchloopd.sock)\n"
+		"  --socket-mode OCTAL  socket file mode (default 0660)\n"
+		"  --cache-dir DIR      compiled artifacts (default $XDG_CACHE_HOME/torchloopd;\n"
+		"                       under systemd $CACHE_DIRECTORY); must allow exec\n"
+		"  --adapters DIR       adapter definitions (*.adapter) registered at start and on SIGHUP\n"
+		"  --python PATH        the compile worker's interpreter (default: the build's .venv)\n"
+		"  --worker PATH        the compile worker script\n"
+		"  --admin-group NAME   members may register, unregister and shut down\n"
+		"  --no-probe           skip the start-up probe compile\n"
+		"  --log-level LEVEL    debug, info, warn or error (default info)\n"
+		"  --help, --version\n\nlimits (name: min / default / max):\n");
+	for (size_t i = 0; i < N_LIMITS; i++)
+		fprintf(f, "  --%-17s %s (%lld / %lld / %lld)\n", LIMITS[i].name, LIMITS[i].help,
+			LIMITS[i].min, LIMITS[i].def, LIMITS[i].max);
+}
+
+static void default_paths(struct config *c)
+{
+	const char *rt = getenv("RUNTIME_DIRECTORY"), *cache = getenv("CACHE_DIRECTORY");
+	const char *xrt = getenv("XDG_RUNTIME_DIR"), *xc = getenv("XDG_CACHE_HOME");
+	const char *home = getenv("HOME");
+
+	if (rt && *rt)
+		snprintf(c->socket_path, sizeof c->socket_path, "%s/torchloopd.sock", rt);
+	else if (xrt && *xrt)
+		snprintf(c->socket_path, sizeof c->socket_path, "%s/torchloopd/torchloopd.sock", xrt);
+	else
+		snprintf(c->socket_path, sizeof c->socket_path, "/tmp/torchloopd-%u/torchloopd.sock",
+			 (unsigned)getuid());
+	if (cache && *cache)
+		snprintf(c->cache_dir, sizeof c->cache_dir, "%s", cache);
+	else if (xc && *xc)
+		snprintf(c->cache_dir, sizeof c->cache_dir, "%s/torchloopd", xc);
+	else
+		snprintf(c->cache_dir, sizeof c->cache_dir, "%s/.cache/torchloopd", home ? home : "/tmp");
+	snprintf(c->python, sizeof c->python, "%s", TORCHLOOPD_PREFIX "/.venv/bin/python");
+	snprintf(c->worker, sizeof c->worker, "%s", TORCHLOOPD_PREFIX "/daemon/worker/compile_worker.py");
+}
+
+static int parse_limit(struct config *c, size_t i, const char *arg)
+{
+	char *end;
+	long long v;
+
+	errno = 0;
+	v = strtoll(arg, &end, 10);
+	if (errno || *end || end == arg || v < LIMITS[i].min || v > LIMITS[i].max) {
+		fprintf(stderr, "torchloopd: --%s must be an integer in [%lld, %lld], got '%s'\n",
+			LIMITS[i].name, LIMITS[i].min, LIMITS[i].max, arg);
+		return -1;
+	}
+	*limit_field(c, i) = v;
+	return 0;
+}
+
+static int set_path(char *dst, size_t size, const char *arg, const char *flag)
+{
+	if (strlen(arg) >= size) {
+		fprintf(stderr, "torchloopd: %s path too long\n", flag);
+		return -1;
+	}
+	snprintf(dst, size, "%s", arg);
+	return 0;
+}
+
+static int parse_other(struct config *c, int opt, const char *arg)
+{
+	static const char *const levels[] = {"debug", "info", "warn", "error"};
+	struct group *g;
+
+	switch (opt) {
+	case OPT_SOCKET:
+		return set_path(c->socket_path, sizeof c->socket_path, arg, "--socket");
+	case OPT_CACHE:
+		return set_path(c->cache_dir, sizeof c->cache_dir, arg, "--cache-dir");
+	case OPT_ADAPTERS:
+		return set_path(c->adapters_dir, sizeof c->adapters_dir, arg, "--adapters");
+	case OPT_PYTHON:
+		return set_path(c->python, sizeof c->python, arg, "--python");
+	case OPT_WORKER:
+		return set_path(c->worker, sizeof c->worker, arg, "--worker");
+	case OPT_MODE:
+		c->socket_mode = (unsigned)strtoul(arg, NULL, 8);
+		return c->socket_mode > 0777 ? -1 : 0;
+	case OPT_NO_PROBE:
+		c->probe = false;
+		return 0;
+	case OPT_ADMIN:
+		g = getgrnam(arg);
+		if (g == NULL) {
+			fprintf(stderr, "torchloopd: --admin-group: no group '%s'\n", arg);
+			return -1;
+		}
+		snprintf(c->admin_group, sizeof c->admin_group, "%s", arg);
+		c->admin_gid = g->gr_gid;
+		c->has_admin_gid = true;
+		return 0;
+	case OPT_LOG:
+		for (int i = 0; i < 4; i++)
+			if (strcmp(arg, levels[i]) == 0)
+				return c->log_level = i, 0;
+		fprintf(stderr, "torchloopd: --log-level: debug, info, warn or error\n");
+		return -1;
+	}
+	return -1;
+}
+
+int config_parse(struct config *c, int argc, char **argv)
+{
+	struct option opts[N_LIMITS + 16];
+	size_t n = 0;
+	int opt;
+
+	memset(c, 0, sizeof *c);
+	for (size_t i = 0; i < N_LIMITS; i++) {
+		*limit_field(c, i) = LIMITS[i].def;
+		opts[n++] = (struct option){LIMITS[i].name, required_argument, NULL, OPT_LIMIT0 + (int)i};
+	}
+	c->probe = true;
+	c->log_level = 1;
+	c->socket_mode = 0660;
+	default_paths(c);
+	opts[n++] = (struct option){"socket", required_argument, NULL, OPT_SOCKET};
+	opts[n++] = (struct option){"socket-mode", required_argument, NULL, OPT_MODE};
+	opts[n++] = (struct option){"cache-dir", required_argument, NULL, OPT_CACHE};
+	opts[n++] = (struct option){"adapters", required_argument, NULL, OPT_ADAPTERS};
+	opts[n++] = (struct option){"python", required_argument, NULL, OPT_PYTHON};
+	opts[n++] = (struct option){"worker", required_argument, NULL, OPT_WORKER};
+	opts[n++] = (struct option){"admin-group", required_argument, NULL, OPT_ADMIN};
+	opts[n++] = (struct option){"no-probe", no_argument, NULL, OPT_NO_PROBE};
+	opts[n++] = (struct option){"log-level", required_argument, NULL, OPT_LOG};
+	opts[n++] = (struct option){"help", no_argument, NULL, OPT_HELP};
+	opts[n++] = (struct option){"version", no_argument, NULL, OPT_VERSION};
+	opts[n] = (struct option){0};
+	optind = 1;
+	while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+		if (opt == OPT_HELP)
+			return usage(stdout), 1;
+		if (opt == OPT_VERSION)
+			return printf("torchloopd %s (protocol %d)\n", TORCHLOOPD_VERSION, PROTO_VERSION), 1;
+		if (opt >= OPT_LIMIT0 && opt < OPT_LIMIT0 + (int)N_LIMITS) {
+			if (parse_limit(c, (size_t)(opt - OPT_LIMIT0), optarg) != 0)
+				return -1;
+		} else if (opt == '?' || parse_other(c, opt, optarg) != 0) {
+			usage(stderr);
+			return -1;
+		}
+	}
+	if (optind < argc) {
+		fprintf(stderr, "torchloopd: unexpected argument '%s'\n", argv[optind]);
+		return -1;
+	}
+	if (c->threads == 0)
+		c->threads = sysconf(_SC_NPROCESSORS_ONLN) > 0 ? sysconf(_SC_NPROCESSORS_ONLN) : 1;
+	return 0;
+}

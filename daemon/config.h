@@ -1,0 +1,52 @@
+/*
+ * config.h - the daemon's settings: every limit is named here with its
+ * min/default/max, parsed from flags, and printed by --help (and documented
+ * in docs/operations.md).
+ */
+#ifndef TORCHLOOP_CONFIG_H
+#define TORCHLOOP_CONFIG_H
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* name, field, min, default, max, help */
+#define CONFIG_LIMITS(X)                                                                   \
+	X("max-frame", max_frame, 1024, 64LL << 20, 1LL << 30,                             \
+	  "largest frame accepted or sent, in bytes")                                      \
+	X("max-inflight", max_inflight, 1, 64, 4096,                                       \
+	  "requests one connection may have in flight")                                    \
+	X("write-queue-cap", write_queue_cap, 1LL << 20, 256LL << 20, 4LL << 30,           \
+	  "bytes queued to one slow client before its reads pause")                        \
+	X("max-connections", max_connections, 1, 1024, 65536, "concurrent client connections") \
+	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take") \
+	X("drain-timeout", drain_timeout, 0, 30, 3600,                                     \
+	  "seconds to finish in-flight requests on SIGTERM")                               \
+	X("threads", threads, 1, 0, 128,                                                   \
+	  "thread-pool size for graph runs (0: one per core)")
+
+struct config {
+#define CONFIG_X_FIELD(name, field, min, def, max, help) long long field;
+	CONFIG_LIMITS(CONFIG_X_FIELD)
+#undef CONFIG_X_FIELD
+	char socket_path[PATH_MAX];
+	char cache_dir[PATH_MAX];
+	char adapters_dir[PATH_MAX];
+	char python[PATH_MAX];
+	char worker[PATH_MAX];
+	char admin_group[64];
+	gid_t admin_gid;
+	bool has_admin_gid;
+	bool probe;
+	int log_level;
+	unsigned socket_mode;
+};
+
+/*
+ * Fills cfg from defaults, the environment and argv.  Returns 0 to run, 1
+ * when --help/--version was printed, -1 after printing a usage error.
+ */
+int config_parse(struct config *cfg, int argc, char **argv);
+
+#endif

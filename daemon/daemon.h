@@ -1,0 +1,251 @@
+/*
+ * daemon.h - the daemon's shared types: the daemon itself, connections,
+ * requests, adapters and their specializations, and the op table.
+ *
+ * Threads: everything here is touched on the loop thread only, except the
+ * fields a thread-pool job owns while it runs (documented at each job).
+ * Lifetimes are reference counts: a connection lives while its handle is
+ * open or a request/write needs it; an adapter while the registry or a
+ * specialization holds it; a specialization while its adapter lists it or a
+ * request waits on or runs it.
+ */
+#ifndef TORCHLOOP_DAEMON_H
+#define TORCHLOOP_DAEMON_H
+
+#include "cache.h"
+#include "compiler.h"
+#include "config.h"
+#include "engine.h"
+#include "frame.h"
+#include "msg.h"
+#include "tree.h"
+#include "writer.h"
+
+#include <stdbool.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#define TORCHLOOPD_VERSION_STR "0.1.0"
+#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1"
+#define LATENCY_RING 1024
+
+/* ---- adapters --------------------------------------------------------- */
+
+#define ADAPTER_NAME_MAX 64
+#define ADAPTER_MAX_STEPS 128
+#define ADAPTER_MAX_ELEMENTS 1048576
+#define ADAPTER_MAX_BUDGET 64
+#define ADAPTER_SOURCE_MAX (1 << 20)
+
+struct adapter_def {
+	char name[ADAPTER_NAME_MAX + 1];
+	char *source; /* owned */
+	char body_file[512];
+	char entry[128];
+	char strategy[16];
+	int64_t max_steps, max_elements, budget;
+	bool from_dir;
+};
+
+struct adapter_stats {
+	uint64_t requests, errors, compiles, cache_hits, cache_misses, runs;
+	double compile_seconds;
+	double latency_us[LATENCY_RING];
+	uint64_t latency_n;
+};
+
+enum spec_state { SPEC_LOADING, SPEC_COMPILING, SPEC_READY, SPEC_FAILED };
+
+struct specialization {
+	struct adapter *adapter; /* holds a reference */
+	struct specialization *next;
+	int refs;
+	enum spec_state state;
+	bool grad; /* kind: forward ("scan") or vjp ("grad") */
+	char key[CACHE_KEY_HEX];
+	char *signature; /* in zone */
+	msgpack_zone *zone;
+	struct tree_node carry, inputs, y; /* specs (no data) */
+	enum proto_dtype dtype;
+	int64_t steps;
+	size_t n_in, n_out;
+	struct engine_tensor *expected; /* n_in, the compiled input signature */
+	struct engine_graph *graph;
+	double compile_seconds;
+	bool from_cache;
+	struct proto_err error; /* SPEC_FAILED */
+	struct request *waiters;
+	uv_timer_t *progress;
+	double wait_started;
+	int lock_fd;
+};
+
+struct adapter {
+	struct adapter_def def;
+	char body_sha[CACHE_KEY_HEX];
+	int refs;
+	bool live; /* still the registered adapter of its name */
+	struct adapter *next;
+	struct specialization *specs;
+	unsigned held; /* specializations counted against the budget */
+	struct adapter_stats stats;
+	uint64_t generation;
+};
+
+struct registry {
+	struct adapter *head;
+	unsigned count;
+	uint64_t generation;
+};
+
+/* ---- connections and requests ----------------------------------------- */
+
+struct conn {
+	uv_pipe_t handle;
+	struct daemon *d;
+	struct frame_reader reader;
+	int refs;
+	bool closing, reading, paused;
+	unsigned inflight;
+	uid_t uid;
+	gid_t gid;
+	pid_t pid;
+	uint64_t serial;
+	struct conn *next, *prev;
+};
+
+struct request {
+	struct conn *conn; /* holds a reference */
+	struct daemon *d;
+	uint8_t *body;	   /* owned frame body; trees point into it */
+	uint32_t len;
+	struct msg msg;
+	bool has_id;
+	uint64_t id;
+	int op;
+	double started;
+	struct adapter *adapter;	  /* set by ops that run on one; holds a reference */
+	struct request *next_waiter;
+	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
+	void *state; /* op-specific, owned by the op */
+	void (*state_free)(void *state);
+};
+
+/* An outgoing frame and what must outlive its write. */
+struct outmsg {
+	uv_write_t req;
+	struct writer w;
+	struct conn *conn;
+	void (*cleanup)(void *arg);
+	void *cleanup_arg;
+	uint8_t *keep_body; /* the request's frame body, which outputs may alias */
+	bool close_after;
+};
+
+/* ---- ops -------------------------------------------------------------- */
+
+enum op_flags { OP_ADMIN = 1 };
+
+struct op_desc {
+	const char *name;
+	void (*handler)(struct request *req);
+	unsigned flags;
+};
+
+extern const struct op_desc *const OP_TABLE[PROTO_OP__COUNT];
+
+/* ---- the daemon ------------------------------------------------------- */
+
+struct daemon_stats {
+	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy;
+	uint64_t error_codes[PROTO_E__COUNT];
+};
+
+struct daemon {
+	uv_loop_t *loop;
+	struct config cfg;
+	uv_pipe_t server;
+	bool server_open, own_socket;
+	struct conn *conns;
+	unsigned n_conns;
+	struct registry reg;
+	struct compiler *compiler;
+	struct cache cache;
+	struct daemon_stats stats;
+	bool ready, shutting_down, worker_ok;
+	int exit_code;
+	uv_signal_t sigterm, sigint, sighup;
+	uv_timer_t drain_timer, watchdog;
+	unsigned inflight;
+	double started;
+	char worker_sha[CACHE_KEY_HEX];
+	char isa[128];
+	unsigned pending_loads; /* preloads not yet READY */
+	void (*on_ready)(struct daemon *d);
+};
+
+double now_seconds(void);
+
+/* request.c */
+void request_reply(struct request *req, struct outmsg *out);
+void request_fail(struct request *req, const struct proto_err *err);
+void request_fail_code(struct request *req, enum proto_code code, const char *path,
+		       const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* Begins a reply frame {id, result: {nfields...}}; returns NULL when out of memory. */
+struct outmsg *request_begin_result(struct request *req, uint32_t nfields);
+/* Sends a notification tied to the request (the request stays open). */
+void request_event(struct request *req, const char *event, const char *adapter,
+		   const char *signature, double elapsed);
+void request_free(struct request *req);
+bool request_is_admin(const struct request *req);
+
+/* conn.c */
+int server_listen(struct daemon *d, struct proto_err *err);
+void server_close(struct daemon *d);
+void conn_send(struct conn *c, struct outmsg *out);
+void conn_ref(struct conn *c);
+void conn_unref(struct conn *c);
+void conns_close_all(struct daemon *d);
+struct outmsg *outmsg_new(struct conn *c);
+void outmsg_free(struct outmsg *out);
+
+/* registry.c */
+int adapter_def_validate(struct adapter_def *def, struct proto_err *err);
+/* Registers or replaces; *replaced tells whether an old adapter was dropped. */
+struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
+				  bool *unchanged);
+struct adapter *registry_find(struct daemon *d, const char *name, size_t len);
+int registry_unregister(struct daemon *d, const char *name, size_t len);
+void adapter_ref(struct adapter *a);
+void adapter_unref(struct adapter *a);
+void adapter_record_latency(struct adapter *a, double us);
+double adapter_latency_percentile(const struct adapter *a, double p);
+void registry_clear(struct daemon *d);
+int registry_load_dir(struct daemon *d, const char *dir, bool reload);
+void adapter_def_defaults(struct adapter_def *def);
+
+/* specs.c: specializations (lookup, single-flight compile, load, run) */
+struct scan_args {
+	const struct tree_node *carry, *inputs;
+	enum proto_dtype dtype;
+	int64_t steps;
+	bool grad;
+};
+/*
+ * Finds or starts the specialization of args for a; calls ready(req, sp)
+ * when it can run (maybe at once) or fails the request.  Holds a reference
+ * on sp for the duration of ready.
+ */
+void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
+		   struct request *req,
+		   void (*ready)(struct request *req, struct specialization *sp));
+void spec_ref(struct specialization *sp);
+void spec_unref(struct specialization *sp);
+void specs_drop_all(struct adapter *a);
+unsigned specs_loaded(const struct daemon *d);
+
+/* daemon.c */
+void daemon_begin_shutdown(struct daemon *d, const char *why);
+void daemon_request_done(struct daemon *d);
+
+#endif

@@ -1,0 +1,55 @@
+/* describe.c - adapter descriptions shared by list, describe and stats. */
+#include "describe.h"
+
+static const char *state_name(enum spec_state s)
+{
+	static const char *const names[] = {"loading", "compiling", "ready", "failed"};
+
+	return names[s];
+}
+
+void describe_bounds(struct writer *w, const struct adapter *a)
+{
+	writer_key_str(w, "name", a->def.name);
+	writer_key_i64(w, "max_steps", a->def.max_steps);
+	writer_key_i64(w, "max_elements", a->def.max_elements);
+	writer_key_i64(w, "recompile_budget", a->def.budget);
+	writer_key_u64(w, "budget_used", a->held);
+	writer_key_str(w, "strategy", a->def.strategy);
+	writer_key_str(w, "entry", a->def.entry);
+}
+
+void describe_counters(struct writer *w, const struct adapter *a)
+{
+	const struct adapter_stats *s = &a->stats;
+
+	writer_key_u64(w, "requests", s->requests);
+	writer_key_u64(w, "errors", s->errors);
+	writer_key_u64(w, "compiles", s->compiles);
+	writer_key_f64(w, "compile_seconds", s->compile_seconds);
+	writer_key_u64(w, "cache_hits", s->cache_hits);
+	writer_key_u64(w, "cache_misses", s->cache_misses);
+	writer_key_u64(w, "runs", s->runs);
+	writer_key_f64(w, "run_p50_us", adapter_latency_percentile(a, 0.5));
+	writer_key_f64(w, "run_p99_us", adapter_latency_percentile(a, 0.99));
+	writer_key_u64(w, "graphs", a->held);
+}
+
+void describe_specs(struct writer *w, const struct adapter *a)
+{
+	uint32_t n = 0;
+
+	for (const struct specialization *sp = a->specs; sp; sp = sp->next)
+		n++;
+	msgpack_pack_array(&w->pk, n);
+	for (const struct specialization *sp = a->specs; sp; sp = sp->next) {
+		msgpack_pack_map(&w->pk, sp->state == SPEC_FAILED ? 6 : 5);
+		writer_key_str(w, "signature", sp->signature);
+		writer_key_str(w, "kind", sp->grad ? "grad" : "scan");
+		writer_key_str(w, "state", state_name(sp->state));
+		writer_key_f64(w, "compile_seconds", sp->compile_seconds);
+		writer_key_bool(w, "from_cache", sp->from_cache);
+		if (sp->state == SPEC_FAILED)
+			writer_key_str(w, "error", proto_code_name(sp->error.code));
+	}
+}

@@ -1,0 +1,14 @@
+/* describe.h - writing an adapter's description (list, describe, stats). */
+#ifndef TORCHLOOP_DESCRIBE_H
+#define TORCHLOOP_DESCRIBE_H
+
+#include "daemon.h"
+
+/* Bounds, budget, strategy: 7 map entries. */
+void describe_bounds(struct writer *w, const struct adapter *a);
+/* Counters and run percentiles: 10 map entries. */
+void describe_counters(struct writer *w, const struct adapter *a);
+/* The specializations held: one array. */
+void describe_specs(struct writer *w, const struct adapter *a);
+
+#endif

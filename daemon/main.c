@@ -1,0 +1,36 @@
+/*
+ * main.c - torchloopd's entry point: settings, the thread-pool size, the
+ * loop, and the exit code.
+ */
+#include "daemon.h"
+
+#include "log.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int daemon_start(struct daemon *d);
+
+int main(int argc, char **argv)
+{
+	static struct daemon d;
+	char pool[32];
+	int rc = config_parse(&d.cfg, argc, argv);
+
+	if (rc != 0)
+		return rc > 0 ? 0 : 2;
+	signal(SIGPIPE, SIG_IGN);
+	/* graph runs + cache I/O and dlopen, which must not queue behind runs */
+	snprintf(pool, sizeof pool, "%lld", d.cfg.threads + 2);
+	setenv("UV_THREADPOOL_SIZE", pool, 1);
+	if (daemon_start(&d) != 0)
+		d.exit_code = 1;
+	uv_run(d.loop, UV_RUN_DEFAULT);
+	rc = uv_loop_close(d.loop);
+	if (rc != 0)
+		log_warn("loop closed with handles open: %s", uv_strerror(rc));
+	log_info("stopped (exit %d)", d.exit_code);
+	return d.exit_code;
+}

@@ -1,0 +1,43 @@
+/* op_describe.c - describe: one adapter's bounds, graphs and counters. */
+#include "describe.h"
+
+static void op_describe(struct request *req)
+{
+	const char *name;
+	uint32_t len;
+	struct proto_err err;
+	struct outmsg *out;
+	const struct adapter *a;
+	int rc = msg_get_str(&req->msg.up.data, "name", &name, &len, &err);
+
+	if (rc != 0) {
+		if (rc > 0)
+			proto_fail(&err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+		{
+		request_fail(req, &err);
+		return;
+	}
+	}
+	a = registry_find(req->d, name, len);
+	if (a == NULL)
+		{
+		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",
+					 (int)len, name);
+		return;
+	}
+	out = request_begin_result(req, 7 + 1 + 1);
+	if (out == NULL)
+		{
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	describe_bounds(&out->w, a);
+	writer_str(&out->w, "specializations");
+	describe_specs(&out->w, a);
+	writer_str(&out->w, "counters");
+	msgpack_pack_map(&out->w.pk, 10);
+	describe_counters(&out->w, a);
+	request_reply(req, out);
+}
+
+const struct op_desc op_describe_desc = {"describe", op_describe, 0};

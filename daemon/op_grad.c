@@ -1,0 +1,161 @@
+/*
+ * op_grad.c - grad: the scan's outputs plus the vector-Jacobian product
+ * for cotangents of (final carry, stacked outputs) with respect to
+ * (carry, inputs).  A None cotangent (a whole tree or a leaf) means zero.
+ * The vjp graph is its own specialization (kind "grad") and counts against
+ * the adapter's budget.
+ */
+#include "scanrun.h"
+#include "spec.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct cot_ctx {
+	struct engine_tensor *slots;
+	size_t n;
+	enum proto_dtype dtype;
+	int64_t steps; /* > 0: expected shapes get this leading axis */
+	uint64_t zero_bytes;
+	struct proto_err *err;
+};
+
+static int cot_mismatch(struct cot_ctx *c, const char *path, const char *what)
+{
+	return proto_fail(c->err, PROTO_E_COTANGENT_MISMATCH, path, "%s: %s", path, what);
+}
+
+static void zero_slots(const struct tree_node *spec, struct cot_ctx *c)
+{
+	size_t first = c->n;
+
+	spec_flatten(spec, c->slots, &c->n);
+	for (size_t i = first; i < c->n; i++) {
+		struct engine_tensor *t = &c->slots[i];
+		if (c->steps > 0) {
+			memmove(t->shape + 1, t->shape, (PROTO_MAX_NDIM - 1) * sizeof t->shape[0]);
+			t->shape[0] = c->steps;
+			t->ndim++;
+			t->nbytes *= (uint64_t)c->steps;
+		}
+		t->data = NULL; /* patched to a shared zero buffer */
+		if (t->nbytes > c->zero_bytes)
+			c->zero_bytes = t->nbytes;
+	}
+}
+
+static int cot_tensor(const struct tree_node *spec, const struct tree_node *cot,
+		      const char *path, struct cot_ctx *c)
+{
+	const struct tree_tensor *t = &cot->tensor;
+	uint32_t off = c->steps > 0;
+
+	if (cot->kind != TREE_TENSOR)
+		return cot_mismatch(c, path, "expected a tensor or None");
+	if (t->dtype != c->dtype)
+		return cot_mismatch(c, path, "dtype differs from the request's");
+	if (t->ndim != spec->tensor.ndim + off || (off && t->shape[0] != c->steps) ||
+	    memcmp(t->shape + off, spec->tensor.shape, spec->tensor.ndim * sizeof t->shape[0]) != 0)
+		return cot_mismatch(c, path, "shape differs from the value it is a cotangent of");
+	spec_flatten(cot, c->slots, &c->n);
+	return 0;
+}
+
+static int cot_walk(const struct tree_node *spec, const struct tree_node *cot, char *path,
+		    size_t len, struct cot_ctx *c)
+{
+	if (cot->kind == TREE_NONE) {
+		zero_slots(spec, c);
+		return 0;
+	}
+	if (spec->kind == TREE_TENSOR)
+		return cot_tensor(spec, cot, path, c);
+	if (spec->kind == TREE_NONE)
+		return cot_mismatch(c, path, "expected None (the value is None)");
+	if (cot->kind != spec->kind || cot->count != spec->count)
+		return cot_mismatch(c, path, "structure differs from the value it is a cotangent of");
+	for (uint32_t i = 0; i < spec->count; i++) {
+		size_t l = len;
+		if (spec->kind == TREE_DICT && (cot->keys[i].len != spec->keys[i].len ||
+						memcmp(cot->keys[i].ptr, spec->keys[i].ptr, cot->keys[i].len)))
+			return cot_mismatch(c, path, "dict keys differ (names or order)");
+		tree_path_push(path, PROTO_PATH_MAX, &l, spec, i);
+		if (cot_walk(&spec->items[i], &cot->items[i], path, l, c) != 0)
+			return -1;
+		path[len] = '\0';
+	}
+	return 0;
+}
+
+static int add_cotangents(struct run_job *j, struct request *req, struct specialization *sp,
+			  struct proto_err *err)
+{
+	struct cot_ctx c = {.dtype = sp->dtype, .err = err};
+	char path[PROTO_PATH_MAX] = "cot_carry";
+	void *zeros;
+
+	c.slots = run_job_slots(j, &c.n);
+	if (cot_walk(&sp->carry, &req->cot_carry, path, 9, &c) != 0)
+		return -1;
+	c.steps = sp->steps;
+	snprintf(path, sizeof path, "cot_outputs");
+	if (cot_walk(&sp->y, &req->cot_outputs, path, 11, &c) != 0)
+		return -1;
+	zeros = aligned_alloc(PROTO_TENSOR_ALIGN, (c.zero_bytes + 127) & ~(uint64_t)63);
+	if (zeros == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	memset(zeros, 0, (c.zero_bytes + 127) & ~(uint64_t)63);
+	for (size_t i = 0; i < c.n; i++)
+		if (c.slots[i].data == NULL)
+			c.slots[i].data = zeros;
+	run_job_own(j, zeros);
+	run_job_set_count(j, c.n);
+	return 0;
+}
+
+static void grad_ready(struct request *req, struct specialization *sp)
+{
+	struct run_job *j = run_job_new(req, sp);
+	struct proto_err err;
+
+	if (j == NULL) {
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	run_job_add(j, &req->carry);
+	run_job_add(j, &req->inputs);
+	if (add_cotangents(j, req, sp, &err) != 0) {
+		run_job_abort(j, &err);
+		return;
+	}
+	run_job_start(j);
+}
+
+static int optional_tree(struct request *req, const char *key, struct tree_node *out,
+			 struct proto_err *err)
+{
+	int rc = msg_get_tree(&req->msg, key, false, out, err);
+
+	if (rc > 0)
+		out->kind = TREE_NONE; /* absent: all zeros */
+	return rc < 0 ? -1 : 0;
+}
+
+static void op_grad(struct request *req)
+{
+	struct adapter *a;
+	struct scan_args args = {.grad = true};
+	struct proto_err err;
+
+	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
+	    optional_tree(req, "cot_carry", &req->cot_carry, &err) != 0 ||
+	    optional_tree(req, "cot_outputs", &req->cot_outputs, &err) != 0) {
+		request_fail(req, &err);
+		return;
+	}
+	args.grad = true;
+	specs_acquire(req->d, a, &args, req, grad_ready);
+}
+
+const struct op_desc op_grad_desc = {"grad", op_grad, 0};

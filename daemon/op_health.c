@@ -1,0 +1,28 @@
+/*
+ * op_health.c - health: live (the loop answered) and ready (worker alive,
+ * start-up done, preloaded adapters' graphs loaded).
+ */
+#include "daemon.h"
+
+static void op_health(struct request *req)
+{
+	struct daemon *d = req->d;
+	bool worker = compiler_alive(d->compiler);
+	struct outmsg *out = request_begin_result(req, 7);
+
+	if (out == NULL)
+		{
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	writer_key_bool(&out->w, "live", true);
+	writer_key_bool(&out->w, "ready", d->ready && worker && !d->shutting_down);
+	writer_key_bool(&out->w, "worker", worker);
+	writer_key_bool(&out->w, "stopping", d->shutting_down);
+	writer_key_u64(&out->w, "adapters", d->reg.count);
+	writer_key_u64(&out->w, "graphs", specs_loaded(d));
+	writer_key_u64(&out->w, "inflight", d->inflight);
+	request_reply(req, out);
+}
+
+const struct op_desc op_health_desc = {"health", op_health, 0};

@@ -1,0 +1,40 @@
+/* op_hello.c - hello: the version handshake; a mismatch is refused naming both. */
+#include "daemon.h"
+
+static void op_hello(struct request *req)
+{
+	struct daemon *d = req->d;
+	struct proto_err err;
+	struct outmsg *out;
+	int64_t v = 0;
+	int rc = msg_get_i64(&req->msg.up.data, "protocol", &v, &err);
+
+	if (rc != 0) {
+		if (rc > 0)
+			proto_fail(&err, PROTO_E_INVALID_ARGUMENT, "protocol", "hello needs protocol (an integer)");
+		{
+		request_fail(req, &err);
+		return;
+	}
+	}
+	if (v != PROTO_VERSION)
+		{
+		request_fail_code(req, PROTO_E_VERSION_MISMATCH, "protocol",
+					 "client speaks protocol %lld, torchloopd %s speaks protocol %d",
+					 (long long)v, TORCHLOOPD_VERSION_STR, PROTO_VERSION);
+		return;
+	}
+	out = request_begin_result(req, 4);
+	if (out == NULL)
+		{
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	writer_key_u64(&out->w, "protocol", PROTO_VERSION);
+	writer_key_str(&out->w, "daemon", TORCHLOOPD_VERSION_STR);
+	writer_key_str(&out->w, "torch", compiler_info(d->compiler)->torch);
+	writer_key_u64(&out->w, "max_frame", (uint64_t)d->cfg.max_frame);
+	request_reply(req, out);
+}
+
+const struct op_desc op_hello_desc = {"hello", op_hello, 0};

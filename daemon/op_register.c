@@ -1,0 +1,133 @@
+/*
+ * op_register.c - register (admin): name, body (source text + entry, or a
+ * file in the adapters directory), bounds, budget, strategy.  The same name
+ * with a different definition replaces the adapter.  Registering runs the
+ * body's code inside the compile worker as the daemon's user.
+ */
+#include "daemon.h"
+
+#include "log.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int get_bound(struct request *req, const char *key, int64_t *v, const char *msg,
+		     struct proto_err *err)
+{
+	int rc = msg_get_i64(&req->msg.up.data, key, v, err);
+
+	if (rc < 0) /* a bool or a float is not an integer */
+		return proto_fail(err, PROTO_E_INVALID_BOUNDS, key, "%s", msg);
+	return 0;
+}
+
+static int copy_str(struct request *req, const char *key, char *dst, size_t size, bool required,
+		    struct proto_err *err)
+{
+	const char *s;
+	uint32_t n;
+	int rc = msg_get_str(&req->msg.up.data, key, &s, &n, err);
+
+	if (rc < 0)
+		return -1;
+	if (rc > 0)
+		return required ? proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "register needs %s", key) : 0;
+	if (n >= size)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s is longer than %zu bytes", key, size - 1);
+	memcpy(dst, s, n);
+	dst[n] = '\0';
+	return 0;
+}
+
+static int get_name(struct request *req, struct adapter_def *def, struct proto_err *err)
+{
+	const char *s;
+	uint32_t n;
+	int rc = msg_get_str(&req->msg.up.data, "name", &s, &n, err);
+
+	if (rc < 0)
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name", "name must be a string");
+	if (rc > 0 || n == 0)
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+	if (n > ADAPTER_NAME_MAX)
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name", "adapter name must match [A-Za-z0-9._-]{1,64}");
+	memcpy(def->name, s, n);
+	def->name[n] = '\0';
+	return 0;
+}
+
+static int get_source(struct request *req, struct adapter_def *def, struct proto_err *err)
+{
+	const char *s;
+	uint32_t n;
+	int rc = msg_get_str(&req->msg.up.data, "body_source", &s, &n, err);
+
+	if (rc < 0)
+		return -1;
+	if (rc > 0)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
+				  "register needs body_source (the body's Python source)");
+	if (n > ADAPTER_SOURCE_MAX)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
+				  "body_source is over %d bytes", ADAPTER_SOURCE_MAX);
+	def->source = malloc(n + 1);
+	if (def->source == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	memcpy(def->source, s, n);
+	def->source[n] = '\0';
+	return 0;
+}
+
+static int parse_def(struct request *req, struct adapter_def *def, struct proto_err *err)
+{
+	adapter_def_defaults(def);
+	if (get_name(req, def, err) ||
+	    get_bound(req, "max_steps", &def->max_steps, "max_steps must be an integer in [1, 128]", err) ||
+	    get_bound(req, "max_elements", &def->max_elements,
+		      "max_elements must be an integer in [1, 1048576]", err) ||
+	    get_bound(req, "recompile_budget", &def->budget,
+		      "recompile_budget must be an integer in [1, 64]", err) ||
+	    copy_str(req, "entry", def->entry, sizeof def->entry, false, err) ||
+	    copy_str(req, "strategy", def->strategy, sizeof def->strategy, false, err) ||
+	    copy_str(req, "body_file", def->body_file, sizeof def->body_file, false, err) ||
+	    get_source(req, def, err))
+		return -1;
+	return adapter_def_validate(def, err);
+}
+
+static void op_register(struct request *req)
+{
+	struct adapter_def def;
+	struct proto_err err;
+	struct outmsg *out;
+	struct adapter *a;
+	bool replaced, unchanged;
+
+	memset(&def, 0, sizeof def);
+	if (parse_def(req, &def, &err) != 0) {
+		free(def.source);
+		request_fail(req, &err);
+		return;
+	}
+	a = registry_register(req->d, &def, &replaced, &unchanged);
+	if (a == NULL) {
+		free(def.source);
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	log_line(LOG_INFO, req->id, a->def.name, "%s by uid %d",
+		 unchanged ? "re-registered unchanged" : replaced ? "replaced" : "registered",
+		 (int)req->conn->uid);
+	out = request_begin_result(req, 3);
+	if (out == NULL)
+		{
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	writer_key_str(&out->w, "name", a->def.name);
+	writer_key_bool(&out->w, "replaced", replaced);
+	writer_key_bool(&out->w, "unchanged", unchanged);
+	request_reply(req, out);
+}
+
+const struct op_desc op_register_desc = {"register", op_register, OP_ADMIN};

@@ -1,0 +1,40 @@
+/* op_stats.c - stats: daemon-wide counters, error codes, and per adapter. */
+#include "describe.h"
+
+static void op_stats(struct request *req)
+{
+	struct daemon *d = req->d;
+	struct outmsg *out = request_begin_result(req, 10);
+	uint32_t n_codes = 0;
+
+	if (out == NULL)
+		{
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	writer_key_f64(&out->w, "uptime", now_seconds() - d->started);
+	writer_key_u64(&out->w, "connections", d->stats.connections);
+	writer_key_u64(&out->w, "open_connections", d->n_conns);
+	writer_key_u64(&out->w, "requests", d->stats.requests);
+	writer_key_u64(&out->w, "errors", d->stats.errors + d->stats.frame_errors);
+	writer_key_u64(&out->w, "limit_breaches", d->stats.limit_breaches);
+	writer_key_u64(&out->w, "inflight", d->inflight);
+	writer_key_u64(&out->w, "worker_restarts", compiler_restarts(d->compiler));
+	for (int c = 1; c < PROTO_E__COUNT; c++)
+		n_codes += d->stats.error_codes[c] != 0;
+	writer_str(&out->w, "error_codes");
+	msgpack_pack_map(&out->w.pk, n_codes);
+	for (int c = 1; c < PROTO_E__COUNT; c++)
+		if (d->stats.error_codes[c])
+			writer_key_u64(&out->w, proto_code_name(c), d->stats.error_codes[c]);
+	writer_str(&out->w, "adapters");
+	msgpack_pack_array(&out->w.pk, d->reg.count);
+	for (const struct adapter *a = d->reg.head; a; a = a->next) {
+		msgpack_pack_map(&out->w.pk, 7 + 10);
+		describe_bounds(&out->w, a);
+		describe_counters(&out->w, a);
+	}
+	request_reply(req, out);
+}
+
+const struct op_desc op_stats_desc = {"stats", op_stats, 0};

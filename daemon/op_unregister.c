@@ -1,0 +1,36 @@
+/* op_unregister.c - unregister (admin): drop an adapter and its graphs. */
+#include "daemon.h"
+
+#include "log.h"
+
+static void op_unregister(struct request *req)
+{
+	const char *name;
+	uint32_t len;
+	struct proto_err err;
+	struct outmsg *out;
+	int rc = msg_get_str(&req->msg.up.data, "name", &name, &len, &err);
+
+	if (rc != 0) {
+		if (rc > 0)
+			proto_fail(&err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+		request_fail(req, &err);
+		return;
+	}
+	if (registry_unregister(req->d, name, len) != 0) {
+		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'", (int)len, name);
+		return;
+	}
+	log_line(LOG_INFO, req->id, NULL, "unregistered %.*s", (int)len, name);
+	out = request_begin_result(req, 1);
+	if (out == NULL)
+		{
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	writer_str(&out->w, "name");
+	writer_strn(&out->w, name, len);
+	request_reply(req, out);
+}
+
+const struct op_desc op_unregister_desc = {"unregister", op_unregister, OP_ADMIN};

@@ -1,0 +1,380 @@
+/*
+ * registry.c - named adapters.  Loop thread only.
+ *
+ * Registering a name that exists with the same body, entry, bounds and
+ * strategy keeps the adapter (and its graphs); anything different replaces
+ * it: the old adapter is unlisted, its specializations dropped (runs in
+ * flight finish on their own references) and the budget starts again.  The
+ * validation messages are the reference adapter's.
+ *
+ * Adapter definition files (*.adapter in --adapters DIR) are key = value
+ * lines; see docs/operations.md.
+ */
+#include "daemon.h"
+
+#include "log.h"
+#include "sha256.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static bool name_ok(const char *s)
+{
+	size_t n = strlen(s);
+
+	if (n == 0 || n > ADAPTER_NAME_MAX)
+		return false;
+	for (size_t i = 0; i < n; i++) {
+		char ch = s[i];
+		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+		      ch == '.' || ch == '_' || ch == '-'))
+			return false;
+	}
+	return true;
+}
+
+static bool ident_ok(const char *s)
+{
+	if (!*s || (*s >= '0' && *s <= '9'))
+		return false;
+	for (; *s; s++)
+		if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') ||
+		      (*s >= '0' && *s <= '9') || *s == '_'))
+			return false;
+	return true;
+}
+
+int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
+{
+	if (def->name[0] == '\0')
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
+				  "Loop adapter namespace must not be empty");
+	if (!name_ok(def->name))
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
+				  "adapter name must match [A-Za-z0-9._-]{1,64}");
+	if (def->max_steps < 1 || def->max_steps > ADAPTER_MAX_STEPS)
+		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_steps",
+				  "max_steps must be an integer in [1, 128]");
+	if (def->max_elements < 1 || def->max_elements > ADAPTER_MAX_ELEMENTS)
+		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_elements",
+				  "max_elements must be an integer in [1, 1048576]");
+	if (def->budget < 1 || def->budget > ADAPTER_MAX_BUDGET)
+		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "recompile_budget",
+				  "recompile_budget must be an integer in [1, 64]");
+	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "strategy",
+				  "strategy must be \"unroll\" or \"scan\"");
+	if (!ident_ok(def->entry))
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "entry",
+				  "entry must name a Python function");
+	if (def->source == NULL || def->source[0] == '\0')
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body", "the adapter has no body source");
+	return 0;
+}
+
+void adapter_ref(struct adapter *a)
+{
+	a->refs++;
+}
+
+void adapter_unref(struct adapter *a)
+{
+	if (--a->refs > 0)
+		return;
+	free(a->def.source);
+	free(a);
+}
+
+static void body_hash(struct adapter *a)
+{
+	struct sha256 s;
+	uint8_t d[32];
+
+	sha256_init(&s);
+	sha256_update(&s, a->def.source, strlen(a->def.source) + 1);
+	sha256_update(&s, a->def.entry, strlen(a->def.entry) + 1);
+	sha256_final(&s, d);
+	sha256_hex(d, a->body_sha);
+}
+
+static bool same_def(const struct adapter *a, const struct adapter_def *def)
+{
+	return strcmp(a->def.source, def->source) == 0 && strcmp(a->def.entry, def->entry) == 0 &&
+	       strcmp(a->def.strategy, def->strategy) == 0 && a->def.max_steps == def->max_steps &&
+	       a->def.max_elements == def->max_elements && a->def.budget == def->budget;
+}
+
+struct adapter *registry_find(struct daemon *d, const char *name, size_t len)
+{
+	for (struct adapter *a = d->reg.head; a; a = a->next)
+		if (strlen(a->def.name) == len && memcmp(a->def.name, name, len) == 0)
+			return a;
+	return NULL;
+}
+
+static void unlist(struct daemon *d, struct adapter *a)
+{
+	struct adapter **pp = &d->reg.head;
+
+	while (*pp && *pp != a)
+		pp = &(*pp)->next;
+	if (*pp)
+		*pp = a->next;
+	d->reg.count--;
+	a->live = false;
+	specs_drop_all(a);
+	adapter_unref(a);
+}
+
+/* Takes ownership of def->source. */
+struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
+				  bool *unchanged)
+{
+	struct adapter *old = registry_find(d, def->name, strlen(def->name));
+	struct adapter *a;
+
+	*replaced = *unchanged = false;
+	if (old && same_def(old, def)) {
+		free(def->source);
+		def->source = NULL;
+		old->def.from_dir = def->from_dir;
+		*unchanged = true;
+		return old;
+	}
+	a = calloc(1, sizeof *a);
+	if (a == NULL)
+		return NULL;
+	a->def = *def;
+	def->source = NULL;
+	a->refs = 1;
+	a->live = true;
+	a->generation = ++d->reg.generation;
+	body_hash(a);
+	if (old) {
+		unlist(d, old);
+		*replaced = true;
+	}
+	a->next = d->reg.head;
+	d->reg.head = a;
+	d->reg.count++;
+	return a;
+}
+
+int registry_unregister(struct daemon *d, const char *name, size_t len)
+{
+	struct adapter *a = registry_find(d, name, len);
+
+	if (a == NULL)
+		return -1;
+	unlist(d, a);
+	return 0;
+}
+
+void registry_clear(struct daemon *d)
+{
+	while (d->reg.head)
+		unlist(d, d->reg.head);
+}
+
+void adapter_record_latency(struct adapter *a, double us)
+{
+	a->stats.latency_us[a->stats.latency_n++ % LATENCY_RING] = us;
+}
+
+static int cmp_double(const void *x, const void *y)
+{
+	double a = *(const double *)x, b = *(const double *)y;
+
+	return a < b ? -1 : a > b;
+}
+
+double adapter_latency_percentile(const struct adapter *a, double p)
+{
+	double tmp[LATENCY_RING];
+	size_t n = a->stats.latency_n < LATENCY_RING ? a->stats.latency_n : LATENCY_RING;
+	size_t idx;
+
+	if (n == 0)
+		return 0;
+	memcpy(tmp, a->stats.latency_us, n * sizeof *tmp);
+	qsort(tmp, n, sizeof *tmp, cmp_double);
+	idx = (size_t)(p * (double)(n - 1) + 0.5);
+	return tmp[idx < n ? idx : n - 1];
+}
+
+/* ---- adapter definition files ------------------------------------------ */
+
+static char *read_text(const char *path, size_t max)
+{
+	FILE *f = fopen(path, "re");
+	char *buf;
+	size_t n;
+
+	if (f == NULL)
+		return NULL;
+	buf = malloc(max + 1);
+	n = buf ? fread(buf, 1, max + 1, f) : 0;
+	fclose(f);
+	if (buf == NULL || n > max) {
+		free(buf);
+		errno = EFBIG;
+		return NULL;
+	}
+	buf[n] = '\0';
+	return buf;
+}
+
+static char *trim(char *s)
+{
+	char *e;
+
+	while (*s == ' ' || *s == '\t')
+		s++;
+	e = s + strlen(s);
+	while (e > s && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r' || e[-1] == '\n'))
+		*--e = '\0';
+	return s;
+}
+
+static int parse_int(const char *v, int64_t *out)
+{
+	char *end;
+	long long x = strtoll(v, &end, 10);
+
+	if (*v == '\0' || *end != '\0')
+		return -1;
+	*out = x;
+	return 0;
+}
+
+static int set_field(struct adapter_def *def, const char *k, const char *v, char *body,
+		     size_t body_size)
+{
+	if (strcmp(k, "name") == 0)
+		return snprintf(def->name, sizeof def->name, "%s", v) >= (int)sizeof def->name ? -1 : 0;
+	if (strcmp(k, "body") == 0)
+		return snprintf(body, body_size, "%s", v) >= (int)body_size ? -1 : 0;
+	if (strcmp(k, "entry") == 0)
+		return snprintf(def->entry, sizeof def->entry, "%s", v) >= (int)sizeof def->entry ? -1 : 0;
+	if (strcmp(k, "strategy") == 0)
+		return snprintf(def->strategy, sizeof def->strategy, "%s", v) >= (int)sizeof def->strategy ? -1 : 0;
+	if (strcmp(k, "max_steps") == 0)
+		return parse_int(v, &def->max_steps);
+	if (strcmp(k, "max_elements") == 0)
+		return parse_int(v, &def->max_elements);
+	if (strcmp(k, "recompile_budget") == 0)
+		return parse_int(v, &def->budget);
+	return -1;
+}
+
+void adapter_def_defaults(struct adapter_def *def)
+{
+	memset(def, 0, sizeof *def);
+	def->max_steps = 128;
+	def->max_elements = 65536;
+	def->budget = 8;
+	snprintf(def->strategy, sizeof def->strategy, "unroll");
+	snprintf(def->entry, sizeof def->entry, "body");
+}
+
+/* Parses one *.adapter file; the body path is relative to its directory. */
+static int parse_file(const char *dir, const char *file, struct adapter_def *def,
+		      struct proto_err *err)
+{
+	char path[PATH_MAX], body[PATH_MAX / 2] = "", full[PATH_MAX];
+	char *text, *line, *save = NULL;
+	int lineno = 0;
+
+	snprintf(path, sizeof path, "%s/%s", dir, file);
+	adapter_def_defaults(def);
+	def->from_dir = true;
+	text = read_text(path, 65536);
+	if (text == NULL)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: %s", path, strerror(errno));
+	for (line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+		char *eq, *t = trim(line);
+		lineno++;
+		if (*t == '\0' || *t == '#')
+			continue;
+		eq = strchr(t, '=');
+		if (eq == NULL) {
+			free(text);
+			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s:%d: expected key = value", path, lineno);
+		}
+		*eq = '\0';
+		if (set_field(def, trim(t), trim(eq + 1), body, sizeof body) != 0) {
+			free(text);
+			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s:%d: bad setting '%s'", path, lineno, trim(t));
+		}
+	}
+	free(text);
+	if (body[0] == '\0')
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: no body = FILE.py", path);
+	snprintf(full, sizeof full, "%s%s%s", body[0] == '/' ? "" : dir, body[0] == '/' ? "" : "/", body);
+	def->source = read_text(full, ADAPTER_SOURCE_MAX);
+	if (def->source == NULL)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: body %s: %s", path, full, strerror(errno));
+	if (realpath(full, path) != NULL && strlen(path) < sizeof def->body_file)
+		memcpy(def->body_file, path, strlen(path) + 1);
+	return adapter_def_validate(def, err);
+}
+
+static int ends_with(const char *s, const char *suffix)
+{
+	size_t n = strlen(s), m = strlen(suffix);
+
+	return n > m && strcmp(s + n - m, suffix) == 0;
+}
+
+/*
+ * Registers every *.adapter file of dir.  On reload, adapters that came
+ * from the directory but whose file is gone are unregistered.  Returns the
+ * number of files that failed (each is logged).
+ */
+int registry_load_dir(struct daemon *d, const char *dir, bool reload)
+{
+	struct dirent **names;
+	int n = scandir(dir, &names, NULL, alphasort), failed = 0;
+	char seen[256][ADAPTER_NAME_MAX + 1];
+	int n_seen = 0;
+
+	if (n < 0) {
+		log_error("adapters directory %s: %s", dir, strerror(errno));
+		return 1;
+	}
+	for (int i = 0; i < n; i++) {
+		struct adapter_def def;
+		struct proto_err err;
+		bool replaced, unchanged;
+		if (ends_with(names[i]->d_name, ".adapter")) {
+			if (parse_file(dir, names[i]->d_name, &def, &err) != 0) {
+				log_error("adapter file %s: %s", names[i]->d_name, err.message);
+				free(def.source);
+				failed++;
+			} else if (registry_register(d, &def, &replaced, &unchanged) != NULL) {
+				if (n_seen < 256)
+					snprintf(seen[n_seen++], sizeof seen[0], "%s", def.name);
+				log_line(LOG_INFO, 0, def.name, "%s from %s",
+					 unchanged ? "unchanged" : replaced ? "replaced" : "registered",
+					 names[i]->d_name);
+			}
+		}
+		free(names[i]);
+	}
+	free(names);
+	for (struct adapter *a = d->reg.head, *next; reload && a; a = next) {
+		bool keep = !a->def.from_dir;
+		next = a->next;
+		for (int i = 0; i < n_seen && !keep; i++)
+			keep = strcmp(seen[i], a->def.name) == 0;
+		if (!keep) {
+			log_line(LOG_INFO, 0, a->def.name, "unregistered: its file is gone");
+			unlist(d, a);
+		}
+	}
+	return failed;
+}

@@ -1,0 +1,200 @@
+/*
+ * request.c - one request from frame to reply.  Loop thread only.
+ *
+ * request_dispatch parses the envelope once (the edge), applies the
+ * connection's in-flight limit, the shutdown state and admin-only access,
+ * then hands the request to its op.  A request owns its frame body (trees
+ * are views into it) and holds its connection; it ends with exactly one
+ * request_reply or request_fail, which frees it.  A reply to a connection
+ * that has closed is dropped.
+ */
+#include "daemon.h"
+
+#include "log.h"
+
+#include <grp.h>
+#include <pwd.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+double now_seconds(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+void request_free(struct request *req)
+{
+	if (req->state_free)
+		req->state_free(req->state);
+	if (req->adapter)
+		adapter_unref(req->adapter);
+	msg_destroy(&req->msg);
+	frame_free(req->body);
+	req->conn->inflight--;
+	conn_unref(req->conn);
+	daemon_request_done(req->d);
+	free(req);
+}
+
+struct outmsg *request_begin_result(struct request *req, uint32_t nfields)
+{
+	struct outmsg *out = outmsg_new(req->conn);
+
+	if (out != NULL)
+		msg_begin_result(&out->w, req->has_id, req->id, nfields);
+	return out;
+}
+
+void request_reply(struct request *req, struct outmsg *out)
+{
+	out->keep_body = req->body; /* output tensors may alias input bytes */
+	req->body = NULL;
+	conn_send(req->conn, out);
+	request_free(req);
+}
+
+void request_fail(struct request *req, const struct proto_err *err)
+{
+	struct outmsg *out = outmsg_new(req->conn);
+	struct daemon *d = req->d;
+
+	d->stats.errors++;
+	d->stats.error_codes[err->code]++;
+	if (req->adapter)
+		req->adapter->stats.errors++;
+	log_line(err->code == PROTO_E_INTERNAL ? LOG_ERROR : LOG_INFO, req->id,
+		 req->adapter ? req->adapter->def.name : NULL, "%s %s: %s",
+		 req->op >= 0 ? proto_op_name(req->op) : "?", proto_code_name(err->code),
+		 err->message);
+	if (out != NULL) {
+		msg_write_error(&out->w, req->has_id, req->id, err);
+		conn_send(req->conn, out);
+	}
+	request_free(req);
+}
+
+void request_fail_code(struct request *req, enum proto_code code, const char *path,
+		       const char *fmt, ...)
+{
+	struct proto_err err;
+	va_list ap;
+
+	err.code = code;
+	snprintf(err.path, sizeof err.path, "%s", path ? path : "");
+	va_start(ap, fmt);
+	vsnprintf(err.message, sizeof err.message, fmt, ap);
+	va_end(ap);
+	request_fail(req, &err);
+}
+
+void request_event(struct request *req, const char *event, const char *adapter,
+		   const char *signature, double elapsed)
+{
+	struct outmsg *out = outmsg_new(req->conn);
+
+	if (out == NULL)
+		return;
+	msg_begin_event(&out->w, req->id, event, 3);
+	writer_key_str(&out->w, "adapter", adapter);
+	writer_key_str(&out->w, "signature", signature);
+	writer_key_f64(&out->w, "elapsed", elapsed);
+	conn_send(req->conn, out);
+}
+
+/* The daemon's uid, root, or a member of --admin-group. */
+bool request_is_admin(const struct request *req)
+{
+	const struct conn *c = req->conn;
+	const struct config *cfg = &req->d->cfg;
+	struct passwd *pw;
+	gid_t groups[256];
+	int n = 256;
+
+	if (c->uid == 0 || c->uid == getuid())
+		return true;
+	if (!cfg->has_admin_gid)
+		return false;
+	if (c->gid == cfg->admin_gid)
+		return true;
+	pw = getpwuid(c->uid);
+	if (pw == NULL || getgrouplist(pw->pw_name, pw->pw_gid, groups, &n) < 0)
+		return false;
+	for (int i = 0; i < n; i++)
+		if (groups[i] == cfg->admin_gid)
+			return true;
+	return false;
+}
+
+static struct request *request_new(struct conn *c, uint8_t *body, uint32_t len)
+{
+	struct request *req = calloc(1, sizeof *req);
+
+	if (req == NULL) {
+		frame_free(body);
+		return NULL;
+	}
+	req->conn = c;
+	req->d = c->d;
+	req->body = body;
+	req->len = len;
+	req->op = -1;
+	req->started = now_seconds();
+	conn_ref(c);
+	c->inflight++;
+	c->d->inflight++;
+	return req;
+}
+
+void request_dispatch(struct conn *c, uint8_t *body, uint32_t len)
+{
+	struct daemon *d = c->d;
+	struct request *req = request_new(c, body, len);
+	struct proto_err err;
+	const struct op_desc *op;
+
+	if (req == NULL)
+		return;
+	d->stats.requests++;
+	if (msg_parse(&req->msg, body, len, MSG_REQUEST, &err) != 0) {
+		req->has_id = req->msg.has_id;
+		req->id = req->msg.id;
+		request_fail(req, &err);
+		return;
+	}
+	req->has_id = true;
+	req->id = req->msg.id;
+	req->op = req->msg.op;
+	if (req->op < 0) {
+		request_fail_code(req, PROTO_E_UNKNOWN_OP, NULL, "unknown op '%.*s'",
+				  (int)req->msg.op_len, req->msg.op_name);
+		return;
+	}
+	if (c->inflight > (unsigned)d->cfg.max_inflight) {
+		d->stats.busy++;
+		d->stats.limit_breaches++;
+		request_fail_code(req, PROTO_E_BUSY, NULL,
+				  "more than max-inflight=%lld requests in flight on this connection",
+				  d->cfg.max_inflight);
+		return;
+	}
+	op = OP_TABLE[req->op];
+	if (d->shutting_down && req->op != PROTO_OP_HEALTH && req->op != PROTO_OP_HELLO) {
+		request_fail_code(req, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+		return;
+	}
+	if ((op->flags & OP_ADMIN) && !request_is_admin(req)) {
+		request_fail_code(req, PROTO_E_PERMISSION_DENIED, NULL,
+				  "%s is reserved to the daemon's user, root and the admin group "
+				  "(peer uid %d)",
+				  op->name, (int)c->uid);
+		return;
+	}
+	op->handler(req);
+}

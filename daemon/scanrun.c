@@ -1,0 +1,292 @@
+/*
+ * scanrun.c - what scan, grad and compile share: validating a request's
+ * trees against DESIGN.md's contract (before any compile), running a ready
+ * specialization on the thread pool, and writing the reply trees.
+ *
+ * A run job owns its engine result until the reply frame has been written
+ * (the frame references the output buffers instead of copying them).  The
+ * pool callback touches only the job; the completion callback is the only
+ * place that touches the loop again, and it replies only if the connection
+ * is still open (conn_send drops writes to a closed one).
+ */
+#include "scanrun.h"
+
+#include "log.h"
+#include "spec.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct check_ctx {
+	const struct adapter *a;
+	struct scan_args *args;
+	bool have_dtype;
+	const char *first_path_root;
+	char first_path[PROTO_PATH_MAX];
+	bool have_steps;
+	char steps_path[PROTO_PATH_MAX];
+	struct proto_err *err;
+};
+
+static int check_dtype(const struct tree_node *leaf, const char *path, struct check_ctx *c)
+{
+	if (!c->have_dtype) {
+		c->have_dtype = true;
+		c->args->dtype = leaf->tensor.dtype;
+		snprintf(c->first_path, sizeof c->first_path, "%s", path);
+		return 0;
+	}
+	if (leaf->tensor.dtype == c->args->dtype)
+		return 0;
+	return proto_fail(c->err, PROTO_E_DTYPE_MISMATCH, path,
+			  "%s is %s but %s is %s: every tensor of one request has one dtype", path,
+			  proto_dtype_name(leaf->tensor.dtype), c->first_path,
+			  proto_dtype_name(c->args->dtype));
+}
+
+static int check_elements(const struct tree_node *leaf, const char *path, struct check_ctx *c)
+{
+	if (leaf->tensor.numel <= (uint64_t)c->a->def.max_elements)
+		return 0;
+	return proto_fail(c->err, PROTO_E_TOO_MANY_ELEMENTS, path,
+			  "%s has %llu elements, over max_elements=%lld", path,
+			  (unsigned long long)leaf->tensor.numel, (long long)c->a->def.max_elements);
+}
+
+static int carry_leaf(const struct tree_node *leaf, const char *path, void *ctx)
+{
+	struct check_ctx *c = ctx;
+
+	return check_dtype(leaf, path, c) || check_elements(leaf, path, c) ? -1 : 0;
+}
+
+static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
+{
+	struct check_ctx *c = ctx;
+	const struct tree_tensor *t = &leaf->tensor;
+
+	if (check_dtype(leaf, path, c) != 0)
+		return -1;
+	if (t->ndim == 0)
+		return proto_fail(c->err, PROTO_E_BAD_RANK, path,
+				  "%s is 0-d; input leaves need a leading scan axis (ndim >= 1)", path);
+	if (!c->have_steps) {
+		c->have_steps = true;
+		c->args->steps = t->shape[0];
+		snprintf(c->steps_path, sizeof c->steps_path, "%s", path);
+	} else if (t->shape[0] != c->args->steps) {
+		return proto_fail(c->err, PROTO_E_LENGTH_MISMATCH, path,
+				  "%s has leading length %lld but %s has %lld: input leaves share one T",
+				  path, (long long)t->shape[0], c->steps_path, (long long)c->args->steps);
+	}
+	if (t->shape[0] < 1 || t->shape[0] > c->a->def.max_steps)
+		return proto_fail(c->err, PROTO_E_TOO_MANY_STEPS, path,
+				  "%s: T=%lld is outside [1, max_steps=%lld]", path, (long long)t->shape[0],
+				  (long long)c->a->def.max_steps);
+	return check_elements(leaf, path, c);
+}
+
+int scan_validate(const struct adapter *a, const struct tree_node *carry,
+		  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
+{
+	struct check_ctx c = {.a = a, .args = args, .err = err};
+
+	args->carry = carry;
+	args->inputs = inputs;
+	if (tree_visit(carry, "carry", 0, carry_leaf, &c) != 0 ||
+	    tree_visit(inputs, "inputs", 0, input_leaf, &c) != 0)
+		return -1;
+	if (!c.have_steps)
+		return proto_fail(err, PROTO_E_NO_INPUTS, "inputs",
+				  "inputs has no tensor leaf: the scan length T comes from the inputs");
+	return 0;
+}
+
+/* ---- running ----------------------------------------------------------- */
+
+struct run_job {
+	uv_work_t work;
+	struct request *req;
+	struct specialization *sp;
+	struct engine_tensor *in;
+	size_t n_in;
+	void *zeros;
+	struct engine_result *res;
+	struct proto_err err;
+	int rc;
+	double t0, run_us;
+	int omp_threads;
+};
+
+/* Sizes OpenMP per pool thread so concurrent runs share the cores. */
+static void size_openmp(int threads)
+{
+	static __thread int done;
+	void (*set)(int);
+
+	if (done)
+		return;
+	done = 1;
+	*(void **)&set = dlsym(RTLD_DEFAULT, "omp_set_num_threads");
+	if (set)
+		set(threads);
+}
+
+static void run_work(uv_work_t *w)
+{
+	struct run_job *j = w->data;
+	double t0 = now_seconds();
+
+	size_openmp(j->omp_threads);
+	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->res, &j->err);
+	j->run_us = (now_seconds() - t0) * 1e6;
+}
+
+static void free_result(void *arg)
+{
+	struct engine_result *res = arg;
+
+	engine_result_free(res);
+	free(res);
+}
+
+/* Writes result trees of the spec's shapes from the flat outputs. */
+static int put_tree(struct outmsg *out, struct request *req, const char *key,
+		    const struct tree_node *spec, const struct engine_result *res, size_t *pos)
+{
+	struct tree_node node;
+
+	if (spec_fill(spec, res->tensors, res->n, pos, req->msg.up.zone, &node) != 0)
+		return -1;
+	writer_str(&out->w, key);
+	tree_encode(&out->w, &node);
+	return 0;
+}
+
+static void after_run(uv_work_t *w, int status)
+{
+	struct run_job *j = w->data;
+	struct request *req = j->req;
+	struct specialization *sp = j->sp;
+	struct outmsg *out;
+	size_t pos = 0;
+
+	(void)status;
+	if (j->rc == 0) {
+		adapter_record_latency(sp->adapter, j->run_us);
+		sp->adapter->stats.runs++;
+		out = request_begin_result(req, sp->grad ? 4 : 2);
+		if (out == NULL || put_tree(out, req, "carry", &sp->carry, j->res, &pos) ||
+		    put_tree(out, req, "outputs", &sp->y, j->res, &pos) ||
+		    (sp->grad && (put_tree(out, req, "grad_carry", &sp->carry, j->res, &pos) ||
+				  put_tree(out, req, "grad_inputs", &sp->inputs, j->res, &pos)))) {
+			if (out)
+				outmsg_free(out);
+			proto_fail(&j->err, PROTO_E_ENGINE_ERROR, NULL,
+				   "the graph's outputs do not match its signature");
+			j->rc = -1;
+		} else {
+			out->cleanup = free_result;
+			out->cleanup_arg = j->res;
+			j->res = NULL;
+			request_reply(req, out);
+		}
+	}
+	if (j->rc != 0)
+		request_fail(req, &j->err);
+	if (j->res)
+		free_result(j->res);
+	free(j->in);
+	free(j->zeros);
+	spec_unref(sp);
+	free(j);
+}
+
+struct run_job *run_job_new(struct request *req, struct specialization *sp)
+{
+	struct run_job *j = calloc(1, sizeof *j);
+	long cores = sysconf(_SC_NPROCESSORS_ONLN);
+
+	if (j == NULL)
+		return NULL;
+	j->req = req;
+	j->sp = sp;
+	j->in = calloc(sp->n_in ? sp->n_in : 1, sizeof *j->in);
+	j->res = calloc(1, sizeof *j->res);
+	if (j->in == NULL || j->res == NULL) {
+		free(j->in);
+		free(j->res);
+		free(j);
+		return NULL;
+	}
+	j->omp_threads = cores / req->d->cfg.threads > 1 ? (int)(cores / req->d->cfg.threads) : 1;
+	spec_ref(sp);
+	return j;
+}
+
+void run_job_add(struct run_job *j, const struct tree_node *tree)
+{
+	spec_flatten(tree, j->in, &j->n_in);
+}
+
+void run_job_start(struct run_job *j)
+{
+	j->work.data = j;
+	uv_queue_work(j->req->d->loop, &j->work, run_work, after_run);
+}
+
+void run_job_abort(struct run_job *j, const struct proto_err *err)
+{
+	request_fail(j->req, err);
+	free(j->in);
+	free(j->zeros);
+	free(j->res);
+	spec_unref(j->sp);
+	free(j);
+}
+
+struct engine_tensor *run_job_slots(struct run_job *j, size_t *n)
+{
+	*n = j->n_in;
+	return j->in;
+}
+
+void run_job_set_count(struct run_job *j, size_t n)
+{
+	j->n_in = n;
+}
+
+void run_job_own(struct run_job *j, void *zeros)
+{
+	free(j->zeros);
+	j->zeros = zeros;
+}
+
+/* ---- decoding the request ---------------------------------------------- */
+
+int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
+		struct tree_node *inputs, struct proto_err *err)
+{
+	const char *name;
+	uint32_t len;
+	int rc = msg_get_str(&req->msg.up.data, "adapter", &name, &len, err);
+
+	if (rc < 0)
+		return -1;
+	if (rc > 0)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "adapter", "request has no adapter");
+	*a = registry_find(req->d, name, len);
+	if (*a == NULL)
+		return proto_fail(err, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
+				  (int)len, name);
+	adapter_ref(*a);
+	req->adapter = *a;
+	(*a)->stats.requests++;
+	if (msg_get_tree(&req->msg, "carry", true, carry, err) != 0 ||
+	    msg_get_tree(&req->msg, "inputs", true, inputs, err) != 0)
+		return -1;
+	return 0;
+}

@@ -1,0 +1,43 @@
+/*
+ * spec.h - specializations: (tree structure, leaf shapes, dtype, T) of a
+ * scan request, and the mapping between trees and a graph's flat tensors.
+ *
+ * A spec is a struct tree_node whose tensors carry dtype and shape but no
+ * data.  Specs that outlive a request live in a msgpack_zone owned by their
+ * specialization.  The canonical signature string is unambiguous (keys are
+ * length-prefixed) and is what cache keys and `describe` use.
+ */
+#ifndef TORCHLOOP_SPEC_H
+#define TORCHLOOP_SPEC_H
+
+#include "engine.h"
+#include "msg.h"
+#include "tree.h"
+#include "writer.h"
+
+#include <msgpack.h>
+
+#define SPEC_SIG_MAX 8192
+
+/* Appends the canonical form of a tree (shapes only) to buf; -1 if too long. */
+int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
+		   enum proto_dtype dtype, int64_t steps, char *buf, size_t size);
+
+/* Writes a tree's spec in the worker's form ({"k": "T", "s": [...]}, ...). */
+void spec_write_worker(struct writer *w, const struct tree_node *n);
+/* Reads the worker's form into nodes allocated in zone; dtype applies to all. */
+int spec_read_worker(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dtype,
+		     struct tree_node *out, struct proto_err *err);
+/* Deep copy of a tree's structure and shapes (no data) into zone. */
+int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out);
+
+/* Appends a tree's tensor leaves, depth-first, to out[*n]; out must fit. */
+void spec_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *count);
+/*
+ * Builds a tree of spec's structure whose tensors point at flat[*pos...]
+ * (advancing *pos), nodes in zone.  Returns 0, or -1 when flat runs out.
+ */
+int spec_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
+	      size_t *pos, msgpack_zone *zone, struct tree_node *out);
+
+#endif

@@ -1,0 +1,575 @@
+/*
+ * specs.c - specializations of an adapter: find, budget, single-flight
+ * compile, load, and the waiters in between.
+ *
+ * States: LOADING (a pool thread looks in the cache and, on a hit,
+ * dlopens) -> READY; or on a miss, with the key's flock held, COMPILING
+ * (the worker builds it) -> LOADING (pool: commit to the cache, dlopen) ->
+ * READY.  Any failure -> FAILED: deterministic compile errors (the body's
+ * fault) stay FAILED so the same request is not recompiled; transient ones
+ * (worker crash, timeout, shutdown) remove the specialization so the next
+ * request tries again.  Requests that arrive meanwhile wait on the
+ * specialization (single flight) and get a progress event every 2 s.
+ *
+ * Loop thread, except the uv_work callbacks marked "pool", which own the
+ * struct load_job and touch only the specialization fields that no one else
+ * reads while the state is LOADING (graph, y, n_in/out, expected).
+ */
+#include "daemon.h"
+
+#include "log.h"
+#include "spec.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define PROGRESS_MS 2000
+
+struct load_job {
+	uv_work_t work;
+	struct daemon *d;
+	struct specialization *sp;
+	bool need_compile, hit;
+	int quarantined;
+	int rc;
+	struct proto_err err;
+	struct compile_result res; /* after a compile: owned copy of the y spec */
+	struct compile_job job;
+};
+
+typedef void (*ready_fn)(struct request *req, struct specialization *sp);
+
+struct waiter_state {
+	ready_fn ready;
+};
+
+void spec_ref(struct specialization *sp)
+{
+	sp->refs++;
+}
+
+static void progress_closed(uv_handle_t *h)
+{
+	free(h);
+}
+
+void spec_unref(struct specialization *sp)
+{
+	if (--sp->refs > 0)
+		return;
+	if (sp->progress)
+		uv_close((uv_handle_t *)sp->progress, progress_closed);
+	engine_unload(sp->graph);
+	if (sp->lock_fd >= 0)
+		cache_unlock(sp->lock_fd);
+	free(sp->expected);
+	msgpack_zone_free(sp->zone);
+	adapter_unref(sp->adapter);
+	free(sp);
+}
+
+static bool counts_against_budget(const struct specialization *sp)
+{
+	return sp->state != SPEC_FAILED;
+}
+
+static void unlist_spec(struct specialization *sp)
+{
+	struct adapter *a = sp->adapter;
+	struct specialization **pp = &a->specs;
+
+	while (*pp && *pp != sp)
+		pp = &(*pp)->next;
+	if (*pp == NULL)
+		return;
+	*pp = sp->next;
+	if (counts_against_budget(sp) && a->held > 0)
+		a->held--;
+	spec_unref(sp);
+}
+
+void specs_drop_all(struct adapter *a)
+{
+	while (a->specs)
+		unlist_spec(a->specs);
+	a->held = 0;
+}
+
+unsigned specs_loaded(const struct daemon *d)
+{
+	unsigned n = 0;
+
+	for (const struct adapter *a = d->reg.head; a; a = a->next)
+		for (const struct specialization *sp = a->specs; sp; sp = sp->next)
+			n += sp->state == SPEC_READY;
+	return n;
+}
+
+/* ---- waiters ----------------------------------------------------------- */
+
+static void stop_progress(struct specialization *sp)
+{
+	if (sp->progress) {
+		uv_close((uv_handle_t *)sp->progress, progress_closed);
+		sp->progress = NULL;
+	}
+}
+
+static void release_waiters(struct specialization *sp)
+{
+	struct request *w = sp->waiters;
+
+	sp->waiters = NULL;
+	stop_progress(sp);
+	while (w) {
+		struct request *next = w->next_waiter;
+		ready_fn ready = ((struct waiter_state *)w->state)->ready;
+		free(w->state);
+		w->state = NULL;
+		w->next_waiter = NULL;
+		if (sp->state == SPEC_READY)
+			ready(w, sp);
+		else
+			request_fail(w, &sp->error);
+		spec_unref(sp);
+		w = next;
+	}
+}
+
+static void on_progress(uv_timer_t *t)
+{
+	struct specialization *sp = t->data;
+	double elapsed = now_seconds() - sp->wait_started;
+
+	for (struct request *w = sp->waiters; w; w = w->next_waiter)
+		request_event(w, "progress", sp->adapter->def.name, sp->signature, elapsed);
+}
+
+static void add_waiter(struct daemon *d, struct specialization *sp, struct request *req,
+		       ready_fn ready)
+{
+	struct waiter_state *ws = malloc(sizeof *ws);
+
+	if (ws == NULL) {
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	ws->ready = ready;
+	req->state = ws;
+	req->state_free = free;
+	spec_ref(sp);
+	req->next_waiter = sp->waiters;
+	sp->waiters = req;
+	if (sp->state == SPEC_COMPILING)
+		request_event(req, "compiling", sp->adapter->def.name, sp->signature,
+			      now_seconds() - sp->wait_started);
+	(void)d;
+}
+
+/* A compile starts: tell every waiter, then every PROGRESS_MS. */
+static void start_progress(struct daemon *d, struct specialization *sp)
+{
+	for (struct request *w = sp->waiters; w; w = w->next_waiter)
+		request_event(w, "compiling", sp->adapter->def.name, sp->signature,
+			      now_seconds() - sp->wait_started);
+	if (sp->progress != NULL)
+		return;
+	sp->progress = malloc(sizeof *sp->progress);
+	if (sp->progress) {
+		uv_timer_init(d->loop, sp->progress);
+		sp->progress->data = sp;
+		uv_timer_start(sp->progress, on_progress, PROGRESS_MS, PROGRESS_MS);
+	}
+}
+
+/* ---- finishing --------------------------------------------------------- */
+
+static bool transient(enum proto_code code)
+{
+	return code == PROTO_E_WORKER_CRASHED || code == PROTO_E_COMPILE_TIMEOUT ||
+	       code == PROTO_E_SHUTTING_DOWN || code == PROTO_E_INTERNAL ||
+	       code == PROTO_E_ARTIFACT_CORRUPT;
+}
+
+static void spec_failed(struct specialization *sp, const struct proto_err *err)
+{
+	struct adapter *a = sp->adapter;
+
+	if (sp->lock_fd >= 0) {
+		cache_unlock(sp->lock_fd);
+		sp->lock_fd = -1;
+	}
+	if (counts_against_budget(sp) && a->held > 0)
+		a->held--;
+	sp->state = SPEC_FAILED;
+	sp->error = *err;
+	log_line(LOG_WARN, 0, a->def.name, "%s: %s: %s", sp->signature, proto_code_name(err->code),
+		 err->message);
+	spec_ref(sp);
+	release_waiters(sp);
+	if (transient(err->code) || !a->live)
+		unlist_spec(sp);
+	spec_unref(sp);
+}
+
+static void spec_ready(struct daemon *d, struct specialization *sp)
+{
+	(void)d;
+	sp->state = SPEC_READY;
+	log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
+		 sp->grad ? "grad" : "scan", sp->signature, sp->from_cache ? "from cache" : "compiled",
+		 sp->compile_seconds);
+	spec_ref(sp);
+	release_waiters(sp);
+	spec_unref(sp);
+}
+
+/* ---- pool: cache lookup, commit, load ---------------------------------- */
+
+static int check_arity(struct specialization *sp, size_t n_in, size_t n_out,
+		       struct proto_err *err)
+{
+	size_t want_in = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
+	size_t want_out = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->y);
+
+	if (sp->grad) {
+		want_in += want_out;
+		want_out += tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
+	}
+	if (n_in != want_in || n_out != want_out)
+		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+				  "artifact takes %zu inputs and gives %zu outputs; the signature "
+				  "needs %zu and %zu",
+				  n_in, n_out, want_in, want_out);
+	return 0;
+}
+
+/* Parses the y spec and dlopens the artifact: pool. */
+static int load_artifact(struct daemon *d, struct specialization *sp, const uint8_t *y,
+			 size_t y_len, struct proto_err *err)
+{
+	msgpack_unpacked up;
+	size_t off = 0;
+	char so[PATH_MAX];
+	int rc;
+
+	msgpack_unpacked_init(&up);
+	if (msgpack_unpack_next(&up, (const char *)y, y_len, &off) != MSGPACK_UNPACK_SUCCESS) {
+		msgpack_unpacked_destroy(&up);
+		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL, "unreadable output spec");
+	}
+	rc = spec_read_worker(&up.data, sp->zone, sp->dtype, &sp->y, err);
+	msgpack_unpacked_destroy(&up);
+	if (rc != 0)
+		return -1;
+	cache_so_path(&d->cache, sp->key, so, sizeof so);
+	if (engine_load(so, (size_t)d->cfg.threads, &sp->graph, err) != 0)
+		return -1;
+	sp->n_in = engine_num_inputs(sp->graph);
+	sp->n_out = engine_num_outputs(sp->graph);
+	return check_arity(sp, sp->n_in, sp->n_out, err);
+}
+
+static void fill_expected(struct specialization *sp)
+{
+	size_t n = 0;
+
+	sp->expected = calloc(sp->n_in ? sp->n_in : 1, sizeof *sp->expected);
+	if (sp->expected == NULL)
+		return;
+	spec_flatten(&sp->carry, sp->expected, &n);
+	spec_flatten(&sp->inputs, sp->expected, &n);
+	if (sp->grad) {
+		/* cotangents: final carry (carry's shapes), then stacked outputs */
+		size_t ny = 0;
+		spec_flatten(&sp->carry, sp->expected, &n);
+		spec_flatten(&sp->y, sp->expected + n, &ny);
+		for (size_t i = n; i < n + ny; i++) {
+			struct engine_tensor *t = &sp->expected[i];
+			memmove(t->shape + 1, t->shape, (PROTO_MAX_NDIM - 1) * sizeof t->shape[0]);
+			t->shape[0] = sp->steps;
+			t->ndim++;
+		}
+	}
+}
+
+static void lookup_work(uv_work_t *w)
+{
+	struct load_job *j = w->data;
+	struct specialization *sp = j->sp;
+	struct cache_meta meta;
+	int found;
+
+	found = cache_lookup(&j->d->cache, sp->key, &meta, &j->quarantined, &j->err);
+	if (found == 0 && sp->lock_fd < 0) {
+		/* another daemon may be compiling this key: wait for it, look again */
+		if (cache_lock(&j->d->cache, sp->key, &sp->lock_fd, &j->err) != 0) {
+			j->rc = -1;
+			return;
+		}
+		found = cache_lookup(&j->d->cache, sp->key, &meta, &j->quarantined, &j->err);
+	}
+	if (found < 0) {
+		j->rc = -1;
+		return;
+	}
+	if (found == 0) {
+		j->need_compile = true;
+		return;
+	}
+	j->hit = true;
+	sp->compile_seconds = meta.compile_seconds;
+	j->rc = load_artifact(j->d, sp, meta.y_spec, meta.y_spec_len, &j->err);
+	cache_meta_free(&meta);
+	if (j->rc == 0)
+		fill_expected(sp);
+	else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
+		cache_quarantine(&j->d->cache, sp->key, j->err.message);
+}
+
+static void commit_work(uv_work_t *w)
+{
+	struct load_job *j = w->data;
+	struct specialization *sp = j->sp;
+	struct cache_meta meta = {0};
+
+	meta.n_inputs = j->res.n_inputs;
+	meta.n_outputs = j->res.n_outputs;
+	meta.compile_seconds = j->res.compile_seconds;
+	snprintf(meta.strategy, sizeof meta.strategy, "%s", sp->adapter->def.strategy);
+	meta.y_spec = j->res.y_spec;
+	meta.y_spec_len = j->res.y_spec_len;
+	j->rc = cache_commit(&j->d->cache, sp->key, j->res.so_path, &meta, &j->err);
+	if (sp->lock_fd >= 0) {
+		cache_unlock(sp->lock_fd);
+		sp->lock_fd = -1;
+	}
+	if (j->rc == 0)
+		j->rc = load_artifact(j->d, sp, j->res.y_spec, j->res.y_spec_len, &j->err);
+	if (j->rc == 0)
+		fill_expected(sp);
+}
+
+static void compile_done(struct compile_job *cj, const struct compile_result *res,
+			 const struct proto_err *err);
+
+struct bound_ctx {
+	int64_t steps, max;
+	struct proto_err *err;
+};
+
+static int check_output_leaf(const struct tree_node *leaf, const char *path, void *ctx)
+{
+	struct bound_ctx *b = ctx;
+	uint64_t n = leaf->tensor.numel * (uint64_t)b->steps;
+
+	if (n <= (uint64_t)b->max)
+		return 0;
+	return proto_fail(b->err, PROTO_E_TOO_MANY_ELEMENTS, path,
+			  "%s: the stacked output has %llu elements, over max_elements=%lld", path,
+			  (unsigned long long)n, (long long)b->max);
+}
+
+/* Stacked outputs are bounded too; known only once the graph exists. */
+static bool outputs_too_large(struct specialization *sp, struct proto_err *err)
+{
+	struct bound_ctx b = {sp->steps, sp->adapter->def.max_elements, err};
+
+	return tree_visit(&sp->y, "outputs", 0, check_output_leaf, &b) != 0;
+}
+
+static void after_load(uv_work_t *w, int status)
+{
+	struct load_job *j = w->data;
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+
+	(void)status;
+	if (j->rc != 0) {
+		spec_failed(sp, &j->err);
+	} else if (j->need_compile) {
+		a->stats.cache_misses++;
+		a->stats.compiles++;
+		sp->state = SPEC_COMPILING;
+		j->need_compile = false;
+		memset(&j->job, 0, sizeof j->job);
+		j->job.body_source = a->def.source;
+		j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
+		j->job.entry = a->def.entry;
+		j->job.strategy = a->def.strategy;
+		j->job.kind = sp->grad ? "vjp" : "forward";
+		j->job.carry = &sp->carry;
+		j->job.inputs = &sp->inputs;
+		j->job.dtype = sp->dtype;
+		j->job.steps = sp->steps;
+		j->job.done = compile_done;
+		j->job.data = j;
+		cache_tmp_path(&j->d->cache, sp->key, j->job.output, sizeof j->job.output);
+		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s", sp->grad ? "grad" : "scan",
+			 sp->signature);
+		start_progress(j->d, sp);
+		compiler_submit(j->d->compiler, &j->job);
+		return; /* j lives on until compile_done */
+	} else if (outputs_too_large(sp, &j->err)) {
+		spec_failed(sp, &j->err);
+	} else {
+		if (j->hit)
+			a->stats.cache_hits++;
+		sp->from_cache = j->hit;
+		if (!j->hit)
+			a->stats.compile_seconds += sp->compile_seconds;
+		spec_ready(j->d, sp);
+	}
+	free(j->res.y_spec);
+	spec_unref(sp);
+	free(j);
+}
+
+static void compile_done(struct compile_job *cj, const struct compile_result *res,
+			 const struct proto_err *err)
+{
+	struct load_job *j = cj->data;
+	struct specialization *sp = j->sp;
+
+	if (err != NULL) {
+		unlink(cj->output);
+		spec_failed(sp, err);
+		spec_unref(sp);
+		free(j);
+		return;
+	}
+	j->res = *res;
+	j->res.y_spec = malloc(res->y_spec_len ? res->y_spec_len : 1);
+	if (j->res.y_spec)
+		memcpy(j->res.y_spec, res->y_spec, res->y_spec_len);
+	sp->compile_seconds = res->compile_seconds;
+	sp->state = SPEC_LOADING;
+	uv_queue_work(j->d->loop, &j->work, commit_work, after_load);
+}
+
+/* ---- acquire ----------------------------------------------------------- */
+
+static int key_for(struct daemon *d, struct specialization *sp)
+{
+	struct adapter *a = sp->adapter;
+	const struct worker_info *wi = compiler_info(d->compiler);
+	char bounds[96], torch[160];
+	const char *parts[12];
+
+	snprintf(bounds, sizeof bounds, "max_steps=%lld;max_elements=%lld",
+		 (long long)a->def.max_steps, (long long)a->def.max_elements);
+	snprintf(torch, sizeof torch, "%s;%s;cxx11abi=%d", wi->torch, wi->torch_git, wi->cxx11_abi);
+	parts[0] = a->def.name;
+	parts[1] = a->body_sha;
+	parts[2] = bounds;
+	parts[3] = sp->signature;
+	parts[4] = sp->grad ? "vjp" : "forward";
+	parts[5] = torch;
+	parts[6] = AOTI_OPTIONS;
+	parts[7] = a->def.strategy;
+	parts[8] = TORCHLOOPD_VERSION_STR;
+	parts[9] = d->worker_sha;
+	parts[10] = d->isa;
+	cache_key(parts, 11, sp->key);
+	return 0;
+}
+
+static struct specialization *spec_new(struct daemon *d, struct adapter *a,
+				       const struct scan_args *args, const char *sig)
+{
+	struct specialization *sp = calloc(1, sizeof *sp);
+	size_t n = strlen(sig);
+
+	if (sp == NULL)
+		return NULL;
+	sp->zone = msgpack_zone_new(4096);
+	sp->lock_fd = -1;
+	sp->refs = 1; /* the adapter's list */
+	sp->adapter = a;
+	adapter_ref(a);
+	sp->grad = args->grad;
+	sp->dtype = args->dtype;
+	sp->steps = args->steps;
+	sp->signature = sp->zone ? msgpack_zone_malloc(sp->zone, n + 1) : NULL;
+	if (sp->signature == NULL || spec_copy(args->carry, sp->zone, &sp->carry) != 0 ||
+	    spec_copy(args->inputs, sp->zone, &sp->inputs) != 0) {
+		spec_unref(sp);
+		return NULL;
+	}
+	memcpy(sp->signature, sig, n + 1);
+	key_for(d, sp);
+	sp->next = a->specs;
+	a->specs = sp;
+	a->held++;
+	sp->state = SPEC_LOADING;
+	sp->wait_started = now_seconds();
+	return sp;
+}
+
+static int budget_exhausted(struct adapter *a, struct request *req)
+{
+	char list[PROTO_MESSAGE_MAX - 200] = "";
+	size_t len = 0;
+
+	for (struct specialization *sp = a->specs; sp; sp = sp->next) {
+		if (!counts_against_budget(sp))
+			continue;
+		int w = snprintf(list + len, sizeof list - len, "%s%s %s", len ? "; " : "",
+				 sp->grad ? "grad" : "scan", sp->signature);
+		if (w < 0 || (size_t)w >= sizeof list - len)
+			break;
+		len += (size_t)w;
+	}
+	request_fail_code(req, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
+			  "adapter %s holds recompile_budget=%lld specializations already: %s",
+			  a->def.name, (long long)a->def.budget, list);
+	return -1;
+}
+
+void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
+		   struct request *req, ready_fn ready)
+{
+	char sig[SPEC_SIG_MAX];
+	struct specialization *sp;
+	struct load_job *j;
+
+	if (spec_signature(args->carry, args->inputs, args->dtype, args->steps, sig, sizeof sig) != 0) {
+		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, NULL, "request signature too long");
+		return;
+	}
+	for (sp = a->specs; sp; sp = sp->next)
+		if (sp->grad == args->grad && strcmp(sp->signature, sig) == 0)
+			break;
+	if (sp && sp->state == SPEC_READY) {
+		spec_ref(sp);
+		ready(req, sp);
+		spec_unref(sp);
+		return;
+	}
+	if (sp && sp->state == SPEC_FAILED) {
+		request_fail(req, &sp->error);
+		return;
+	}
+	if (sp) {
+		add_waiter(d, sp, req, ready);
+		return;
+	}
+	if (a->held >= (unsigned)a->def.budget) {
+		budget_exhausted(a, req);
+		return;
+	}
+	sp = spec_new(d, a, args, sig);
+	j = sp ? calloc(1, sizeof *j) : NULL;
+	if (j == NULL) {
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	add_waiter(d, sp, req, ready);
+	j->d = d;
+	j->sp = sp;
+	j->work.data = j;
+	spec_ref(sp);
+	uv_queue_work(d->loop, &j->work, lookup_work, after_load);
+}
