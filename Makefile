@@ -6,7 +6,7 @@ PY        := $(CURDIR)/.venv/bin/python
 TORCH_LIB := $(firstword $(wildcard $(CURDIR)/.venv/lib/python3*/site-packages/torch/lib))
 TORCH_INC := $(patsubst %/lib,%/include,$(TORCH_LIB))
 MSGPACK_PC := $(shell pkg-config --exists msgpack-c 2>/dev/null && echo msgpack-c || echo msgpack)
-PKGS      := libuv libsystemd $(MSGPACK_PC)
+PKGS      := libuv libsystemd jansson $(MSGPACK_PC)
 
 CC        ?= cc
 WARN      := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-missing-field-initializers
@@ -81,7 +81,7 @@ $(BUILD)/libtorchloop.so: $(CLIENT_OBJ) $(PROTO_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(MSGPACK_LIBS)
 
 $(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/libtorchloop.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(MSGPACK_LIBS) -lm
+	$(CC) $(LDFLAGS) -o $@ $^ $(shell pkg-config --libs jansson 2>/dev/null) $(MSGPACK_LIBS) -lm
 
 TEST_DEPS := $(BUILD)/libproto.a $(DAEMON_LIB) $(wildcard tests/unit/*.h tests/unit/helpers.c)
 $(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)

@@ -183,9 +183,9 @@ static int send_job(struct compiler *c, struct compile_job *j)
 	writer_key_i64(&wr->w, "steps", j->steps);
 	writer_key_str(&wr->w, "output", j->output);
 	writer_str(&wr->w, "carry");
-	spec_write_worker(&wr->w, j->carry);
+	shapes_write(&wr->w, j->carry);
 	writer_str(&wr->w, "inputs");
-	spec_write_worker(&wr->w, j->inputs);
+	shapes_write(&wr->w, j->inputs);
 	return send_msg(c, wr);
 }
 

@@ -32,7 +32,7 @@ static int read_spec(struct request *req, const char *key, enum proto_dtype dtyp
 
 	if (o == NULL)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "compile needs %s (a spec tree)", key);
-	if (spec_read_worker(o, req->msg.up.zone, dtype, out, err) != 0)
+	if (shapes_read(o, req->msg.up.zone, dtype, out, err) != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s: %s", key, err->message);
 	return 0;
 }

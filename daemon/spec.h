@@ -11,6 +11,7 @@
 #define TORCHLOOP_SPEC_H
 
 #include "engine.h"
+#include "shapes.h"
 #include "msg.h"
 #include "tree.h"
 #include "writer.h"
@@ -23,11 +24,6 @@
 int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
 		   enum proto_dtype dtype, int64_t steps, char *buf, size_t size);
 
-/* Writes a tree's spec in the worker's form ({"k": "T", "s": [...]}, ...). */
-void spec_write_worker(struct writer *w, const struct tree_node *n);
-/* Reads the worker's form into nodes allocated in zone; dtype applies to all. */
-int spec_read_worker(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dtype,
-		     struct tree_node *out, struct proto_err *err);
 /* Deep copy of a tree's structure and shapes (no data) into zone. */
 int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out);
 

@@ -260,7 +260,7 @@ static int load_artifact(struct daemon *d, struct specialization *sp, const uint
 		msgpack_unpacked_destroy(&up);
 		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL, "unreadable output spec");
 	}
-	rc = spec_read_worker(&up.data, sp->zone, sp->dtype, &sp->y, err);
+	rc = shapes_read(&up.data, sp->zone, sp->dtype, &sp->y, err);
 	msgpack_unpacked_destroy(&up);
 	if (rc != 0)
 		return -1;

@@ -16,7 +16,7 @@ msgpack_pkg() {
 	fi
 }
 
-PKGS=(build-essential pkg-config libuv1-dev libcriterion-dev libsystemd-dev
+PKGS=(build-essential pkg-config libuv1-dev libcriterion-dev libsystemd-dev libjansson-dev
       clang valgrind systemd python3-venv ca-certificates file)
 
 missing_pkgs() {

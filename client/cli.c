@@ -1,0 +1,625 @@
+/*
+ * cli.c - the torchloop command-line client.  argv work happens here; each
+ * subcommand sends one request through libtorchloop, prints the daemon's
+ * message on stderr on failure and maps outcomes to exit codes:
+ *   0 ok, 1 the daemon returned an error, 2 usage error, 3 cannot connect.
+ * Trees are .npy paths, null, or JSON trees of those (docs/cli.md).
+ */
+#include "npy.h"
+#include "torchloop.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+enum { EXIT_OK = 0, EXIT_DAEMON = 1, EXIT_USAGE = 2, EXIT_CONNECT = 3 };
+
+struct cli {
+	const char *socket;
+	bool json;
+	struct tl_client *client;
+	struct tl_builder *builder;
+	struct npy arrays[4096];
+	int n_arrays;
+	enum tl_dtype dtype;
+	bool have_dtype;
+};
+
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static int usage_error(const char *fmt, ...)
+{
+	va_list ap;
+
+	fprintf(stderr, "torchloop: ");
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fprintf(stderr, "\n(torchloop --help for usage)\n");
+	return EXIT_USAGE;
+}
+
+static const char *const HELP[][2] = {
+	{"health", "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
+	{"register", "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
+		     "         [--budget N] [--strategy unroll|scan]\n  register or replace an adapter (admin)"},
+	{"unregister", "unregister NAME\n  drop an adapter and its graphs (admin)"},
+	{"list", "list\n  adapters with bounds and budget use"},
+	{"describe", "describe NAME\n  one adapter: bounds, graphs, counters"},
+	{"scan", "scan ADAPTER --carry TREE --inputs TREE --out DIR\n"
+		 "  run a scan; DIR gets one .npy per leaf and tree.json"},
+	{"grad", "grad ADAPTER --carry TREE --inputs TREE [--cot-carry TREE] [--cot-outputs TREE] --out DIR\n"
+		 "  scan plus the vector-Jacobian product (None or absent cotangents are zero)"},
+	{"compile", "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64] [--grad]\n"
+		    "  warm a specialization; leaves may be .npy files or shape:AxB strings"},
+	{"stats", "stats [--prometheus]\n  counters per adapter"},
+	{"shutdown", "shutdown\n  stop the daemon after in-flight requests (admin)"},
+};
+
+static void print_help(FILE *f, const char *cmd)
+{
+	for (size_t i = 0; i < sizeof HELP / sizeof HELP[0]; i++) {
+		if (cmd && strcmp(cmd, HELP[i][0]) != 0)
+			continue;
+		fprintf(f, "%storchloop [--socket PATH] [--json] %s\n", cmd ? "usage: " : "  ", HELP[i][1]);
+	}
+	if (!cmd)
+		fprintf(f, "\nTREE: a .npy path, null, or JSON: [..] list, {..} dict, {\"__tuple__\": [..]} tuple.\n"
+			   "--socket defaults to $TORCHLOOP_SOCKET, then $XDG_RUNTIME_DIR/torchloopd/torchloopd.sock.\n"
+			   "exit codes: 0 ok, 1 daemon error, 2 usage error, 3 cannot connect.\n");
+}
+
+static int daemon_error(const struct cli *c, const struct tl_error *err)
+{
+	if (strcmp(err->code, "CONNECT") == 0) {
+		fprintf(stderr, "torchloop: %s\n", err->message);
+		return EXIT_CONNECT;
+	}
+	if (c->json) {
+		json_t *j = json_pack("{s:{s:s,s:s,s:s}}", "error", "code", err->code, "message",
+				      err->message, "path", err->path);
+		char *s = json_dumps(j, JSON_COMPACT);
+		printf("%s\n", s);
+		free(s);
+		json_decref(j);
+	}
+	fprintf(stderr, "torchloop: %s: %s\n", err->code, err->message);
+	return strcmp(err->code, "IO") == 0 ? EXIT_CONNECT : EXIT_DAEMON;
+}
+
+static void on_progress(const char *event, const char *adapter, const char *sig, double s, void *u)
+{
+	(void)u;
+	fprintf(stderr, "\r%s %s %s %.0f s  ", event, adapter, sig, s);
+	fflush(stderr);
+}
+
+static int connect_client(struct cli *c)
+{
+	struct tl_error err;
+
+	if (tl_connect(c->socket, 5000, &c->client, &err) != 0)
+		return daemon_error(c, &err);
+	if (isatty(2))
+		tl_set_progress(c->client, on_progress, NULL);
+	return EXIT_OK;
+}
+
+/* ---- trees ------------------------------------------------------------------ */
+
+static struct tl_tree *leaf_from_string(struct cli *c, const char *s, bool shapes_only, char *msg,
+					size_t size)
+{
+	struct npy *n;
+
+	if (shapes_only && strncmp(s, "shape:", 6) == 0) {
+		int64_t shape[8];
+		int ndim = 0;
+		for (const char *p = s + 6; *p && ndim < 8;) {
+			char *end;
+			shape[ndim++] = strtoll(p, &end, 10);
+			if (end == p || shape[ndim - 1] < 0) {
+				snprintf(msg, size, "bad shape '%s' (want shape:AxB)", s);
+				return NULL;
+			}
+			p = *end == 'x' ? end + 1 : end;
+			if (*end && *end != 'x') {
+				snprintf(msg, size, "bad shape '%s' (want shape:AxB)", s);
+				return NULL;
+			}
+		}
+		return tl_tensor(c->builder, c->have_dtype ? c->dtype : TL_FLOAT64, ndim, shape, NULL);
+	}
+	if (c->n_arrays == (int)(sizeof c->arrays / sizeof c->arrays[0])) {
+		snprintf(msg, size, "too many leaves");
+		return NULL;
+	}
+	n = &c->arrays[c->n_arrays];
+	if (npy_read(s, n, msg, size) != 0)
+		return NULL;
+	c->n_arrays++;
+	if (!shapes_only && c->have_dtype && n->dtype != c->dtype) {
+		snprintf(msg, size, "%s: dtype differs from the other leaves", s);
+		return NULL;
+	}
+	c->dtype = n->dtype;
+	c->have_dtype = true;
+	return tl_tensor(c->builder, n->dtype, n->ndim, n->shape, n->data);
+}
+
+static struct tl_tree *tree_from_json(struct cli *c, json_t *j, bool shapes_only, char *msg,
+				      size_t size, int depth)
+{
+	struct tl_tree *items[256];
+	const char *keys[256];
+	size_t n = 0, i;
+	json_t *v;
+	const char *k;
+
+	if (depth > 16) {
+		snprintf(msg, size, "tree nested deeper than 16");
+		return NULL;
+	}
+	if (json_is_null(j))
+		return tl_none(c->builder);
+	if (json_is_string(j))
+		return leaf_from_string(c, json_string_value(j), shapes_only, msg, size);
+	if (json_is_object(j) && json_object_size(j) == 1 && json_object_get(j, "__tuple__")) {
+		struct tl_tree *inner = tree_from_json(c, json_object_get(j, "__tuple__"), shapes_only, msg, size, depth + 1);
+		if (inner == NULL || tl_tree_kind(inner) != TL_LIST) {
+			if (inner)
+				snprintf(msg, size, "__tuple__ takes a JSON array");
+			return NULL;
+		}
+		n = tl_tree_len(inner);
+		for (i = 0; i < n && i < 256; i++)
+			items[i] = (struct tl_tree *)tl_tree_item(inner, i);
+		return tl_tuple(c->builder, n, items);
+	}
+	if (json_is_array(j)) {
+		if (json_array_size(j) > 256)
+			return snprintf(msg, size, "a list of over 256 items"), NULL;
+		json_array_foreach(j, i, v)
+		{
+			if ((items[n++] = tree_from_json(c, v, shapes_only, msg, size, depth + 1)) == NULL)
+				return NULL;
+		}
+		return tl_list(c->builder, n, items);
+	}
+	if (json_is_object(j)) {
+		if (json_object_size(j) > 256)
+			return snprintf(msg, size, "a dict of over 256 keys"), NULL;
+		json_object_foreach(j, k, v)
+		{
+			keys[n] = k;
+			if ((items[n++] = tree_from_json(c, v, shapes_only, msg, size, depth + 1)) == NULL)
+				return NULL;
+		}
+		return tl_dict(c->builder, n, keys, items);
+	}
+	snprintf(msg, size, "tree leaves are .npy paths (strings) or null");
+	return NULL;
+}
+
+/* A tree argument: JSON, or a bare .npy path / shape string. */
+static int parse_tree(struct cli *c, const char *opt, const char *arg, bool shapes_only,
+		      struct tl_tree **out)
+{
+	json_error_t jerr;
+	char msg[1024] = "";
+	json_t *j = json_loads(arg, JSON_DECODE_ANY | JSON_PRESERVE_ORDER, &jerr);
+
+	if (j == NULL)
+		j = json_string(arg); /* a bare path */
+	*out = tree_from_json(c, j, shapes_only, msg, sizeof msg, 0);
+	json_decref(j);
+	if (*out == NULL)
+		return usage_error("%s: %s", opt, msg[0] ? msg : "bad tree");
+	return EXIT_OK;
+}
+
+/* ---- writing outputs ------------------------------------------------------------ */
+
+static json_t *write_tree(const struct tl_tree *t, const char *dir, const char *root, int *counter,
+			  int *rc)
+{
+	json_t *j;
+	char file[256], path[4096], msg[512];
+
+	switch (tl_tree_kind(t)) {
+	case TL_NONE:
+		return json_null();
+	case TL_TENSOR:
+		snprintf(file, sizeof file, "%s_%d.npy", root, (*counter)++);
+		snprintf(path, sizeof path, "%s/%s", dir, file);
+		if (npy_write(path, tl_tree_dtype(t), tl_tree_ndim(t), tl_tree_shape(t), tl_tree_data(t),
+			      msg, sizeof msg) != 0) {
+			fprintf(stderr, "torchloop: %s\n", msg);
+			*rc = EXIT_USAGE;
+		}
+		return json_string(file);
+	case TL_DICT:
+		j = json_object();
+		for (size_t i = 0; i < tl_tree_len(t); i++) {
+			size_t len;
+			const char *k = tl_tree_key(t, i, &len);
+			char key[300];
+			snprintf(key, sizeof key, "%.*s", (int)len, k);
+			json_object_set_new(j, key, write_tree(tl_tree_item(t, i), dir, root, counter, rc));
+		}
+		return j;
+	default:
+		j = json_array();
+		for (size_t i = 0; i < tl_tree_len(t); i++)
+			json_array_append_new(j, write_tree(tl_tree_item(t, i), dir, root, counter, rc));
+		if (tl_tree_kind(t) == TL_TUPLE) {
+			json_t *tup = json_object();
+			json_object_set_new(tup, "__tuple__", j);
+			return tup;
+		}
+		return j;
+	}
+}
+
+static int write_outputs(struct cli *c, const struct tl_reply *r, const char *dir)
+{
+	static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
+	json_t *doc = json_object();
+	char path[4096];
+	int rc = EXIT_OK;
+
+	if (mkdir(dir, 0777) != 0 && errno != EEXIST) {
+		json_decref(doc);
+		return usage_error("--out %s: %s", dir, strerror(errno));
+	}
+	for (size_t i = 0; i < 4; i++) {
+		const struct tl_tree *t = tl_reply_tree(r, keys[i]);
+		int counter = 0;
+		if (t)
+			json_object_set_new(doc, keys[i], write_tree(t, dir, keys[i], &counter, &rc));
+	}
+	snprintf(path, sizeof path, "%s/tree.json", dir);
+	if (json_dump_file(doc, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER) != 0)
+		rc = usage_error("cannot write %s", path);
+	if (c->json && rc == EXIT_OK) {
+		char *s = json_dumps(doc, JSON_COMPACT | JSON_PRESERVE_ORDER);
+		printf("%s\n", s);
+		free(s);
+	}
+	json_decref(doc);
+	return rc;
+}
+
+/* ---- subcommands ------------------------------------------------------------------ */
+
+struct sub_opts {
+	const char *carry, *inputs, *cot_carry, *cot_outputs, *out, *body, *entry, *strategy;
+	int64_t max_steps, max_elements, budget;
+	bool live, prometheus, grad;
+	const char *dtype;
+};
+
+static int parse_int_opt(const char *name, const char *v, int64_t *out)
+{
+	char *end;
+
+	errno = 0;
+	*out = strtoll(v, &end, 10);
+	if (errno || *end || end == v)
+		return usage_error("--%s takes an integer, got '%s'", name, v);
+	return EXIT_OK;
+}
+
+static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
+{
+	static const struct option opts[] = {
+		{"carry", 1, 0, 'c'},	{"inputs", 1, 0, 'i'},	 {"cot-carry", 1, 0, 'C'},
+		{"cot-outputs", 1, 0, 'O'}, {"out", 1, 0, 'o'},	 {"body", 1, 0, 'b'},
+		{"entry", 1, 0, 'e'},	{"strategy", 1, 0, 's'}, {"max-steps", 1, 0, 'S'},
+		{"max-elements", 1, 0, 'E'}, {"budget", 1, 0, 'B'}, {"live", 0, 0, 'l'},
+		{"prometheus", 0, 0, 'p'}, {"grad", 0, 0, 'g'},	 {"dtype", 1, 0, 'd'},
+		{"help", 0, 0, 'h'},	{0, 0, 0, 0}};
+	int opt, rc = EXIT_OK;
+
+	optind = 1;
+	opterr = 0;
+	while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1 && rc == EXIT_OK) {
+		switch (opt) {
+		case 'c': o->carry = optarg; break;
+		case 'i': o->inputs = optarg; break;
+		case 'C': o->cot_carry = optarg; break;
+		case 'O': o->cot_outputs = optarg; break;
+		case 'o': o->out = optarg; break;
+		case 'b': o->body = optarg; break;
+		case 'e': o->entry = optarg; break;
+		case 's': o->strategy = optarg; break;
+		case 'S': rc = parse_int_opt("max-steps", optarg, &o->max_steps); break;
+		case 'E': rc = parse_int_opt("max-elements", optarg, &o->max_elements); break;
+		case 'B': rc = parse_int_opt("budget", optarg, &o->budget); break;
+		case 'l': o->live = true; break;
+		case 'p': o->prometheus = true; break;
+		case 'g': o->grad = true; break;
+		case 'd': o->dtype = optarg; break;
+		case 'h': print_help(stdout, cmd); return -1;
+		default: return usage_error("%s: unknown option '%s'", cmd, argv[optind - 1]);
+		}
+	}
+	return rc;
+}
+
+static char *slurp(const char *path)
+{
+	FILE *f = fopen(path, "r");
+	char *buf = NULL;
+	long n;
+
+	if (f == NULL)
+		return NULL;
+	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && n < (1 << 20) && fseek(f, 0, SEEK_SET) == 0) {
+		buf = calloc(1, (size_t)n + 1);
+		if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+			free(buf);
+			buf = NULL;
+		}
+	}
+	fclose(f);
+	return buf;
+}
+
+static int cmd_health(struct cli *c, const struct sub_opts *o)
+{
+	struct tl_error err;
+	int ready = 0, rc = connect_client(c);
+
+	if (rc != EXIT_OK)
+		return rc;
+	if (tl_health(c->client, &ready, &err) != 0)
+		return daemon_error(c, &err);
+	if (c->json)
+		printf("{\"live\":true,\"ready\":%s}\n", ready ? "true" : "false");
+	else
+		printf("%s\n", ready ? "ready" : o->live ? "live (not ready)" : "not ready");
+	return o->live || ready ? EXIT_OK : EXIT_DAEMON;
+}
+
+static int cmd_register(struct cli *c, const struct sub_opts *o, const char *name)
+{
+	struct tl_adapter_def def = {0};
+	struct tl_error err;
+	char *src;
+	int rc;
+
+	if (o->body == NULL)
+		return usage_error("register: --body FILE.py is required");
+	src = slurp(o->body);
+	if (src == NULL)
+		return usage_error("register: cannot read %s: %s", o->body, strerror(errno));
+	def = (struct tl_adapter_def){name, src, o->body, o->entry, o->strategy,
+				      o->max_steps, o->max_elements, o->budget};
+	rc = connect_client(c);
+	if (rc == EXIT_OK && tl_register(c->client, &def, &err) != 0)
+		rc = daemon_error(c, &err);
+	else if (rc == EXIT_OK)
+		printf(c->json ? "{\"registered\":\"%s\"}\n" : "registered %s\n", name);
+	free(src);
+	return rc;
+}
+
+static int cmd_run(struct cli *c, const struct sub_opts *o, const char *adapter, bool grad)
+{
+	struct tl_tree *carry, *inputs, *cc = NULL, *co = NULL;
+	struct tl_reply *r;
+	struct tl_error err;
+	int rc;
+
+	if (!o->carry || !o->inputs || !o->out)
+		return usage_error("%s: --carry, --inputs and --out are required", grad ? "grad" : "scan");
+	if ((rc = parse_tree(c, "--carry", o->carry, false, &carry)) ||
+	    (rc = parse_tree(c, "--inputs", o->inputs, false, &inputs)) ||
+	    (grad && o->cot_carry && (rc = parse_tree(c, "--cot-carry", o->cot_carry, false, &cc))) ||
+	    (grad && o->cot_outputs && (rc = parse_tree(c, "--cot-outputs", o->cot_outputs, false, &co))) ||
+	    (rc = connect_client(c)))
+		return rc;
+	rc = grad ? tl_grad(c->client, adapter, carry, inputs, cc, co, &r, &err)
+		  : tl_scan(c->client, adapter, carry, inputs, &r, &err);
+	if (isatty(2))
+		fprintf(stderr, "\r\033[K");
+	if (rc != 0)
+		return daemon_error(c, &err);
+	rc = write_outputs(c, r, o->out);
+	tl_reply_free(r);
+	return rc;
+}
+
+static int cmd_compile(struct cli *c, const struct sub_opts *o, const char *adapter)
+{
+	struct tl_tree *carry, *inputs;
+	struct tl_reply *r;
+	struct tl_error err;
+	int rc;
+
+	if (!o->carry || !o->inputs)
+		return usage_error("compile: --carry and --inputs are required");
+	if (o->dtype && strcmp(o->dtype, "float32") && strcmp(o->dtype, "float64"))
+		return usage_error("compile: --dtype is float32 or float64");
+	c->dtype = o->dtype && strcmp(o->dtype, "float32") == 0 ? TL_FLOAT32 : TL_FLOAT64;
+	c->have_dtype = o->dtype != NULL;
+	if ((rc = parse_tree(c, "--carry", o->carry, true, &carry)) ||
+	    (rc = parse_tree(c, "--inputs", o->inputs, true, &inputs)) || (rc = connect_client(c)))
+		return rc;
+	if (tl_compile(c->client, adapter, carry, inputs, c->have_dtype ? c->dtype : TL_FLOAT64,
+		       o->grad, &r, &err) != 0)
+		return daemon_error(c, &err);
+	if (isatty(2))
+		fprintf(stderr, "\r\033[K");
+	printf(c->json ? "{\"ready\":true,\"from_cache\":%s,\"compile_seconds\":%.3f}\n"
+		       : "ready (%s, %.1f s compile)\n",
+	       tl_reply_number(r, "from_cache") == 1 ? (c->json ? "true" : "from cache")
+						     : (c->json ? "false" : "compiled"),
+	       tl_reply_number(r, "compile_seconds"));
+	tl_reply_free(r);
+	return EXIT_OK;
+}
+
+static void print_stats_table(json_t *j)
+{
+	json_t *a;
+	size_t i;
+
+	printf("%-24s %9s %7s %8s %9s %6s %6s %9s %10s %10s\n", "adapter", "requests", "errors",
+	       "compiles", "compile_s", "hits", "misses", "budget", "p50_us", "p99_us");
+	json_array_foreach(json_object_get(j, "adapters"), i, a)
+	{
+		char budget[32];
+		snprintf(budget, sizeof budget, "%lld/%lld",
+			 (long long)json_integer_value(json_object_get(a, "budget_used")),
+			 (long long)json_integer_value(json_object_get(a, "recompile_budget")));
+		printf("%-24s %9lld %7lld %8lld %9.1f %6lld %6lld %9s %10.1f %10.1f\n",
+		       json_string_value(json_object_get(a, "name")),
+		       (long long)json_integer_value(json_object_get(a, "requests")),
+		       (long long)json_integer_value(json_object_get(a, "errors")),
+		       (long long)json_integer_value(json_object_get(a, "compiles")),
+		       json_number_value(json_object_get(a, "compile_seconds")),
+		       (long long)json_integer_value(json_object_get(a, "cache_hits")),
+		       (long long)json_integer_value(json_object_get(a, "cache_misses")), budget,
+		       json_number_value(json_object_get(a, "run_p50_us")),
+		       json_number_value(json_object_get(a, "run_p99_us")));
+	}
+}
+
+static void print_prometheus(json_t *j)
+{
+	static const char *const counters[] = {"requests", "errors", "compiles", "cache_hits",
+					       "cache_misses", "runs"};
+	json_t *a;
+	size_t i;
+
+	printf("# TYPE torchloopd_uptime_seconds gauge\ntorchloopd_uptime_seconds %.3f\n",
+	       json_number_value(json_object_get(j, "uptime")));
+	printf("# TYPE torchloopd_connections_total counter\ntorchloopd_connections_total %lld\n",
+	       (long long)json_integer_value(json_object_get(j, "connections")));
+	for (size_t k = 0; k < sizeof counters / sizeof counters[0]; k++) {
+		printf("# TYPE torchloopd_adapter_%s_total counter\n", counters[k]);
+		json_array_foreach(json_object_get(j, "adapters"), i, a)
+			printf("torchloopd_adapter_%s_total{adapter=\"%s\"} %lld\n", counters[k],
+			       json_string_value(json_object_get(a, "name")),
+			       (long long)json_integer_value(json_object_get(a, counters[k])));
+	}
+	printf("# TYPE torchloopd_adapter_compile_seconds_total counter\n");
+	json_array_foreach(json_object_get(j, "adapters"), i, a)
+		printf("torchloopd_adapter_compile_seconds_total{adapter=\"%s\"} %.3f\n",
+		       json_string_value(json_object_get(a, "name")),
+		       json_number_value(json_object_get(a, "compile_seconds")));
+	printf("# TYPE torchloopd_adapter_run_microseconds summary\n");
+	json_array_foreach(json_object_get(j, "adapters"), i, a)
+	{
+		const char *n = json_string_value(json_object_get(a, "name"));
+		printf("torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.5\"} %.1f\n", n,
+		       json_number_value(json_object_get(a, "run_p50_us")));
+		printf("torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.99\"} %.1f\n", n,
+		       json_number_value(json_object_get(a, "run_p99_us")));
+	}
+}
+
+static int cmd_json(struct cli *c, const struct sub_opts *o, const char *op, const char *name)
+{
+	struct tl_error err;
+	char *text;
+	json_t *j;
+	int rc = connect_client(c);
+
+	if (rc != EXIT_OK)
+		return rc;
+	if (tl_call_json(c->client, op, name, &text, &err) != 0)
+		return daemon_error(c, &err);
+	j = json_loads(text, JSON_PRESERVE_ORDER, NULL);
+	if (strcmp(op, "stats") == 0 && o->prometheus && j)
+		print_prometheus(j);
+	else if (strcmp(op, "stats") == 0 && !c->json && j)
+		print_stats_table(j);
+	else if (c->json || j == NULL)
+		printf("%s\n", text);
+	else {
+		char *pretty = json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+		printf("%s\n", pretty);
+		free(pretty);
+	}
+	json_decref(j);
+	free(text);
+	return EXIT_OK;
+}
+
+static int dispatch(struct cli *c, const char *cmd, int argc, char **argv)
+{
+	struct sub_opts o = {0};
+	const char *arg;
+	int rc = parse_sub(argc, argv, &o, cmd);
+	bool needs_arg = strcmp(cmd, "register") == 0 || strcmp(cmd, "unregister") == 0 ||
+			 strcmp(cmd, "describe") == 0 || strcmp(cmd, "scan") == 0 ||
+			 strcmp(cmd, "grad") == 0 || strcmp(cmd, "compile") == 0;
+
+	if (rc < 0)
+		return EXIT_OK; /* --help */
+	if (rc != EXIT_OK)
+		return rc;
+	arg = optind < argc ? argv[optind] : NULL;
+	if (needs_arg && arg == NULL)
+		return usage_error("%s needs %s", cmd,
+				   strcmp(cmd, "scan") == 0 || strcmp(cmd, "grad") == 0 || strcmp(cmd, "compile") == 0
+					   ? "an ADAPTER" : "a NAME");
+	if (optind + (needs_arg ? 1 : 0) < argc)
+		return usage_error("%s: unexpected argument '%s'", cmd, argv[optind + (needs_arg ? 1 : 0)]);
+	if (strcmp(cmd, "health") == 0)
+		return cmd_health(c, &o);
+	if (strcmp(cmd, "register") == 0)
+		return cmd_register(c, &o, arg);
+	if (strcmp(cmd, "scan") == 0 || strcmp(cmd, "grad") == 0)
+		return cmd_run(c, &o, arg, strcmp(cmd, "grad") == 0);
+	if (strcmp(cmd, "compile") == 0)
+		return cmd_compile(c, &o, arg);
+	if (strcmp(cmd, "unregister") == 0 || strcmp(cmd, "describe") == 0 ||
+	    strcmp(cmd, "list") == 0 || strcmp(cmd, "stats") == 0 || strcmp(cmd, "shutdown") == 0)
+		return cmd_json(c, &o, cmd, arg);
+	return usage_error("unknown command '%s'", cmd);
+}
+
+int main(int argc, char **argv)
+{
+	static struct cli c;
+	int i = 1, rc;
+
+	while (i < argc && argv[i][0] == '-') {
+		if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
+			c.socket = argv[i + 1];
+			i += 2;
+		} else if (strncmp(argv[i], "--socket=", 9) == 0) {
+			c.socket = argv[i++] + 9;
+		} else if (strcmp(argv[i], "--json") == 0) {
+			c.json = true;
+			i++;
+		} else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+			printf("usage: torchloop [--socket PATH] [--json] COMMAND [options]\n\n");
+			print_help(stdout, NULL);
+			return EXIT_OK;
+		} else {
+			return usage_error("unknown option '%s'", argv[i]);
+		}
+	}
+	if (i >= argc)
+		return usage_error("no command given");
+	c.builder = tl_builder_new();
+	rc = dispatch(&c, argv[i], argc - i, argv + i);
+	tl_close(c.client);
+	tl_builder_free(c.builder);
+	for (int k = 0; k < c.n_arrays; k++)
+		npy_free(&c.arrays[k]);
+	return rc;
+}

@@ -1,0 +1,762 @@
+/*
+ * torchloop.c - libtorchloop (see torchloop.h).  Blocking I/O on one Unix
+ * socket per client; the caller's thread does everything.  Requests are
+ * written with writev straight from the caller's tensor buffers; replies are
+ * read into one aligned buffer that the reply's trees point into.
+ */
+#include "torchloop.h"
+
+#include "frame.h"
+#include "msg.h"
+#include "shapes.h"
+#include "tree.h"
+#include "writer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+struct tl_client {
+	int fd;
+	int timeout_ms;
+	uint64_t next_id;
+	tl_progress_fn progress;
+	void *user;
+};
+
+struct tl_builder {
+	msgpack_zone *zone;
+};
+
+struct tl_reply {
+	uint8_t *body;
+	struct msg msg;
+	struct tree_node trees[4];
+	const char *names[4];
+	int n;
+};
+
+#define NODE(t) ((struct tree_node *)(t))
+#define CNODE(t) ((const struct tree_node *)(t))
+
+static int fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
+static int fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (err == NULL)
+		return -1;
+	snprintf(err->code, sizeof err->code, "%s", code);
+	snprintf(err->path, sizeof err->path, "%s", path ? path : "");
+	va_start(ap, fmt);
+	vsnprintf(err->message, sizeof err->message, fmt, ap);
+	va_end(ap);
+	return -1;
+}
+
+static void ok(struct tl_error *err)
+{
+	if (err) {
+		snprintf(err->code, sizeof err->code, "OK");
+		err->message[0] = err->path[0] = '\0';
+	}
+}
+
+/* ---- connection ---------------------------------------------------------- */
+
+static void default_path(char *out, size_t size)
+{
+	const char *env = getenv("TORCHLOOP_SOCKET"), *rt = getenv("XDG_RUNTIME_DIR");
+
+	if (env && *env)
+		snprintf(out, size, "%s", env);
+	else if (rt && *rt)
+		snprintf(out, size, "%s/torchloopd/torchloopd.sock", rt);
+	else
+		snprintf(out, size, "/tmp/torchloopd-%u/torchloopd.sock", (unsigned)getuid());
+}
+
+static int wait_fd(int fd, short events, int timeout_ms)
+{
+	struct pollfd p = {fd, events, 0};
+	int rc;
+
+	do
+		rc = poll(&p, 1, timeout_ms > 0 ? timeout_ms : -1);
+	while (rc < 0 && errno == EINTR);
+	return rc;
+}
+
+int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct tl_error *err)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	char p[sizeof sa.sun_path + 1];
+	struct tl_client *c;
+	int fd, rc, soerr = 0;
+	socklen_t len = sizeof soerr;
+
+	if (path == NULL || *path == '\0')
+		default_path(p, sizeof p);
+	else if (strlen(path) >= sizeof sa.sun_path)
+		return fail(err, "CONNECT", NULL, "socket path longer than %zu bytes", sizeof sa.sun_path - 1);
+	else
+		snprintf(p, sizeof p, "%s", path);
+	memcpy(sa.sun_path, p, strlen(p) + 1);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0)
+		return fail(err, "CONNECT", NULL, "socket: %s", strerror(errno));
+	rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+	if (rc != 0 && (errno == EINPROGRESS || errno == EAGAIN)) {
+		rc = wait_fd(fd, POLLOUT, timeout_ms > 0 ? timeout_ms : 5000);
+		if (rc == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 && soerr == 0)
+			rc = 0;
+		else
+			errno = rc == 0 ? ETIMEDOUT : soerr;
+	}
+	if (rc != 0) {
+		int e = errno;
+		close(fd);
+		return fail(err, "CONNECT", NULL, "cannot connect to %s: %s", p, strerror(e));
+	}
+	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+	c = calloc(1, sizeof *c);
+	if (c == NULL) {
+		close(fd);
+		return fail(err, "IO", NULL, "out of memory");
+	}
+	c->fd = fd;
+	*out = c;
+	ok(err);
+	return 0;
+}
+
+void tl_close(struct tl_client *c)
+{
+	if (c) {
+		close(c->fd);
+		free(c);
+	}
+}
+
+void tl_set_timeout(struct tl_client *c, int timeout_ms)
+{
+	c->timeout_ms = timeout_ms;
+}
+
+void tl_set_progress(struct tl_client *c, tl_progress_fn fn, void *user)
+{
+	c->progress = fn;
+	c->user = user;
+}
+
+/* ---- builders -------------------------------------------------------------- */
+
+struct tl_builder *tl_builder_new(void)
+{
+	struct tl_builder *b = calloc(1, sizeof *b);
+
+	if (b && (b->zone = msgpack_zone_new(4096)) == NULL) {
+		free(b);
+		return NULL;
+	}
+	return b;
+}
+
+void tl_builder_free(struct tl_builder *b)
+{
+	if (b) {
+		msgpack_zone_free(b->zone);
+		free(b);
+	}
+}
+
+static struct tree_node *node(struct tl_builder *b, enum tree_kind kind, size_t n)
+{
+	struct tree_node *t = msgpack_zone_malloc(b->zone, sizeof *t);
+
+	if (t == NULL || n > UINT32_MAX)
+		return NULL;
+	memset(t, 0, sizeof *t);
+	t->kind = kind;
+	t->count = (uint32_t)n;
+	if (n && (t->items = msgpack_zone_malloc(b->zone, n * sizeof *t->items)) == NULL)
+		return NULL;
+	return t;
+}
+
+struct tl_tree *tl_tensor(struct tl_builder *b, enum tl_dtype dtype, int ndim,
+			  const int64_t *shape, const void *data)
+{
+	struct tree_node *t;
+
+	if (ndim < 0 || ndim > PROTO_MAX_NDIM || (dtype != TL_FLOAT32 && dtype != TL_FLOAT64))
+		return NULL;
+	t = node(b, TREE_TENSOR, 0);
+	if (t == NULL)
+		return NULL;
+	t->tensor.dtype = (enum proto_dtype)dtype;
+	t->tensor.ndim = (uint32_t)ndim;
+	for (int i = 0; i < ndim; i++) {
+		if (shape[i] < 0)
+			return NULL;
+		t->tensor.shape[i] = shape[i];
+	}
+	if (tree_tensor_sizes(&t->tensor) != 0)
+		return NULL;
+	t->tensor.data = data;
+	return (struct tl_tree *)t;
+}
+
+struct tl_tree *tl_none(struct tl_builder *b)
+{
+	return (struct tl_tree *)node(b, TREE_NONE, 0);
+}
+
+static struct tl_tree *seq(struct tl_builder *b, enum tree_kind kind, size_t n,
+			   struct tl_tree *const *items)
+{
+	struct tree_node *t = node(b, kind, n);
+
+	for (size_t i = 0; t && i < n; i++) {
+		if (items[i] == NULL)
+			return NULL;
+		t->items[i] = *NODE(items[i]);
+	}
+	return (struct tl_tree *)t;
+}
+
+struct tl_tree *tl_tuple(struct tl_builder *b, size_t n, struct tl_tree *const *items)
+{
+	return seq(b, TREE_TUPLE, n, items);
+}
+
+struct tl_tree *tl_list(struct tl_builder *b, size_t n, struct tl_tree *const *items)
+{
+	return seq(b, TREE_LIST, n, items);
+}
+
+struct tl_tree *tl_dict(struct tl_builder *b, size_t n, const char *const *keys,
+			struct tl_tree *const *items)
+{
+	struct tree_node *t = (struct tree_node *)seq(b, TREE_DICT, n, items);
+
+	if (t == NULL || (n && (t->keys = msgpack_zone_malloc(b->zone, n * sizeof *t->keys)) == NULL))
+		return NULL;
+	for (size_t i = 0; i < n; i++) {
+		size_t len = strlen(keys[i]);
+		char *copy = msgpack_zone_malloc(b->zone, len + 1);
+		if (copy == NULL || len > PROTO_MAX_KEY_BYTES)
+			return NULL;
+		memcpy(copy, keys[i], len + 1);
+		t->keys[i] = (struct tree_key){copy, (uint32_t)len};
+	}
+	return (struct tl_tree *)t;
+}
+
+/* ---- reading trees ------------------------------------------------------------- */
+
+enum tl_kind tl_tree_kind(const struct tl_tree *t) { return (enum tl_kind)CNODE(t)->kind; }
+size_t tl_tree_len(const struct tl_tree *t) { return CNODE(t)->count; }
+enum tl_dtype tl_tree_dtype(const struct tl_tree *t) { return (enum tl_dtype)CNODE(t)->tensor.dtype; }
+int tl_tree_ndim(const struct tl_tree *t) { return (int)CNODE(t)->tensor.ndim; }
+const int64_t *tl_tree_shape(const struct tl_tree *t) { return CNODE(t)->tensor.shape; }
+const void *tl_tree_data(const struct tl_tree *t) { return CNODE(t)->tensor.data; }
+size_t tl_tree_nbytes(const struct tl_tree *t) { return (size_t)CNODE(t)->tensor.nbytes; }
+
+const struct tl_tree *tl_tree_item(const struct tl_tree *t, size_t i)
+{
+	return i < CNODE(t)->count ? (const struct tl_tree *)&CNODE(t)->items[i] : NULL;
+}
+
+const char *tl_tree_key(const struct tl_tree *t, size_t i, size_t *len)
+{
+	if (CNODE(t)->kind != TREE_DICT || i >= CNODE(t)->count)
+		return NULL;
+	*len = CNODE(t)->keys[i].len;
+	return CNODE(t)->keys[i].ptr;
+}
+
+const struct tl_tree *tl_tree_get(const struct tl_tree *t, const char *key)
+{
+	size_t n = strlen(key);
+
+	for (size_t i = 0; CNODE(t)->kind == TREE_DICT && i < CNODE(t)->count; i++)
+		if (CNODE(t)->keys[i].len == n && memcmp(CNODE(t)->keys[i].ptr, key, n) == 0)
+			return (const struct tl_tree *)&CNODE(t)->items[i];
+	return NULL;
+}
+
+/* ---- transport ----------------------------------------------------------------- */
+
+static int send_frame(struct tl_client *c, struct writer *w, struct tl_error *err)
+{
+	size_t n = writer_iovcnt(w), off = 0;
+	struct iovec *iov = malloc(n * sizeof *iov);
+	struct proto_err perr;
+	int cnt;
+
+	if (iov == NULL)
+		return fail(err, "IO", NULL, "out of memory");
+	cnt = writer_finish(w, iov, n, PROTO_FRAME_MAX, &perr);
+	if (cnt < 0) {
+		free(iov);
+		return fail(err, proto_code_name(perr.code), NULL, "%s", perr.message);
+	}
+	while (off < (size_t)cnt) {
+		ssize_t k = writev(c->fd, iov + off, (int)((size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off));
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k < 0) {
+			free(iov);
+			return fail(err, "IO", NULL, "write to torchloopd: %s", strerror(errno));
+		}
+		while (off < (size_t)cnt && (size_t)k >= iov[off].iov_len)
+			k -= (ssize_t)iov[off++].iov_len;
+		if (off < (size_t)cnt) {
+			iov[off].iov_base = (char *)iov[off].iov_base + k;
+			iov[off].iov_len -= (size_t)k;
+		}
+	}
+	free(iov);
+	return 0;
+}
+
+static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error *err)
+{
+	while (n > 0) {
+		ssize_t k;
+		if (c->timeout_ms > 0 && wait_fd(c->fd, POLLIN, c->timeout_ms) == 0)
+			return fail(err, "IO", NULL, "no reply from torchloopd within %d ms", c->timeout_ms);
+		k = read(c->fd, p, n);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
+				    k < 0 ? ": " : "", k < 0 ? strerror(errno) : "");
+		p += k;
+		n -= (size_t)k;
+	}
+	return 0;
+}
+
+static void emit_progress(struct tl_client *c, const struct msg *m)
+{
+	const char *e = "", *a = "", *s = "";
+	uint32_t el = 0, al = 0, sl = 0;
+	const msgpack_object *t = msg_field(m, "elapsed");
+	char ev[32], ad[80], sig[1024];
+
+	if (c->progress == NULL)
+		return;
+	msg_get_str(&m->up.data, "event", &e, &el, NULL);
+	msg_get_str(&m->up.data, "adapter", &a, &al, NULL);
+	msg_get_str(&m->up.data, "signature", &s, &sl, NULL);
+	snprintf(ev, sizeof ev, "%.*s", (int)el, e);
+	snprintf(ad, sizeof ad, "%.*s", (int)al, a);
+	snprintf(sig, sizeof sig, "%.*s", (int)sl, s);
+	c->progress(ev, ad, sig, t && t->type == MSGPACK_OBJECT_FLOAT64 ? t->via.f64 : 0, c->user);
+}
+
+/* Reads frames until the reply to id; events go to the progress callback. */
+static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, struct tl_error *err)
+{
+	for (;;) {
+		uint8_t head[4];
+		uint32_t len;
+		struct proto_err perr;
+
+		if (read_full(c, head, 4, err) != 0)
+			return -1;
+		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 | head[3];
+		if (len > PROTO_FRAME_MAX)
+			return fail(err, "FRAME_TOO_LARGE", NULL, "reply of %u bytes", len);
+		r->body = frame_alloc(len);
+		if (r->body == NULL)
+			return fail(err, "IO", NULL, "out of memory for a %u-byte reply", len);
+		if (read_full(c, r->body, len, err) != 0)
+			return -1;
+		if (msg_parse(&r->msg, r->body, len, MSG_REPLY, &perr) != 0)
+			return fail(err, proto_code_name(perr.code), NULL, "bad reply: %s", perr.message);
+		if (!r->msg.is_event && (!r->msg.has_id || r->msg.id == id))
+			return 0;
+		if (r->msg.is_event)
+			emit_progress(c, &r->msg);
+		msg_destroy(&r->msg);
+		frame_free(r->body);
+		r->body = NULL;
+	}
+}
+
+void tl_reply_free(struct tl_reply *r)
+{
+	if (r) {
+		if (r->body)
+			msg_destroy(&r->msg);
+		frame_free(r->body);
+		free(r);
+	}
+}
+
+static int reply_error(struct tl_reply *r, struct tl_error *err)
+{
+	struct proto_err perr;
+	const msgpack_object *e = msg_field(&r->msg, "error");
+	const char *code = "INTERNAL";
+	uint32_t n = 8;
+
+	msg_reply_error(&r->msg, &perr);
+	msg_get_str(e, "code", &code, &n, NULL);
+	snprintf(err->code, sizeof err->code, "%.*s", (int)n, code);
+	snprintf(err->message, sizeof err->message, "%s", perr.message);
+	snprintf(err->path, sizeof err->path, "%s", perr.path);
+	return -1;
+}
+
+/* Sends the request in w (already begun with nfields) and reads the reply. */
+static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
+		     struct tl_error *err)
+{
+	struct tl_reply *r = calloc(1, sizeof *r);
+	int rc;
+
+	if (r == NULL)
+		return fail(err, "IO", NULL, "out of memory");
+	rc = send_frame(c, w, err);
+	if (rc == 0)
+		rc = read_reply(c, id, r, err);
+	if (rc == 0 && r->msg.is_error)
+		rc = err ? reply_error(r, err) : -1;
+	if (rc != 0) {
+		tl_reply_free(r);
+		return -1;
+	}
+	ok(err);
+	if (out)
+		*out = r;
+	else
+		tl_reply_free(r);
+	return 0;
+}
+
+static int begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields,
+		 uint64_t *id, struct tl_error *err)
+{
+	if (writer_init(w) != 0)
+		return fail(err, "IO", NULL, "out of memory");
+	*id = ++c->next_id;
+	msg_begin_request(w, *id, op, nfields);
+	return 0;
+}
+
+/* ---- requests ------------------------------------------------------------------ */
+
+int tl_hello(struct tl_client *c, struct tl_error *err)
+{
+	struct writer w;
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, "hello", 1, &id, err) != 0)
+		return -1;
+	writer_key_u64(&w, "protocol", TL_PROTOCOL);
+	rc = roundtrip(c, &w, id, NULL, err);
+	writer_destroy(&w);
+	return rc;
+}
+
+static const msgpack_object *result_field(const struct tl_reply *r, const char *key)
+{
+	return msg_obj_field(msg_field(&r->msg, "result"), key);
+}
+
+double tl_reply_number(const struct tl_reply *r, const char *key)
+{
+	const msgpack_object *o = result_field(r, key);
+
+	if (o == NULL)
+		return NAN;
+	switch (o->type) {
+	case MSGPACK_OBJECT_BOOLEAN: return o->via.boolean;
+	case MSGPACK_OBJECT_POSITIVE_INTEGER: return (double)o->via.u64;
+	case MSGPACK_OBJECT_NEGATIVE_INTEGER: return (double)o->via.i64;
+	case MSGPACK_OBJECT_FLOAT32:
+	case MSGPACK_OBJECT_FLOAT64: return o->via.f64;
+	default: return NAN;
+	}
+}
+
+int tl_health(struct tl_client *c, int *ready, struct tl_error *err)
+{
+	struct writer w;
+	struct tl_reply *r;
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, "health", 0, &id, err) != 0)
+		return -1;
+	rc = roundtrip(c, &w, id, &r, err);
+	writer_destroy(&w);
+	if (rc == 0) {
+		*ready = tl_reply_number(r, "ready") == 1;
+		tl_reply_free(r);
+	}
+	return rc;
+}
+
+int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl_error *err)
+{
+	struct writer w;
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, "register", 8, &id, err) != 0)
+		return -1;
+	writer_key_str(&w, "name", def->name ? def->name : "");
+	writer_key_str(&w, "body_source", def->body_source ? def->body_source : "");
+	writer_key_str(&w, "body_file", def->body_file ? def->body_file : "<client>");
+	writer_key_str(&w, "entry", def->entry ? def->entry : "body");
+	writer_key_str(&w, "strategy", def->strategy ? def->strategy : "unroll");
+	writer_key_i64(&w, "max_steps", def->max_steps ? def->max_steps : 128);
+	writer_key_i64(&w, "max_elements", def->max_elements ? def->max_elements : 65536);
+	writer_key_i64(&w, "recompile_budget", def->recompile_budget ? def->recompile_budget : 8);
+	rc = roundtrip(c, &w, id, NULL, err);
+	writer_destroy(&w);
+	return rc;
+}
+
+int tl_unregister(struct tl_client *c, const char *name, struct tl_error *err)
+{
+	struct writer w;
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, "unregister", 1, &id, err) != 0)
+		return -1;
+	writer_key_str(&w, "name", name);
+	rc = roundtrip(c, &w, id, NULL, err);
+	writer_destroy(&w);
+	return rc;
+}
+
+/* After a successful scan/grad: decode the result's trees (views). */
+static int read_trees(struct tl_reply *r, struct tl_error *err)
+{
+	static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
+	const msgpack_object *res = msg_field(&r->msg, "result");
+	struct proto_err perr;
+
+	for (size_t i = 0; i < 4; i++) {
+		const msgpack_object *o = msg_obj_field(res, keys[i]);
+		if (o == NULL)
+			continue;
+		if (tree_decode(o, r->msg.up.zone, keys[i], &r->trees[r->n], &perr) != 0)
+			return fail(err, proto_code_name(perr.code), perr.path, "%s", perr.message);
+		r->names[r->n++] = keys[i];
+	}
+	return 0;
+}
+
+const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key)
+{
+	for (int i = 0; i < r->n; i++)
+		if (strcmp(r->names[i], key) == 0)
+			return (const struct tl_tree *)&r->trees[i];
+	return NULL;
+}
+
+static int run_op(struct tl_client *c, const char *op, const char *adapter,
+		  const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
+		  struct tl_reply **out, struct tl_error *err)
+{
+	struct writer w;
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, op, 1 + n, &id, err) != 0)
+		return -1;
+	writer_key_str(&w, "adapter", adapter);
+	for (uint32_t i = 0; i < n; i++) {
+		writer_str(&w, keys[i]);
+		if (trees[i] == NULL)
+			msgpack_pack_nil(&w.pk);
+		else
+			tree_encode(&w, CNODE(trees[i]));
+	}
+	rc = roundtrip(c, &w, id, out, err);
+	writer_destroy(&w);
+	if (rc == 0 && read_trees(*out, err) != 0) {
+		tl_reply_free(*out);
+		*out = NULL;
+		return -1;
+	}
+	return rc;
+}
+
+int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+	    const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
+{
+	const struct tl_tree *trees[] = {carry, inputs};
+	const char *keys[] = {"carry", "inputs"};
+
+	if (carry == NULL || inputs == NULL)
+		return fail(err, "INVALID_ARGUMENT", NULL, "carry and inputs are required (use tl_none)");
+	return run_op(c, "scan", adapter, trees, keys, 2, out, err);
+}
+
+int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+	    const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+	    const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err)
+{
+	const struct tl_tree *trees[] = {carry, inputs, cot_carry, cot_outputs};
+	const char *keys[] = {"carry", "inputs", "cot_carry", "cot_outputs"};
+
+	if (carry == NULL || inputs == NULL)
+		return fail(err, "INVALID_ARGUMENT", NULL, "carry and inputs are required (use tl_none)");
+	return run_op(c, "grad", adapter, trees, keys, 4, out, err);
+}
+
+int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+	       const struct tl_tree *inputs, enum tl_dtype dtype, int grad,
+	       struct tl_reply **out, struct tl_error *err)
+{
+	struct writer w;
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, "compile", 5, &id, err) != 0)
+		return -1;
+	writer_key_str(&w, "adapter", adapter);
+	writer_key_str(&w, "dtype", dtype == TL_FLOAT32 ? "float32" : "float64");
+	writer_key_str(&w, "kind", grad ? "grad" : "scan");
+	writer_str(&w, "carry");
+	shapes_write(&w, CNODE(carry));
+	writer_str(&w, "inputs");
+	shapes_write(&w, CNODE(inputs));
+	rc = roundtrip(c, &w, id, out, err);
+	writer_destroy(&w);
+	return rc;
+}
+
+/* ---- JSON of a result (list, describe, stats) ------------------------------------- */
+
+struct jbuf {
+	char *p;
+	size_t len, cap;
+};
+
+static void jput(struct jbuf *b, const char *s, size_t n)
+{
+	if (b->len + n + 1 > b->cap) {
+		size_t cap = (b->cap + n + 1) * 2;
+		char *p = realloc(b->p, cap);
+		if (p == NULL)
+			return;
+		b->p = p;
+		b->cap = cap;
+	}
+	memcpy(b->p + b->len, s, n);
+	b->len += n;
+	b->p[b->len] = '\0';
+}
+
+static void jstr(struct jbuf *b, const char *s, size_t n)
+{
+	jput(b, "\"", 1);
+	for (size_t i = 0; i < n; i++) {
+		unsigned char ch = (unsigned char)s[i];
+		char esc[8];
+		if (ch == '"' || ch == '\\') {
+			esc[0] = '\\';
+			esc[1] = (char)ch;
+			jput(b, esc, 2);
+		} else if (ch < 0x20) {
+			snprintf(esc, sizeof esc, "\\u%04x", ch);
+			jput(b, esc, 6);
+		} else {
+			jput(b, (const char *)&s[i], 1);
+		}
+	}
+	jput(b, "\"", 1);
+}
+
+static void jvalue(struct jbuf *b, const msgpack_object *o)
+{
+	char num[64];
+
+	switch (o->type) {
+	case MSGPACK_OBJECT_NIL: jput(b, "null", 4); return;
+	case MSGPACK_OBJECT_BOOLEAN: jput(b, o->via.boolean ? "true" : "false", o->via.boolean ? 4 : 5); return;
+	case MSGPACK_OBJECT_POSITIVE_INTEGER:
+		jput(b, num, (size_t)snprintf(num, sizeof num, "%llu", (unsigned long long)o->via.u64));
+		return;
+	case MSGPACK_OBJECT_NEGATIVE_INTEGER:
+		jput(b, num, (size_t)snprintf(num, sizeof num, "%lld", (long long)o->via.i64));
+		return;
+	case MSGPACK_OBJECT_FLOAT32:
+	case MSGPACK_OBJECT_FLOAT64:
+		jput(b, num, (size_t)snprintf(num, sizeof num, isfinite(o->via.f64) ? "%.17g" : "null", o->via.f64));
+		return;
+	case MSGPACK_OBJECT_STR: jstr(b, o->via.str.ptr, o->via.str.size); return;
+	case MSGPACK_OBJECT_ARRAY:
+		jput(b, "[", 1);
+		for (uint32_t i = 0; i < o->via.array.size; i++) {
+			if (i)
+				jput(b, ",", 1);
+			jvalue(b, &o->via.array.ptr[i]);
+		}
+		jput(b, "]", 1);
+		return;
+	case MSGPACK_OBJECT_MAP:
+		jput(b, "{", 1);
+		for (uint32_t i = 0; i < o->via.map.size; i++) {
+			const msgpack_object *k = &o->via.map.ptr[i].key;
+			if (i)
+				jput(b, ",", 1);
+			if (k->type == MSGPACK_OBJECT_STR)
+				jstr(b, k->via.str.ptr, k->via.str.size);
+			else
+				jstr(b, "?", 1);
+			jput(b, ":", 1);
+			jvalue(b, &o->via.map.ptr[i].val);
+		}
+		jput(b, "}", 1);
+		return;
+	default: jput(b, "null", 4); return;
+	}
+}
+
+int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,
+		 struct tl_error *err)
+{
+	struct writer w;
+	struct tl_reply *r;
+	struct jbuf b = {0};
+	uint64_t id = 0;
+	int rc;
+
+	if (begin(c, &w, op, name ? 1 : 0, &id, err) != 0)
+		return -1;
+	if (name)
+		writer_key_str(&w, "name", name);
+	rc = roundtrip(c, &w, id, &r, err);
+	writer_destroy(&w);
+	if (rc != 0)
+		return -1;
+	jvalue(&b, msg_field(&r->msg, "result"));
+	tl_reply_free(r);
+	if (b.p == NULL)
+		return fail(err, "IO", NULL, "out of memory");
+	*json = b.p;
+	return 0;
+}

@@ -1,0 +1,122 @@
+/* shapes.c - see shapes.h. */
+#include "shapes.h"
+
+#include "msg.h"
+
+#include <string.h>
+
+void shapes_write(struct writer *w, const struct tree_node *n)
+{
+	static const char *const kinds[] = {[TREE_TUPLE] = "tuple", [TREE_LIST] = "list",
+					    [TREE_DICT] = "dict"};
+
+	if (n->kind == TREE_NONE) {
+		msgpack_pack_nil(&w->pk);
+		return;
+	}
+	if (n->kind == TREE_TENSOR) {
+		msgpack_pack_map(&w->pk, 2);
+		writer_key_str(w, "k", "T");
+		writer_str(w, "s");
+		msgpack_pack_array(&w->pk, n->tensor.ndim);
+		for (uint32_t i = 0; i < n->tensor.ndim; i++)
+			msgpack_pack_int64(&w->pk, n->tensor.shape[i]);
+		return;
+	}
+	msgpack_pack_map(&w->pk, n->kind == TREE_DICT ? 3 : 2);
+	writer_key_str(w, "k", kinds[n->kind]);
+	if (n->kind == TREE_DICT) {
+		writer_str(w, "keys");
+		msgpack_pack_array(&w->pk, n->count);
+		for (uint32_t i = 0; i < n->count; i++)
+			writer_strn(w, n->keys[i].ptr, n->keys[i].len);
+	}
+	writer_str(w, "c");
+	msgpack_pack_array(&w->pk, n->count);
+	for (uint32_t i = 0; i < n->count; i++)
+		shapes_write(w, &n->items[i]);
+}
+
+static int bad_spec(struct proto_err *err, const char *what)
+{
+	return proto_fail(err, PROTO_E_COMPILE_FAILED, NULL, "malformed output spec: %s", what);
+}
+
+static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, struct tree_node *out,
+			    struct proto_err *err)
+{
+	if (s == NULL || s->type != MSGPACK_OBJECT_ARRAY || s->via.array.size > PROTO_MAX_NDIM)
+		return bad_spec(err, "tensor shape");
+	out->kind = TREE_TENSOR;
+	out->tensor.dtype = dtype;
+	out->tensor.ndim = s->via.array.size;
+	for (uint32_t i = 0; i < out->tensor.ndim; i++) {
+		const msgpack_object *d = &s->via.array.ptr[i];
+		if (d->type != MSGPACK_OBJECT_POSITIVE_INTEGER || d->via.u64 > INT64_MAX)
+			return bad_spec(err, "dimension");
+		out->tensor.shape[i] = (int64_t)d->via.u64;
+	}
+	return tree_tensor_sizes(&out->tensor) == 0 ? 0 : bad_spec(err, "size overflow");
+}
+
+static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree_node *out,
+		     struct proto_err *err)
+{
+	if (keys == NULL || keys->type != MSGPACK_OBJECT_ARRAY || keys->via.array.size != out->count)
+		return bad_spec(err, "dict keys");
+	out->keys = msgpack_zone_malloc(zone, (out->count ? out->count : 1) * sizeof *out->keys);
+	if (out->keys == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	for (uint32_t i = 0; i < out->count; i++) {
+		const msgpack_object *k = &keys->via.array.ptr[i];
+		char *copy;
+		if (k->type != MSGPACK_OBJECT_STR)
+			return bad_spec(err, "dict key");
+		copy = msgpack_zone_malloc(zone, k->via.str.size + 1);
+		if (copy == NULL)
+			return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+		memcpy(copy, k->via.str.ptr, k->via.str.size);
+		copy[k->via.str.size] = '\0';
+		out->keys[i].ptr = copy;
+		out->keys[i].len = k->via.str.size;
+	}
+	return 0;
+}
+
+int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dtype,
+		     struct tree_node *out, struct proto_err *err)
+{
+	const char *k;
+	uint32_t klen;
+	const msgpack_object *c;
+
+	memset(out, 0, sizeof *out);
+	if (o->type == MSGPACK_OBJECT_NIL)
+		return 0; /* TREE_NONE */
+	if (msg_get_str(o, "k", &k, &klen, err) != 0)
+		return bad_spec(err, "node kind");
+	if (klen == 1 && k[0] == 'T')
+		return read_tensor_spec(msg_obj_field(o, "s"), dtype, out, err);
+	c = msg_obj_field(o, "c");
+	if (c == NULL || c->type != MSGPACK_OBJECT_ARRAY)
+		return bad_spec(err, "children");
+	if (klen == 5 && memcmp(k, "tuple", 5) == 0)
+		out->kind = TREE_TUPLE;
+	else if (klen == 4 && memcmp(k, "list", 4) == 0)
+		out->kind = TREE_LIST;
+	else if (klen == 4 && memcmp(k, "dict", 4) == 0)
+		out->kind = TREE_DICT;
+	else
+		return bad_spec(err, "node kind");
+	out->count = c->via.array.size;
+	out->items = msgpack_zone_malloc(zone, (out->count ? out->count : 1) * sizeof *out->items);
+	if (out->items == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (out->kind == TREE_DICT && read_keys(msg_obj_field(o, "keys"), zone, out, err) != 0)
+		return -1;
+	for (uint32_t i = 0; i < out->count; i++)
+		if (shapes_read(&c->via.array.ptr[i], zone, dtype, &out->items[i], err) != 0)
+			return -1;
+	return 0;
+}
+
