@@ -29,13 +29,13 @@ PROTO_SRC  := $(wildcard proto/*.c)
 PROTO_OBJ  := $(PROTO_SRC:%.c=$(BUILD)/%.o)
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
-CLIENT_SRC := $(filter-out client/cli.c,$(wildcard client/*.c))
+CLIENT_SRC := $(filter-out client/cli.c client/treejson.c,$(wildcard client/*.c))
 CLIENT_OBJ := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 DAEMON_LIB := $(if $(DAEMON_SRC),$(BUILD)/libdaemon.a)
 UNIT_SRC   := $(wildcard tests/unit/test_*.c)
 UNIT_BIN   := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 E2E_SRC    := $(wildcard tests/e2e/test_*.c)
-E2E_BIN    := $(E2E_SRC:tests/e2e/%.c=$(BUILD)/tests/%)
+E2E_BIN    := $(E2E_SRC:tests/e2e/test_%.c=$(BUILD)/tests/e2e_%)
 FUZZ_SECONDS ?= 60
 
 .PHONY: all setup build run test test-unit test-e2e sanitize fuzz bench clean format install uninstall
@@ -54,7 +54,7 @@ ifneq ($(wildcard daemon/main.c),)
 BINARIES += $(BUILD)/torchloopd
 endif
 ifneq ($(wildcard client/cli.c),)
-BINARIES += $(BUILD)/torchloop $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a
+BINARIES += $(BUILD)/torchloop $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a $(BUILD)/torchloop.pc
 endif
 
 .PHONY: binaries tests
@@ -80,7 +80,7 @@ $(BUILD)/libtorchloop.a: $(CLIENT_OBJ) $(PROTO_OBJ)
 $(BUILD)/libtorchloop.so: $(CLIENT_OBJ) $(PROTO_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(MSGPACK_LIBS)
 
-$(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/libtorchloop.a
+$(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/client/treejson.o $(BUILD)/libtorchloop.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(shell pkg-config --libs jansson 2>/dev/null) $(MSGPACK_LIBS) -lm
 
 TEST_DEPS := $(BUILD)/libproto.a $(DAEMON_LIB) $(wildcard tests/unit/*.h tests/unit/helpers.c)
@@ -88,6 +88,13 @@ $(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -Itests/unit $(CFLAGS) -o $@ $< $(wildcard tests/unit/helpers.c) $(DAEMON_LIB) $(BUILD)/libproto.a \
 		$(CRIT_LIBS) $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+
+E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h client/treejson.c $(BUILD)/libtorchloop.a
+$(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMON_LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -Itests/e2e $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c client/treejson.c \
+		$(DAEMON_LIB) $(BUILD)/libtorchloop.a $(CRIT_LIBS) $(shell pkg-config --libs jansson) \
+		$(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 test: build
 	@$(MAKE) --no-print-directory run-tests
@@ -113,10 +120,45 @@ fuzz: setup
 	@bash scripts/fuzz.sh $(FUZZ_BIN) $(FUZZ_SECONDS)
 
 run: build
-	@echo "make run: the daemon is not built yet (issue 4); the build succeeded." >&2
+	exec $(BUILD)/torchloopd --adapters examples/adapters $(RUN_ARGS)
 
 bench: build
 	@echo "make bench: see docs/performance.md" >&2
+
+# pkg-config file for the build tree (tests) and for an install.
+$(BUILD)/torchloop.pc: client/torchloop.pc.in
+	sed -e 's|@PREFIX@|$(CURDIR)|' -e 's|@LIBDIR@|$(CURDIR)/$(BUILD)|' \
+	    -e 's|@INCLUDEDIR@|$(CURDIR)/client|' -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' $< > $@
+
+PREFIX      ?= /usr/local
+SYSTEMD_DIR ?= /etc/systemd/system
+INSTALL_FILES = $(DESTDIR)$(PREFIX)/bin/torchloopd $(DESTDIR)$(PREFIX)/bin/torchloop \
+	$(DESTDIR)$(PREFIX)/lib/libtorchloop.so $(DESTDIR)$(PREFIX)/lib/libtorchloop.a \
+	$(DESTDIR)$(PREFIX)/include/torchloop.h $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc \
+	$(DESTDIR)$(PREFIX)/lib/torchloopd/compile_worker.py \
+	$(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.socket \
+	$(DESTDIR)/usr/lib/sysusers.d/torchloopd.conf $(DESTDIR)/usr/lib/tmpfiles.d/torchloopd.conf
+
+install: build $(BUILD)/torchloop.pc
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include \
+		$(DESTDIR)$(PREFIX)/lib/torchloopd $(DESTDIR)$(SYSTEMD_DIR) $(DESTDIR)/usr/lib/sysusers.d \
+		$(DESTDIR)/usr/lib/tmpfiles.d $(DESTDIR)$(PREFIX)/share/torchloopd/examples
+	install -m 0755 $(BUILD)/torchloopd $(BUILD)/torchloop $(DESTDIR)$(PREFIX)/bin/
+	install -m 0644 $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 0644 client/torchloop.h $(DESTDIR)$(PREFIX)/include/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PREFIX)/lib|' -e 's|@INCLUDEDIR@|$(PREFIX)/include|' \
+	    -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' client/torchloop.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc
+	install -m 0644 daemon/worker/compile_worker.py $(DESTDIR)$(PREFIX)/lib/torchloopd/
+	sed -e 's|/usr/local/bin/torchloopd|$(PREFIX)/bin/torchloopd --worker $(PREFIX)/lib/torchloopd/compile_worker.py --python $(PY)|' \
+	    systemd/torchloopd.service > $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service
+	install -m 0644 systemd/torchloopd.socket $(DESTDIR)$(SYSTEMD_DIR)/
+	install -m 0644 systemd/torchloopd.sysusers $(DESTDIR)/usr/lib/sysusers.d/torchloopd.conf
+	install -m 0644 systemd/torchloopd.tmpfiles $(DESTDIR)/usr/lib/tmpfiles.d/torchloopd.conf
+	cp -r examples/. $(DESTDIR)$(PREFIX)/share/torchloopd/examples/
+
+uninstall:
+	rm -f $(INSTALL_FILES)
+	rm -rf $(DESTDIR)$(PREFIX)/share/torchloopd $(DESTDIR)$(PREFIX)/lib/torchloopd
 
 format:
 	clang-format -i proto/*.[ch] $(wildcard daemon/*.[ch] client/*.[ch] tests/*/*.[ch])

@@ -5,8 +5,8 @@
  *   0 ok, 1 the daemon returned an error, 2 usage error, 3 cannot connect.
  * Trees are .npy paths, null, or JSON trees of those (docs/cli.md).
  */
-#include "npy.h"
 #include "torchloop.h"
+#include "treejson.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -27,10 +27,7 @@ struct cli {
 	bool json;
 	struct tl_client *client;
 	struct tl_builder *builder;
-	struct npy arrays[4096];
-	int n_arrays;
-	enum tl_dtype dtype;
-	bool have_dtype;
+	struct treejson tj;
 };
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -113,160 +110,17 @@ static int connect_client(struct cli *c)
 	return EXIT_OK;
 }
 
-/* ---- trees ------------------------------------------------------------------ */
-
-static struct tl_tree *leaf_from_string(struct cli *c, const char *s, bool shapes_only, char *msg,
-					size_t size)
-{
-	struct npy *n;
-
-	if (shapes_only && strncmp(s, "shape:", 6) == 0) {
-		int64_t shape[8];
-		int ndim = 0;
-		for (const char *p = s + 6; *p && ndim < 8;) {
-			char *end;
-			shape[ndim++] = strtoll(p, &end, 10);
-			if (end == p || shape[ndim - 1] < 0) {
-				snprintf(msg, size, "bad shape '%s' (want shape:AxB)", s);
-				return NULL;
-			}
-			p = *end == 'x' ? end + 1 : end;
-			if (*end && *end != 'x') {
-				snprintf(msg, size, "bad shape '%s' (want shape:AxB)", s);
-				return NULL;
-			}
-		}
-		return tl_tensor(c->builder, c->have_dtype ? c->dtype : TL_FLOAT64, ndim, shape, NULL);
-	}
-	if (c->n_arrays == (int)(sizeof c->arrays / sizeof c->arrays[0])) {
-		snprintf(msg, size, "too many leaves");
-		return NULL;
-	}
-	n = &c->arrays[c->n_arrays];
-	if (npy_read(s, n, msg, size) != 0)
-		return NULL;
-	c->n_arrays++;
-	if (!shapes_only && c->have_dtype && n->dtype != c->dtype) {
-		snprintf(msg, size, "%s: dtype differs from the other leaves", s);
-		return NULL;
-	}
-	c->dtype = n->dtype;
-	c->have_dtype = true;
-	return tl_tensor(c->builder, n->dtype, n->ndim, n->shape, n->data);
-}
-
-static struct tl_tree *tree_from_json(struct cli *c, json_t *j, bool shapes_only, char *msg,
-				      size_t size, int depth)
-{
-	struct tl_tree *items[256];
-	const char *keys[256];
-	size_t n = 0, i;
-	json_t *v;
-	const char *k;
-
-	if (depth > 16) {
-		snprintf(msg, size, "tree nested deeper than 16");
-		return NULL;
-	}
-	if (json_is_null(j))
-		return tl_none(c->builder);
-	if (json_is_string(j))
-		return leaf_from_string(c, json_string_value(j), shapes_only, msg, size);
-	if (json_is_object(j) && json_object_size(j) == 1 && json_object_get(j, "__tuple__")) {
-		struct tl_tree *inner = tree_from_json(c, json_object_get(j, "__tuple__"), shapes_only, msg, size, depth + 1);
-		if (inner == NULL || tl_tree_kind(inner) != TL_LIST) {
-			if (inner)
-				snprintf(msg, size, "__tuple__ takes a JSON array");
-			return NULL;
-		}
-		n = tl_tree_len(inner);
-		for (i = 0; i < n && i < 256; i++)
-			items[i] = (struct tl_tree *)tl_tree_item(inner, i);
-		return tl_tuple(c->builder, n, items);
-	}
-	if (json_is_array(j)) {
-		if (json_array_size(j) > 256)
-			return snprintf(msg, size, "a list of over 256 items"), NULL;
-		json_array_foreach(j, i, v)
-		{
-			if ((items[n++] = tree_from_json(c, v, shapes_only, msg, size, depth + 1)) == NULL)
-				return NULL;
-		}
-		return tl_list(c->builder, n, items);
-	}
-	if (json_is_object(j)) {
-		if (json_object_size(j) > 256)
-			return snprintf(msg, size, "a dict of over 256 keys"), NULL;
-		json_object_foreach(j, k, v)
-		{
-			keys[n] = k;
-			if ((items[n++] = tree_from_json(c, v, shapes_only, msg, size, depth + 1)) == NULL)
-				return NULL;
-		}
-		return tl_dict(c->builder, n, keys, items);
-	}
-	snprintf(msg, size, "tree leaves are .npy paths (strings) or null");
-	return NULL;
-}
-
 /* A tree argument: JSON, or a bare .npy path / shape string. */
 static int parse_tree(struct cli *c, const char *opt, const char *arg, bool shapes_only,
 		      struct tl_tree **out)
 {
-	json_error_t jerr;
 	char msg[1024] = "";
-	json_t *j = json_loads(arg, JSON_DECODE_ANY | JSON_PRESERVE_ORDER, &jerr);
 
-	if (j == NULL)
-		j = json_string(arg); /* a bare path */
-	*out = tree_from_json(c, j, shapes_only, msg, sizeof msg, 0);
-	json_decref(j);
+	c->tj.shapes_only = shapes_only;
+	*out = treejson_parse(&c->tj, arg, msg, sizeof msg);
 	if (*out == NULL)
 		return usage_error("%s: %s", opt, msg[0] ? msg : "bad tree");
 	return EXIT_OK;
-}
-
-/* ---- writing outputs ------------------------------------------------------------ */
-
-static json_t *write_tree(const struct tl_tree *t, const char *dir, const char *root, int *counter,
-			  int *rc)
-{
-	json_t *j;
-	char file[256], path[4096], msg[512];
-
-	switch (tl_tree_kind(t)) {
-	case TL_NONE:
-		return json_null();
-	case TL_TENSOR:
-		snprintf(file, sizeof file, "%s_%d.npy", root, (*counter)++);
-		snprintf(path, sizeof path, "%s/%s", dir, file);
-		if (npy_write(path, tl_tree_dtype(t), tl_tree_ndim(t), tl_tree_shape(t), tl_tree_data(t),
-			      msg, sizeof msg) != 0) {
-			fprintf(stderr, "torchloop: %s\n", msg);
-			*rc = EXIT_USAGE;
-		}
-		return json_string(file);
-	case TL_DICT:
-		j = json_object();
-		for (size_t i = 0; i < tl_tree_len(t); i++) {
-			size_t len;
-			const char *k = tl_tree_key(t, i, &len);
-			char key[300];
-			snprintf(key, sizeof key, "%.*s", (int)len, k);
-			json_object_set_new(j, key, write_tree(tl_tree_item(t, i), dir, root, counter, rc));
-		}
-		return j;
-	default:
-		j = json_array();
-		for (size_t i = 0; i < tl_tree_len(t); i++)
-			json_array_append_new(j, write_tree(tl_tree_item(t, i), dir, root, counter, rc));
-		if (tl_tree_kind(t) == TL_TUPLE) {
-			json_t *tup = json_object();
-			json_object_set_new(tup, "__tuple__", j);
-			return tup;
-		}
-		return j;
-	}
 }
 
 static int write_outputs(struct cli *c, const struct tl_reply *r, const char *dir)
@@ -280,11 +134,14 @@ static int write_outputs(struct cli *c, const struct tl_reply *r, const char *di
 		json_decref(doc);
 		return usage_error("--out %s: %s", dir, strerror(errno));
 	}
-	for (size_t i = 0; i < 4; i++) {
+	for (size_t i = 0; i < 4 && rc == EXIT_OK; i++) {
 		const struct tl_tree *t = tl_reply_tree(r, keys[i]);
-		int counter = 0;
-		if (t)
-			json_object_set_new(doc, keys[i], write_tree(t, dir, keys[i], &counter, &rc));
+		char msg[512];
+		json_t *j = t ? treejson_save(t, dir, keys[i], msg, sizeof msg) : NULL;
+		if (t && j == NULL)
+			rc = usage_error("%s", msg);
+		else if (j)
+			json_object_set_new(doc, keys[i], j);
 	}
 	snprintf(path, sizeof path, "%s/tree.json", dir);
 	if (json_dump_file(doc, path, JSON_INDENT(2) | JSON_PRESERVE_ORDER) != 0)
@@ -450,12 +307,12 @@ static int cmd_compile(struct cli *c, const struct sub_opts *o, const char *adap
 		return usage_error("compile: --carry and --inputs are required");
 	if (o->dtype && strcmp(o->dtype, "float32") && strcmp(o->dtype, "float64"))
 		return usage_error("compile: --dtype is float32 or float64");
-	c->dtype = o->dtype && strcmp(o->dtype, "float32") == 0 ? TL_FLOAT32 : TL_FLOAT64;
-	c->have_dtype = o->dtype != NULL;
+	c->tj.dtype = o->dtype && strcmp(o->dtype, "float32") == 0 ? TL_FLOAT32 : TL_FLOAT64;
+	c->tj.have_dtype = o->dtype != NULL;
 	if ((rc = parse_tree(c, "--carry", o->carry, true, &carry)) ||
 	    (rc = parse_tree(c, "--inputs", o->inputs, true, &inputs)) || (rc = connect_client(c)))
 		return rc;
-	if (tl_compile(c->client, adapter, carry, inputs, c->have_dtype ? c->dtype : TL_FLOAT64,
+	if (tl_compile(c->client, adapter, carry, inputs, c->tj.have_dtype ? c->tj.dtype : TL_FLOAT64,
 		       o->grad, &r, &err) != 0)
 		return daemon_error(c, &err);
 	if (isatty(2))
@@ -616,10 +473,10 @@ int main(int argc, char **argv)
 	if (i >= argc)
 		return usage_error("no command given");
 	c.builder = tl_builder_new();
+	treejson_init(&c.tj, c.builder, NULL);
 	rc = dispatch(&c, argv[i], argc - i, argv + i);
 	tl_close(c.client);
+	treejson_free(&c.tj);
 	tl_builder_free(c.builder);
-	for (int k = 0; k < c.n_arrays; k++)
-		npy_free(&c.arrays[k]);
 	return rc;
 }

@@ -6,6 +6,13 @@ set -uo pipefail
 build=$1; shift
 passed=0 failed=0 status=0
 export TORCHLOOP_TEST_BUILD="$build"
+# One compile cache per checkout, shared by `make test` and `make sanitize`, so
+# each specialization compiles once; scratch (sockets, logs) under /tmp keeps
+# socket paths short.
+export TORCHLOOP_TEST_CACHE="${TORCHLOOP_TEST_CACHE:-$PWD/build/test-cache}"
+export TORCHLOOP_TEST_TMP="${TORCHLOOP_TEST_TMP:-$(mktemp -d /tmp/torchloop-tests.XXXXXX)}"
+mkdir -p "$TORCHLOOP_TEST_CACHE"
+start=$(date +%s)
 for bin in "$@"; do
 	[ -x "$bin" ] || continue
 	echo "=== $bin"
@@ -19,5 +26,7 @@ for bin in "$@"; do
 	failed=$((failed + ${t:-0} - ${p:-0}))
 done
 [ "$failed" = 0 ] || status=1
+echo "compiles in this run: $(grep -h 'compiling ' "$TORCHLOOP_TEST_TMP"/*/log 2>/dev/null | wc -l) (cache: $TORCHLOOP_TEST_CACHE)"
+echo "test time: $(( $(date +%s) - start )) s"
 echo "tests: $passed passed, $failed failed"
 exit $status

@@ -244,6 +244,7 @@ class Scan:
     dtype: str
     strategy: str
     y_spec: Any = None
+    tracing: bool = False  # False: the eager dry run, where failures are the body's
 
     @property
     def n_carry(self) -> int:
@@ -255,8 +256,8 @@ class Scan:
         except JobError:
             raise
         except Exception as exc:
-            if is_trace_error(exc):
-                raise
+            if self.tracing:
+                raise  # the body ran eagerly at this step: a capture problem
             raise JobError("BODY_ERROR", f"the body raised at step {t}: {exc!r}") from exc
         if not isinstance(out, tuple) or len(out) != 2:
             raise JobError(
@@ -336,15 +337,8 @@ def map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
 # ---- error classification -------------------------------------------------
 
 
-def is_trace_error(exc: BaseException) -> bool:
-    """Errors raised by the tracer itself (not by the body's own logic)."""
-    mod = type(exc).__module__
-    return mod.startswith(("torch._dynamo", "torch.fx", "torch._subclasses")) or (
-        "GuardOnDataDependentSymNode" in type(exc).__name__
-    )
-
-
-def classify(exc: BaseException) -> JobError:
+def classify(exc: BaseException, phase: str) -> JobError:
+    """Maps a failure of the export ("capture") or Inductor ("inductor") phase."""
     if isinstance(exc, JobError):
         return exc
     chain: list[BaseException] = []
@@ -356,13 +350,12 @@ def classify(exc: BaseException) -> JobError:
         if isinstance(e, JobError):
             return e
     text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
-    short = f"{type(exc).__name__}: {str(exc).strip()[:2000]}"
+    short = f"{type(exc).__name__}: {str(exc).strip()[:1500]}"
     data_dependent = (
         "data-dependent" in text.lower()
         or "GuardOnDataDependentSymNode" in text
         or "Dynamic control flow" in text
         or "generic_jump" in text
-        or "Data-dependent" in text
     )
     if data_dependent:
         return JobError(
@@ -370,11 +363,14 @@ def classify(exc: BaseException) -> JobError:
             "the body cannot be captured as one static graph (data-dependent Python control "
             f"flow or shapes): {short}",
         )
-    if any(type(e).__module__.startswith("torch._dynamo") for e in chain):
-        return JobError("UNSUPPORTED_OP", f"the body uses something torch cannot capture: {short}")
-    if any("Lowering" in type(e).__name__ or "NotImplementedError" in type(e).__name__ for e in chain):
+    if phase == "capture":
+        return JobError(
+            "UNSUPPORTED_OP",
+            f"the body ran eagerly but uses something torch.export cannot capture: {short}",
+        )
+    if any("Lowering" in type(e).__name__ or isinstance(e, NotImplementedError) for e in chain):
         return JobError("UNSUPPORTED_OP", f"Inductor cannot compile an op of the body: {short}")
-    return JobError("COMPILE_FAILED", f"{short}")
+    return JobError("COMPILE_FAILED", f"Inductor failed: {short}")
 
 
 # ---- artifact checks ------------------------------------------------------
@@ -507,6 +503,29 @@ def vjp_module(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
     return fn
 
 
+def capture(
+    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
+) -> tuple[Any, tuple[Any, ...]]:
+    """torch.export of the flat scan (or make_fx of its VJP, then export)."""
+    try:
+        if kind == "vjp":
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            gen = torch.Generator().manual_seed(1)
+            cot = [torch.rand(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+            gm = make_fx(vjp_module(scan, torch, len(args)), tracing_mode="real")(*args, *cot)
+            example = tuple(args) + tuple(cot)
+            ep = torch.export.export(Wrap(gm), example, strict=False)
+        else:
+            example = tuple(args)
+            ep = torch.export.export(FlatModule(scan), example, strict=strict)
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc, "capture") from exc
+    return ep.module(), example
+
+
 def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -531,29 +550,15 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         outs = dry.forward(*args)
     scan.y_spec = dry.y_spec
     kind = job.get("kind", "forward")
-    if kind == "vjp":
-        cot = [torch.rand_like(o) for o in outs]
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        fn = vjp_module(scan, torch, n_in)
-        try:
-            gm = make_fx(fn, tracing_mode="real")(*args, *cot)
-        except Exception as exc:  # noqa: BLE001 - classified below
-            raise classify(exc) from exc
-        example = tuple(args) + tuple(cot)
-        module: Any = gm
-    else:
-        module = FlatModule(scan)
-        example = tuple(args)
+    scan.tracing = True
+    module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)))
     out_path = job["output"]
     try:
-        ep = torch.export.export(module if isinstance(module, torch.nn.Module) else Wrap(module),
-                                 example, strict=bool(job.get("strict", False)))
-        so = torch._inductor.aot_compile(ep.module(), example, options=aoti_options(out_path))
+        so = torch._inductor.aot_compile(module, example, options=aoti_options(out_path))
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
-        raise classify(exc) from exc
+        raise classify(exc, "inductor") from exc
     so_path = so if isinstance(so, str) else out_path
     if clear_exec_stack(so_path):
         log(f"{so_path}: cleared the executable-stack flag ld set")
@@ -628,7 +633,7 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
     except JobError as exc:
         return {"id": rid, "error": {"code": exc.code, "message": exc.message, "path": exc.path}}
     except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
-        err = classify(exc)
+        err = classify(exc, "inductor")
         log(traceback.format_exc())
         return {"id": rid, "error": {"code": err.code, "message": err.message, "path": err.path}}
 

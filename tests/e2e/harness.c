@@ -1,0 +1,422 @@
+/* harness.c - see harness.h. */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+const char *h_root(void)
+{
+	static char root[1024];
+
+	if (root[0] == '\0' && getcwd(root, sizeof root) == NULL)
+		cr_assert_fail("getcwd");
+	return root;
+}
+
+static const char *scratch(void)
+{
+	static char dir[1024];
+	const char *env = getenv("TORCHLOOP_TEST_TMP");
+
+	if (dir[0] == '\0') {
+		snprintf(dir, sizeof dir, "%s", env && *env ? env : "/tmp/torchloop-tests");
+		mkdir(dir, 0755);
+	}
+	return dir;
+}
+
+const char *h_shared_cache(void)
+{
+	static char dir[1024];
+	const char *env = getenv("TORCHLOOP_TEST_CACHE");
+
+	if (dir[0] == '\0')
+		snprintf(dir, sizeof dir, "%s", env && *env ? env : "/tmp/torchloop-tests/cache");
+	return dir;
+}
+
+void h_tmpdir(char *out, size_t size, const char *tag)
+{
+	snprintf(out, size, "%s/%s.XXXXXX", scratch(), tag);
+	cr_assert_not_null(mkdtemp(out), "mkdtemp %s: %s", out, strerror(errno));
+	chmod(out, 0755);
+}
+
+void hd_start(struct hd *d, const char *cache, const char *const *extra)
+{
+	const char *argv[64];
+	char bin[1100];
+	int n = 0, fd;
+
+	memset(d, 0, sizeof *d);
+	h_tmpdir(d->dir, sizeof d->dir, "d");
+	snprintf(d->sock, sizeof d->sock, "%s/sock", d->dir);
+	snprintf(d->log, sizeof d->log, "%s/log", d->dir);
+	snprintf(d->cache, sizeof d->cache, "%s", cache ? cache : h_shared_cache());
+	snprintf(bin, sizeof bin, "%s/%s/torchloopd", h_root(),
+		 getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
+	argv[n++] = bin;
+	argv[n++] = "--socket";
+	argv[n++] = d->sock;
+	argv[n++] = "--cache-dir";
+	argv[n++] = d->cache;
+	for (; extra && *extra && n < 60; extra++)
+		argv[n++] = *extra;
+	argv[n] = NULL;
+	d->pid = fork();
+	cr_assert_neq(d->pid, -1);
+	if (d->pid == 0) {
+		fd = open(d->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+		dup2(fd, 1);
+		dup2(fd, 2);
+		execv(bin, (char *const *)argv);
+		_exit(127);
+	}
+}
+
+void hd_wait_ready(struct hd *d, int timeout_s)
+{
+	time_t end = time(NULL) + timeout_s;
+
+	while (time(NULL) < end) {
+		struct tl_client *c;
+		struct tl_error err;
+		int ready = 0, status;
+
+		if (waitpid(d->pid, &status, WNOHANG) == d->pid)
+			cr_assert_fail("torchloopd exited during start-up (status %d); log %s", status, d->log);
+		if (tl_connect(d->sock, 1000, &c, &err) == 0) {
+			int rc = tl_health(c, &ready, &err);
+			tl_close(c);
+			if (rc == 0 && ready)
+				return;
+		}
+		usleep(100 * 1000);
+	}
+	cr_assert_fail("torchloopd not ready within %d s; log %s", timeout_s, d->log);
+}
+
+int hd_stop(struct hd *d)
+{
+	int status = 0;
+
+	if (d->pid <= 0)
+		return 0;
+	kill(d->pid, SIGTERM);
+	cr_assert_eq(waitpid(d->pid, &status, 0), d->pid);
+	d->pid = 0;
+	cr_assert(WIFEXITED(status), "torchloopd died of signal %d; log %s",
+		  WIFSIGNALED(status) ? WTERMSIG(status) : 0, d->log);
+	return WEXITSTATUS(status);
+}
+
+struct tl_client *hd_connect(struct hd *d)
+{
+	struct tl_client *c;
+	struct tl_error err;
+
+	cr_assert_eq(tl_connect(d->sock, 5000, &c, &err), 0, "%s", err.message);
+	cr_assert_eq(tl_hello(c, &err), 0, "%s", err.message);
+	return c;
+}
+
+static char *slurp(const char *path)
+{
+	FILE *f = fopen(path, "r");
+	char *buf;
+	long n;
+
+	cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+	fseek(f, 0, SEEK_END);
+	n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	buf = calloc(1, (size_t)n + 1);
+	cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+	fclose(f);
+	return buf;
+}
+
+void hd_register(struct tl_client *c, const char *name, const char *body_file, const char *entry,
+		 int64_t max_steps, int64_t max_elements, int64_t budget)
+{
+	char path[2048];
+	char *src;
+	struct tl_error err;
+	struct tl_adapter_def def;
+
+	snprintf(path, sizeof path, "%s/%s", h_root(), body_file);
+	src = slurp(path);
+	def = (struct tl_adapter_def){name, src, path, entry, NULL, max_steps, max_elements, budget};
+	cr_assert_eq(tl_register(c, &def, &err), 0, "register %s: %s %s", name, err.code, err.message);
+	free(src);
+}
+
+double hd_counter(struct tl_client *c, const char *adapter, const char *counter)
+{
+	struct tl_error err;
+	char *text;
+	json_t *j;
+	double v;
+
+	cr_assert_eq(tl_call_json(c, "describe", adapter, &text, &err), 0, "%s", err.message);
+	j = json_loads(text, 0, NULL);
+	cr_assert_not_null(j);
+	v = json_number_value(json_object_get(json_object_get(j, "counters"), counter));
+	json_decref(j);
+	free(text);
+	return v;
+}
+
+void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed)
+{
+	uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+
+	for (size_t i = 0; i < n; i++) {
+		double v;
+		s = s * 6364136223846793005ull + 1442695040888963407ull;
+		v = (double)(s >> 11) / (double)(1ull << 53) * 2.0 - 1.0;
+		if (dtype == TL_FLOAT32)
+			((float *)data)[i] = (float)v;
+		else
+			((double *)data)[i] = v;
+	}
+}
+
+int h_run(const char *const *argv, const char *log)
+{
+	pid_t pid = fork();
+	int status;
+
+	cr_assert_neq(pid, -1);
+	if (pid == 0) {
+		if (log) {
+			int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+			dup2(fd, 1);
+			dup2(fd, 2);
+		}
+		execvp(argv[0], (char *const *)argv);
+		_exit(127);
+	}
+	cr_assert_eq(waitpid(pid, &status, 0), pid);
+	return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void h_reference(const char *dir, const char *body_file, const char *entry,
+		 const struct tl_tree *carry, const struct tl_tree *inputs,
+		 const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs, bool grad, bool fd)
+{
+	json_t *doc = json_object();
+	char msg[512], path[1024], py[1100], script[1100], body[1100], log[1100];
+	const char *argv[12];
+	int n = 0;
+
+	json_object_set_new(doc, "carry", treejson_save(carry, dir, "in_carry", msg, sizeof msg));
+	json_object_set_new(doc, "inputs", treejson_save(inputs, dir, "in_inputs", msg, sizeof msg));
+	if (cot_carry)
+		json_object_set_new(doc, "cot_carry", treejson_save(cot_carry, dir, "cot_carry", msg, sizeof msg));
+	if (cot_outputs)
+		json_object_set_new(doc, "cot_outputs",
+				    treejson_save(cot_outputs, dir, "cot_outputs", msg, sizeof msg));
+	snprintf(path, sizeof path, "%s/in.json", dir);
+	cr_assert_eq(json_dump_file(doc, path, JSON_PRESERVE_ORDER), 0);
+	json_decref(doc);
+	snprintf(py, sizeof py, "%s/.venv/bin/python", h_root());
+	snprintf(script, sizeof script, "%s/tests/helpers/eager_ref.py", h_root());
+	snprintf(body, sizeof body, "%s/%s", h_root(), body_file);
+	snprintf(log, sizeof log, "%s/ref.log", dir);
+	argv[n++] = py;
+	argv[n++] = script;
+	argv[n++] = "--body";
+	argv[n++] = body;
+	argv[n++] = "--entry";
+	argv[n++] = entry;
+	argv[n++] = "--dir";
+	argv[n++] = dir;
+	if (grad)
+		argv[n++] = "--grad";
+	if (fd)
+		argv[n++] = "--fd";
+	argv[n] = NULL;
+	cr_assert_eq(h_run(argv, log), 0, "eager reference failed; see %s", log);
+}
+
+const struct tl_tree *h_load_ref(struct treejson *tj, const char *dir, const char *key)
+{
+	char path[1024], msg[512], base[1024];
+	json_t *doc;
+	const struct tl_tree *t;
+
+	snprintf(path, sizeof path, "%s/ref/tree.json", dir);
+	snprintf(base, sizeof base, "%s/ref", dir);
+	doc = json_load_file(path, JSON_PRESERVE_ORDER, NULL);
+	cr_assert_not_null(doc, "%s", path);
+	tj->base = strdup(base);
+	t = treejson_load(tj, json_object_get(doc, key), msg, sizeof msg);
+	cr_assert_not_null(t, "%s: %s", key, msg);
+	json_decref(doc);
+	return t;
+}
+
+static double value(const struct tl_tree *t, size_t i)
+{
+	return tl_tree_dtype(t) == TL_FLOAT32 ? ((const float *)tl_tree_data(t))[i]
+					      : ((const double *)tl_tree_data(t))[i];
+}
+
+static void walk(const struct tl_tree *got, const struct tl_tree *want, double rtol, double atol,
+		 double floor, double *max_rel, const char *what, bool assert_close)
+{
+	cr_assert_eq(tl_tree_kind(got), tl_tree_kind(want), "%s: node kinds differ", what);
+	if (tl_tree_kind(want) == TL_TENSOR) {
+		size_t n;
+		cr_assert_eq(tl_tree_dtype(got), tl_tree_dtype(want), "%s: dtype", what);
+		cr_assert_eq(tl_tree_ndim(got), tl_tree_ndim(want), "%s: rank", what);
+		for (int k = 0; k < tl_tree_ndim(want); k++)
+			cr_assert_eq(tl_tree_shape(got)[k], tl_tree_shape(want)[k], "%s: dim %d", what, k);
+		n = tl_tree_nbytes(want) / (tl_tree_dtype(want) == TL_FLOAT32 ? 4 : 8);
+		for (size_t i = 0; i < n; i++) {
+			double g = value(got, i), w = value(want, i);
+			double rel = fabs(g - w) / fmax(fabs(w), floor);
+			if (rel > *max_rel)
+				*max_rel = rel;
+			if (assert_close)
+				cr_assert(fabs(g - w) <= atol + rtol * fabs(w),
+					  "%s: element %zu is %.17g, reference %.17g", what, i, g, w);
+		}
+		return;
+	}
+	cr_assert_eq(tl_tree_len(got), tl_tree_len(want), "%s: container sizes", what);
+	for (size_t i = 0; i < tl_tree_len(want); i++) {
+		if (tl_tree_kind(want) == TL_DICT) {
+			size_t a, b;
+			const char *ka = tl_tree_key(got, i, &a), *kb = tl_tree_key(want, i, &b);
+			cr_assert(a == b && memcmp(ka, kb, a) == 0, "%s: dict keys or order differ", what);
+		}
+		walk(tl_tree_item(got, i), tl_tree_item(want, i), rtol, atol, floor, max_rel, what,
+		     assert_close);
+	}
+}
+
+void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol,
+		    double atol, const char *what)
+{
+	double m = 0;
+
+	walk(got, want, rtol, atol, 1e-300, &m, what, true);
+}
+
+static void norms(const struct tl_tree *got, const struct tl_tree *want, double *diff, double *scale)
+{
+	if (tl_tree_kind(want) == TL_TENSOR) {
+		size_t n = tl_tree_nbytes(want) / (tl_tree_dtype(want) == TL_FLOAT32 ? 4 : 8);
+		cr_assert_eq(tl_tree_kind(got), TL_TENSOR);
+		cr_assert_eq(tl_tree_nbytes(got), tl_tree_nbytes(want));
+		for (size_t i = 0; i < n; i++) {
+			*diff = fmax(*diff, fabs(value(got, i) - value(want, i)));
+			*scale = fmax(*scale, fabs(value(want, i)));
+		}
+		return;
+	}
+	cr_assert_eq(tl_tree_len(got), tl_tree_len(want));
+	for (size_t i = 0; i < tl_tree_len(want); i++)
+		norms(tl_tree_item(got, i), tl_tree_item(want, i), diff, scale);
+}
+
+double h_normwise_error(const struct tl_tree *got, const struct tl_tree *want)
+{
+	double diff = 0, scale = 0;
+
+	norms(got, want, &diff, &scale);
+	return scale > 0 ? diff / scale : diff;
+}
+
+double h_max_rel_error(const struct tl_tree *got, const struct tl_tree *want, double floor)
+{
+	double m = 0;
+
+	walk(got, want, 0, 0, floor, &m, "tree", false);
+	return m;
+}
+
+#include "frame.h"
+#include "msg.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+
+int raw_connect(const char *sock)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
+	cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect: %s", strerror(errno));
+	return fd;
+}
+
+void raw_send(int fd, const void *bytes, size_t n)
+{
+	cr_assert_eq(send(fd, bytes, n, MSG_NOSIGNAL), (ssize_t)n);
+}
+
+void raw_send_frame(int fd, const void *body, size_t n)
+{
+	uint8_t head[4];
+
+	frame_put_header(head, (uint32_t)n);
+	raw_send(fd, head, 4);
+	raw_send(fd, body, n);
+}
+
+static int read_n(int fd, uint8_t *p, size_t n)
+{
+	while (n > 0) {
+		ssize_t k = recv(fd, p, n, 0);
+		if (k <= 0)
+			return -1;
+		p += k;
+		n -= (size_t)k;
+	}
+	return 0;
+}
+
+int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message, size_t msg_size)
+{
+	uint8_t head[4], *body;
+	uint32_t len;
+	struct msg m;
+	struct proto_err err;
+
+	do {
+		if (read_n(fd, head, 4) != 0)
+			return -1;
+		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 | head[3];
+		body = frame_alloc(len);
+		cr_assert_eq(read_n(fd, body, len), 0, "truncated reply frame");
+		cr_assert_eq(msg_parse(&m, body, len, MSG_REPLY, &err), 0, "bad reply: %s", err.message);
+		if (m.is_event) {
+			msg_destroy(&m);
+			frame_free(body);
+		}
+	} while (m.is_event);
+	*id = m.has_id ? (long long)m.id : -1;
+	code[0] = message[0] = '\0';
+	if (m.is_error) {
+		msg_reply_error(&m, &err);
+		snprintf(code, code_size, "%s", proto_code_name(err.code));
+		snprintf(message, msg_size, "%s", err.message);
+	}
+	msg_destroy(&m);
+	frame_free(body);
+	return 0;
+}

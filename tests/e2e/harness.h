@@ -1,0 +1,82 @@
+/*
+ * harness.h - end-to-end test support: a real torchloopd on a private
+ * socket per test (sharing one compile cache per test run, so each
+ * specialization compiles once), libtorchloop clients, deterministic inputs,
+ * and the eager PyTorch reference (tests/helpers/eager_ref.py).
+ */
+#ifndef TORCHLOOP_HARNESS_H
+#define TORCHLOOP_HARNESS_H
+
+#include "npy.h"
+#include "torchloop.h"
+#include "treejson.h"
+
+#include <criterion/criterion.h>
+#include <stdbool.h>
+#include <sys/types.h>
+
+struct hd {
+	pid_t pid;
+	char dir[256];
+	char sock[320];
+	char log[320];
+	char cache[512];
+};
+
+/* Root of the source tree (tests run from there). */
+const char *h_root(void);
+/* The compile cache shared by the whole test run. */
+const char *h_shared_cache(void);
+/* A fresh private directory under the run's scratch space. */
+void h_tmpdir(char *out, size_t size, const char *tag);
+
+/* Starts build/torchloopd; extra args NULL-terminated.  cache NULL: shared. */
+void hd_start(struct hd *d, const char *cache, const char *const *extra);
+/* Waits until health says ready (asserts within timeout). */
+void hd_wait_ready(struct hd *d, int timeout_s);
+/* SIGTERM and wait; returns the exit status (asserting a normal exit). */
+int hd_stop(struct hd *d);
+struct tl_client *hd_connect(struct hd *d);
+/* Registers examples/bodies/FILE's ENTRY under NAME; asserts success. */
+void hd_register(struct tl_client *c, const char *name, const char *body_file,
+		 const char *entry, int64_t max_steps, int64_t max_elements, int64_t budget);
+/* A counter of the adapter's describe output (e.g. "compiles"). */
+double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
+
+/* Deterministic pseudo-random fill in [-1, 1). */
+void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed);
+
+/*
+ * Writes carry/inputs (and cotangents when non-NULL) to dir/in.json and
+ * runs the eager reference; returns the reference trees loaded in tj.
+ */
+void h_reference(const char *dir, const char *body_file, const char *entry,
+		 const struct tl_tree *carry, const struct tl_tree *inputs,
+		 const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs, bool grad,
+		 bool fd);
+const struct tl_tree *h_load_ref(struct treejson *tj, const char *dir, const char *key);
+
+/* Same structure, shapes and dtypes, values within rtol/atol. */
+void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol,
+		    double atol, const char *what);
+/* Largest |got-want| / max(|want|, floor) over all leaves. */
+double h_max_rel_error(const struct tl_tree *got, const struct tl_tree *want, double floor);
+
+/* Norm-wise relative error: max |got - want| / max |want| over all leaves. */
+double h_normwise_error(const struct tl_tree *got, const struct tl_tree *want);
+
+/* Runs a command, returns its exit status; output appended to log (may be NULL). */
+int h_run(const char *const *argv, const char *log);
+
+#endif
+
+/* Raw wire access for hostile frames: returns a connected fd. */
+int raw_connect(const char *sock);
+void raw_send(int fd, const void *bytes, size_t n);
+/* Sends body with a correct length prefix. */
+void raw_send_frame(int fd, const void *body, size_t n);
+/*
+ * Reads one reply frame; fills code ("" for a result), id (-1 when nil) and
+ * message.  Returns 0, or -1 when the daemon closed the connection.
+ */
+int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message, size_t msg_size);

@@ -1,0 +1,212 @@
+/*
+ * test_grad.c - first-order autograd over the socket.  float64 gradients of
+ * the example bodies (tensor, dict and tuple carries, None leaves, captured
+ * constants) at T=1 and T=max_steps, against torch.autograd on an eager loop
+ * (<= 1e-10) and central finite differences (<= 1e-6), both computed by
+ * tests/helpers/eager_ref.py; and mismatched cotangent trees.
+ */
+#include "harness.h"
+
+#include <criterion/parameterized.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_STEPS 6
+
+TestSuite(grad, .timeout = 900);
+
+static const char *const ARGS[] = {"--no-probe", NULL};
+
+struct gcase {
+	const char *adapter, *file, *entry;
+	int kind; /* 0 tensor carry, 1 dict (lorenz), 2 tuple with None (rnn) */
+	int64_t steps;
+};
+
+static const struct gcase CASES[] = {
+	{"t6.ema", "examples/bodies/ema.py", "body", 0, 1},
+	{"t6.ema", "examples/bodies/ema.py", "body", 0, MAX_STEPS},
+	{"t6.lorenz", "examples/bodies/lorenz.py", "rk4", 1, 1},
+	{"t6.lorenz", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS},
+	{"t6.rnn", "examples/bodies/rnn.py", "cell", 2, 1},
+	{"t6.rnn", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS},
+	{"t6.dict_out", "examples/bodies/dict_out.py", "body", 0, MAX_STEPS},
+};
+
+#define N_CASES (sizeof CASES / sizeof CASES[0])
+
+struct bufs {
+	void *p[16];
+	int n;
+};
+
+static struct tl_tree *rnd(struct tl_builder *b, struct bufs *bb, int ndim, const int64_t *shape,
+			   uint64_t seed)
+{
+	size_t n = 1;
+	double *buf;
+
+	for (int i = 0; i < ndim; i++)
+		n *= (size_t)shape[i];
+	buf = aligned_alloc(64, (n * 8 / 64 + 1) * 64);
+	h_fill(buf, TL_FLOAT64, n, seed);
+	bb->p[bb->n++] = buf;
+	return tl_tensor(b, TL_FLOAT64, ndim, shape, buf);
+}
+
+/* carry, inputs and cotangents (None for the carry's None leaves). */
+static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb, struct tl_tree **carry,
+		  struct tl_tree **inputs, struct tl_tree **cot_c, struct tl_tree **cot_y)
+{
+	int64_t T = gc->steps;
+
+	if (gc->kind == 0) {
+		int64_t c[] = {3, 2}, x[] = {T, 3, 2};
+		if (strcmp(gc->entry, "body") == 0 && strstr(gc->file, "dict_out")) {
+			const char *k[] = {"value", "nothing"};
+			struct tl_tree *items[2];
+			*carry = rnd(b, bb, 2, c, 1);
+			*inputs = rnd(b, bb, 3, x, 2);
+			*cot_c = rnd(b, bb, 2, c, 3);
+			items[0] = rnd(b, bb, 3, x, 4);
+			items[1] = tl_none(b);
+			*cot_y = tl_dict(b, 2, k, items);
+			return;
+		}
+		*carry = rnd(b, bb, 2, c, 1);
+		*inputs = rnd(b, bb, 3, x, 2);
+		*cot_c = rnd(b, bb, 2, c, 3);
+		*cot_y = rnd(b, bb, 3, x, 4);
+	} else if (gc->kind == 1) {
+		int64_t c[] = {3}, x[] = {T, 3};
+		const char *keys[] = {"x", "y", "z"}, *fk[] = {"forcing"};
+		struct tl_tree *xyz[3] = {rnd(b, bb, 1, c, 5), rnd(b, bb, 1, c, 6), rnd(b, bb, 1, c, 7)};
+		struct tl_tree *cxyz[3] = {rnd(b, bb, 1, c, 8), tl_none(b), rnd(b, bb, 1, c, 9)};
+		struct tl_tree *f = rnd(b, bb, 2, x, 10);
+		*carry = tl_dict(b, 3, keys, xyz);
+		*inputs = tl_dict(b, 1, fk, &f);
+		*cot_c = tl_dict(b, 3, keys, cxyz); /* a None leaf: zero cotangent for y */
+		*cot_y = rnd(b, bb, 2, x, 11);
+	} else {
+		int64_t h[] = {2, 8}, x[] = {T, 2, 3}, y[] = {T, 2, 8};
+		struct tl_tree *items[2] = {rnd(b, bb, 2, h, 12), tl_none(b)};
+		struct tl_tree *citems[2] = {rnd(b, bb, 2, h, 13), tl_none(b)};
+		*carry = tl_tuple(b, 2, items);
+		*inputs = rnd(b, bb, 3, x, 14);
+		*cot_c = tl_tuple(b, 2, citems);
+		*cot_y = rnd(b, bb, 3, y, 15);
+	}
+}
+
+ParameterizedTestParameters(grad, gradients_match_autograd_and_finite_differences)
+{
+	static int idx[N_CASES];
+	for (size_t i = 0; i < N_CASES; i++)
+		idx[i] = (int)i;
+	return cr_make_param_array(int, idx, N_CASES);
+}
+
+ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
+{
+	const struct gcase *gc = &CASES[*i];
+	struct tl_builder *b = tl_builder_new();
+	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
+	struct tl_reply *r;
+	struct tl_error err;
+	struct treejson tj;
+	struct bufs bb = {{0}, 0};
+	struct hd d;
+	struct tl_client *c;
+	char dir[512];
+
+	build(gc, b, &bb, &carry, &inputs, &cot_c, &cot_y);
+	hd_start(&d, NULL, ARGS);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c, cot_y, &r, &err), 0, "%s: %s %s",
+		     gc->adapter, err.code, err.message);
+	h_tmpdir(dir, sizeof dir, "gref");
+	h_reference(dir, gc->file, gc->entry, carry, inputs, cot_c, cot_y, true, true);
+	treejson_init(&tj, b, NULL);
+	h_assert_close(tl_reply_tree(r, "carry"), h_load_ref(&tj, dir, "carry"), 1e-10, 1e-12, "carry");
+	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), 1e-10, 1e-12, "outputs");
+	h_assert_close(tl_reply_tree(r, "grad_carry"), h_load_ref(&tj, dir, "grad_carry"), 1e-10, 1e-12,
+		       "grad_carry vs autograd");
+	h_assert_close(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "grad_inputs"), 1e-10, 1e-12,
+		       "grad_inputs vs autograd");
+	cr_assert_leq(h_normwise_error(tl_reply_tree(r, "grad_carry"), h_load_ref(&tj, dir, "fd_carry")), 1e-6,
+		      "grad_carry vs finite differences");
+	cr_assert_leq(h_normwise_error(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "fd_inputs")), 1e-6,
+		      "grad_inputs vs finite differences");
+	cr_assert_eq(hd_counter(c, gc->adapter, "graphs"), 1, "the vjp graph counts against the budget");
+	tl_reply_free(r);
+	treejson_free(&tj);
+	for (int k = 0; k < bb.n; k++)
+		free(bb.p[k]);
+	tl_builder_free(b);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* ---- mismatched cotangents ------------------------------------------------------ */
+
+Test(grad, mismatched_cotangents_get_their_code_and_leaf_path)
+{
+	static double buf[64];
+	struct tl_builder *b = tl_builder_new();
+	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
+	struct tl_reply *r;
+	struct tl_error err;
+	struct bufs bb = {{0}, 0};
+	struct hd d;
+	struct tl_client *c;
+	const struct gcase *gc = &CASES[5]; /* rnn, T = MAX_STEPS: tuple carry with None */
+	int64_t h[] = {2, 8}, bad_h[] = {2, 7}, y[] = {MAX_STEPS, 2, 8};
+	static float f32[16];
+	struct tl_tree *items[2];
+
+	build(gc, b, &bb, &carry, &inputs, &cot_c, &cot_y);
+	hd_start(&d, NULL, ARGS);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
+	/* a list where the carry is a tuple */
+	items[0] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
+	items[1] = tl_none(b);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_list(b, 2, items), cot_y, &r, &err), -1);
+	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH", "%s", err.message);
+	cr_assert_str_eq(err.path, "cot_carry");
+	/* a wrong shape */
+	items[0] = tl_tensor(b, TL_FLOAT64, 2, bad_h, buf);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err), -1);
+	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
+	cr_assert_str_eq(err.path, "cot_carry[0]");
+	/* a tensor where the carry holds None */
+	items[0] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
+	items[1] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err), -1);
+	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
+	cr_assert_str_eq(err.path, "cot_carry[1]");
+	/* a wrong dtype */
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c, tl_tensor(b, TL_FLOAT32, 1, (int64_t[]){16}, f32), &r, &err), -1);
+	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
+	cr_assert_str_eq(err.path, "cot_outputs");
+	/* absent cotangents are zeros: zero gradients, and the daemon still serves */
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, NULL, NULL, &r, &err), 0, "%s", err.message);
+	{
+		const struct tl_tree *g = tl_tree_item(tl_reply_tree(r, "grad_carry"), 0);
+		const double *gd = tl_tree_data(g);
+		cr_assert_eq(tl_tree_kind(tl_tree_item(tl_reply_tree(r, "grad_carry"), 1)), TL_NONE);
+		for (int k = 0; k < 16; k++)
+			cr_assert_eq(gd[k], 0.0);
+	}
+	tl_reply_free(r);
+	(void)y;
+	for (int k = 0; k < bb.n; k++)
+		free(bb.p[k]);
+	tl_builder_free(b);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
