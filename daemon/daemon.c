@@ -13,9 +13,11 @@
 #include "log.h"
 #include "sha256.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 void probe_start(struct daemon *d, void (*done)(struct daemon *d, const struct proto_err *err));
 int sd_glue_init(struct daemon *d);
@@ -35,6 +37,13 @@ static void finish_shutdown(struct daemon *d)
 	uv_close((uv_handle_t *)&d->sigterm, NULL);
 	uv_close((uv_handle_t *)&d->sigint, NULL);
 	uv_close((uv_handle_t *)&d->sighup, NULL);
+	/* with the handles gone, a repeated SIGTERM must not kill the clean-up;
+	 * the drain is bounded by drain-timeout and systemd's stop timeout */
+	signal(SIGTERM, SIG_IGN);
+	signal(SIGINT, SIG_IGN);
+	signal(SIGHUP, SIG_IGN);
+	if (d->test_hooks)
+		uv_close((uv_handle_t *)&d->sigusr2, NULL);
 	sd_glue_stop(d);
 	if (d->compiler)
 		compiler_stop(d->compiler);
@@ -76,6 +85,12 @@ static void on_signal(uv_signal_t *s, int signum)
 {
 	struct daemon *d = s->data;
 
+	if (signum == SIGUSR2) {
+		/* test hook: a stalled loop must stop the watchdog pings */
+		log_warn("test hook: stalling the event loop for 3 s");
+		sleep(3);
+		return;
+	}
 	if (signum == SIGHUP) {
 		if (d->cfg.adapters_dir[0] == '\0' || d->shutting_down)
 			return;
@@ -187,6 +202,12 @@ int daemon_start(struct daemon *d)
 	uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&d->sigint, on_signal, SIGINT);
 	uv_signal_start(&d->sighup, on_signal, SIGHUP);
+	d->test_hooks = getenv("TORCHLOOPD_TEST_HOOKS") && strcmp(getenv("TORCHLOOPD_TEST_HOOKS"), "1") == 0;
+	if (d->test_hooks) {
+		uv_signal_init(d->loop, &d->sigusr2);
+		d->sigusr2.data = d;
+		uv_signal_start(&d->sigusr2, on_signal, SIGUSR2);
+	}
 	if (sd_glue_init(d) != 0 || (!d->server_open && server_listen(d, &err) != 0)) {
 		if (!d->server_open || err.message[0])
 			log_error("%s", err.message);

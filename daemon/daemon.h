@@ -174,7 +174,8 @@ struct daemon {
 	struct daemon_stats stats;
 	bool ready, shutting_down, worker_ok;
 	int exit_code;
-	uv_signal_t sigterm, sigint, sighup;
+	uv_signal_t sigterm, sigint, sighup, sigusr2;
+	bool test_hooks;
 	uv_timer_t drain_timer, watchdog;
 	unsigned inflight;
 	double started;

@@ -1,0 +1,112 @@
+"""Compile-strategy benchmark: unrolled loop vs torch's scan op.
+
+usage: strategy.py BUILD_DIR OUT_JSON
+
+Starts a daemon on a private, empty cache (so every compile is cold), and for
+an elementwise recurrence (ema, carry [64]) and a small matmul RNN (rnn_carry,
+h [4, 32], W [32, 32], U [8, 32]) under both strategies and T in {1, 16, 128}:
+warms the specialization with the compile op (recording the worker's compile
+seconds), then runs 300 scans and reads the daemon's own run-time p50/p99 for
+that adapter (engine time, no IPC).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
+from tlwire import Client  # noqa: E402
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def start_daemon(build: str, cache: str, sock: str, log: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [os.path.join(build, "torchloopd"), "--socket", sock, "--cache-dir", cache, "--no-probe",
+         "--compile-timeout", "1800"],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    for _ in range(600):
+        try:
+            c = Client(sock)
+            if c.call("health")["result"]["ready"]:
+                return proc
+        except (OSError, EOFError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("daemon did not start; see " + log)
+
+
+def shapes(body: str, steps: int):
+    rng = np.random.default_rng(0)
+    if body == "ema":
+        return rng.standard_normal(64), rng.standard_normal((steps, 64))
+    h = rng.standard_normal((4, 32))
+    w = rng.standard_normal((32, 32)) * 0.2
+    u = rng.standard_normal((8, 32)) * 0.3
+    return (h, w, u), rng.standard_normal((steps, 4, 8))
+
+
+def spec(tree):
+    if isinstance(tree, tuple):
+        return {"k": "tuple", "c": [spec(t) for t in tree]}
+    return {"k": "T", "s": list(tree.shape)}
+
+
+def main() -> None:
+    build, out = sys.argv[1], sys.argv[2]
+    tmp = tempfile.mkdtemp(prefix="tl-bench-")
+    sock = os.path.join(tmp, "sock")
+    proc = start_daemon(build, os.path.join(tmp, "cache"), sock, os.path.join(tmp, "log"))
+    c = Client(sock)
+    rows = []
+    bodies = {"ema": ("examples/bodies/ema.py", "body"), "rnn": ("examples/bodies/rnn_carry.py", "cell")}
+    for body, (path, entry) in bodies.items():
+        for strategy in ("unroll", "scan"):
+            for steps in (1, 16, 128):
+                name = f"bench.{body}.{strategy}.{steps}"
+                src = open(os.path.join(ROOT, path)).read()
+                r = c.call("register", name=name, body_source=src, body_file=path, entry=entry,
+                           strategy=strategy, max_steps=128, max_elements=1048576)
+                assert "result" in r, r
+                carry, xs = shapes(body, steps)
+                t0 = time.monotonic()
+                # the compile op takes shape trees, so this request is built by hand
+                c.next_id += 1
+                c.send_raw(msgpack.packb({"id": c.next_id, "op": "compile", "adapter": name,
+                                          "dtype": "float64", "kind": "scan",
+                                          "carry": spec(carry), "inputs": spec(xs)}))
+                while True:
+                    reply = c.recv()
+                    if "event" not in reply:
+                        break
+                wall = time.monotonic() - t0
+                if "error" in reply:
+                    rows.append({"body": body, "strategy": strategy, "T": steps,
+                                 "error": reply["error"]["code"] + ": " + reply["error"]["message"][:200]})
+                    print(rows[-1], flush=True)
+                    continue
+                for _ in range(300):
+                    res = c.call("scan", adapter=name, carry=carry, inputs=xs)
+                    assert "result" in res, res
+                d = c.call("describe", name=name)["result"]["counters"]
+                rows.append({"body": body, "strategy": strategy, "T": steps,
+                             "compile_s": reply["result"]["compile_seconds"], "wall_s": wall,
+                             "run_p50_us": d["run_p50_us"], "run_p99_us": d["run_p99_us"]})
+                print(rows[-1], flush=True)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
