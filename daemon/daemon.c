@@ -92,11 +92,15 @@ static void on_signal(uv_signal_t *s, int signum)
 		return;
 	}
 	if (signum == SIGHUP) {
-		if (d->cfg.adapters_dir[0] == '\0' || d->shutting_down)
+		if (d->shutting_down)
 			return;
-		log_info("SIGHUP: reloading %s", d->cfg.adapters_dir);
 		sd_glue_notify(d, "RELOADING=1");
-		registry_load_dir(d, d->cfg.adapters_dir, true);
+		if (d->cfg.adapters_dir[0]) {
+			log_info("SIGHUP: reloading %s", d->cfg.adapters_dir);
+			registry_load_dir(d, d->cfg.adapters_dir, true);
+		} else {
+			log_info("SIGHUP: no --adapters directory to reload");
+		}
 		sd_glue_notify(d, "READY=1");
 		return;
 	}

@@ -215,22 +215,33 @@ static void write_bytes(const char *dir, const char *name, const void *p, size_t
 	fclose(f);
 }
 
+/* A .npy with the given header text (its length computed) and data bytes. */
+static void write_npy(const char *dir, const char *name, const char *header, size_t data)
+{
+	char buf[512] = "\x93NUMPY\x01\x00";
+	size_t n = strlen(header);
+
+	buf[8] = (char)(n & 0xff);
+	buf[9] = (char)(n >> 8);
+	memcpy(buf + 10, header, n);
+	memset(buf + 10 + n, 0, data);
+	write_bytes(dir, name, buf, 10 + n + data);
+}
+
 ParameterizedTest(int *i, cli, each_usage_error_exits_2_with_a_message)
 {
-	static const char fortran[] = "\x93NUMPY\x01\x00\x76\x00{'descr': '<f8', 'fortran_order': True, 'shape': (2, 2), }";
-	static const char damaged[] = "\x93NUMPY\x01\x00\x10\x00{'descr': '<f8',";
-	static const char ints[] = "\x93NUMPY\x01\x00\x76\x00{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }";
 	char dir[512], cwd[1024];
 	int64_t s4[] = {4};
 	const char *argv[16];
 	char log[600];
 	int n = 0, rc;
 
+	(void)cli_bin(); /* resolve the paths before the chdir below */
 	h_tmpdir(dir, sizeof dir, "usage");
 	save(dir, "c.npy", 1, s4, 1);
-	write_bytes(dir, "fortran.npy", fortran, sizeof fortran - 1);
-	write_bytes(dir, "damaged.npy", damaged, sizeof damaged - 1);
-	write_bytes(dir, "int.npy", ints, sizeof ints - 1);
+	write_npy(dir, "fortran.npy", "{'descr': '<f8', 'fortran_order': True, 'shape': (2,), }", 16);
+	write_npy(dir, "damaged.npy", "{'descr': '<f8', 'fortran_", 0);
+	write_npy(dir, "int.npy", "{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", 16);
 	write_bytes(dir, "b.py", "def body(c, x):\n    return c, c\n", 32);
 	cr_assert_not_null(getcwd(cwd, sizeof cwd));
 	cr_assert_eq(chdir(dir), 0);

@@ -240,7 +240,8 @@ Test(systemd, pings_stop_while_the_event_loop_is_stalled)
 	t0 = now();
 	kill(d.pid, SIGUSR2); /* the loop sleeps 3 s */
 	receiver_collect(&r, 5.0);
-	cr_assert_geq(pings(&r, t0, t0 + 5.0, &gap), 3, "pings resume after the stall");
+	/* the window starts before the signal so that the gap's left edge is in it */
+	cr_assert_geq(pings(&r, t0 - 1.0, t0 + 5.0, &gap), 4, "pings resume after the stall");
 	cr_assert_geq(gap, 2.5, "no ping while the loop was stalled (largest gap %.2f s)", gap);
 	unsetenv("TORCHLOOPD_TEST_HOOKS");
 	cr_assert_eq(hd_stop(&d), 0);
