@@ -45,20 +45,22 @@ static int usage_error(const char *fmt, ...)
 }
 
 static const char *const HELP[][2] = {
-	{"health", "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
-	{"register", "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
-		     "         [--budget N] [--strategy unroll|scan]\n  register or replace an adapter (admin)"},
-	{"unregister", "unregister NAME\n  drop an adapter and its graphs (admin)"},
-	{"list", "list\n  adapters with bounds and budget use"},
-	{"describe", "describe NAME\n  one adapter: bounds, graphs, counters"},
-	{"scan", "scan ADAPTER --carry TREE --inputs TREE --out DIR\n"
-		 "  run a scan; DIR gets one .npy per leaf and tree.json"},
-	{"grad", "grad ADAPTER --carry TREE --inputs TREE [--cot-carry TREE] [--cot-outputs TREE] --out DIR\n"
-		 "  scan plus the vector-Jacobian product (None or absent cotangents are zero)"},
-	{"compile", "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64] [--grad]\n"
-		    "  warm a specialization; leaves may be .npy files or shape:AxB strings"},
-	{"stats", "stats [--prometheus]\n  counters per adapter"},
-	{"shutdown", "shutdown\n  stop the daemon after in-flight requests (admin)"},
+    {"health", "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
+    {"register",
+     "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
+     "         [--budget N] [--strategy unroll|scan]\n  register or replace an adapter (admin)"},
+    {"unregister", "unregister NAME\n  drop an adapter and its graphs (admin)"},
+    {"list", "list\n  adapters with bounds and budget use"},
+    {"describe", "describe NAME\n  one adapter: bounds, graphs, counters"},
+    {"scan", "scan ADAPTER --carry TREE --inputs TREE --out DIR\n"
+             "  run a scan; DIR gets one .npy per leaf and tree.json"},
+    {"grad",
+     "grad ADAPTER --carry TREE --inputs TREE [--cot-carry TREE] [--cot-outputs TREE] --out DIR\n"
+     "  scan plus the vector-Jacobian product (None or absent cotangents are zero)"},
+    {"compile", "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64] [--grad]\n"
+                "  warm a specialization; leaves may be .npy files or shape:AxB strings"},
+    {"stats", "stats [--prometheus]\n  counters per adapter"},
+    {"shutdown", "shutdown\n  stop the daemon after in-flight requests (admin)"},
 };
 
 static void print_help(FILE *f, const char *cmd)
@@ -66,12 +68,15 @@ static void print_help(FILE *f, const char *cmd)
 	for (size_t i = 0; i < sizeof HELP / sizeof HELP[0]; i++) {
 		if (cmd && strcmp(cmd, HELP[i][0]) != 0)
 			continue;
-		fprintf(f, "%storchloop [--socket PATH] [--json] %s\n", cmd ? "usage: " : "  ", HELP[i][1]);
+		fprintf(f, "%storchloop [--socket PATH] [--json] %s\n", cmd ? "usage: " : "  ",
+		        HELP[i][1]);
 	}
 	if (!cmd)
-		fprintf(f, "\nTREE: a .npy path, null, or JSON: [..] list, {..} dict, {\"__tuple__\": [..]} tuple.\n"
-			   "--socket defaults to $TORCHLOOP_SOCKET, then $XDG_RUNTIME_DIR/torchloopd/torchloopd.sock.\n"
-			   "exit codes: 0 ok, 1 daemon error, 2 usage error, 3 cannot connect.\n");
+		fprintf(f, "\nTREE: a .npy path, null, or JSON: [..] list, {..} dict, "
+		           "{\"__tuple__\": [..]} tuple.\n"
+		           "--socket defaults to $TORCHLOOP_SOCKET, then "
+		           "$XDG_RUNTIME_DIR/torchloopd/torchloopd.sock.\n"
+		           "exit codes: 0 ok, 1 daemon error, 2 usage error, 3 cannot connect.\n");
 }
 
 static int daemon_error(const struct cli *c, const struct tl_error *err)
@@ -82,7 +87,7 @@ static int daemon_error(const struct cli *c, const struct tl_error *err)
 	}
 	if (c->json) {
 		json_t *j = json_pack("{s:{s:s,s:s,s:s}}", "error", "code", err->code, "message",
-				      err->message, "path", err->path);
+		                      err->message, "path", err->path);
 		char *s = json_dumps(j, JSON_COMPACT);
 		printf("%s\n", s);
 		free(s);
@@ -112,7 +117,7 @@ static int connect_client(struct cli *c)
 
 /* A tree argument: JSON, or a bare .npy path / shape string. */
 static int parse_tree(struct cli *c, const char *opt, const char *arg, bool shapes_only,
-		      struct tl_tree **out)
+                      struct tl_tree **out)
 {
 	char msg[1024] = "";
 
@@ -177,36 +182,79 @@ static int parse_int_opt(const char *name, const char *v, int64_t *out)
 
 static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
 {
-	static const struct option opts[] = {
-		{"carry", 1, 0, 'c'},	{"inputs", 1, 0, 'i'},	 {"cot-carry", 1, 0, 'C'},
-		{"cot-outputs", 1, 0, 'O'}, {"out", 1, 0, 'o'},	 {"body", 1, 0, 'b'},
-		{"entry", 1, 0, 'e'},	{"strategy", 1, 0, 's'}, {"max-steps", 1, 0, 'S'},
-		{"max-elements", 1, 0, 'E'}, {"budget", 1, 0, 'B'}, {"live", 0, 0, 'l'},
-		{"prometheus", 0, 0, 'p'}, {"grad", 0, 0, 'g'},	 {"dtype", 1, 0, 'd'},
-		{"help", 0, 0, 'h'},	{0, 0, 0, 0}};
+	static const struct option opts[] = {{"carry", 1, 0, 'c'},
+	                                     {"inputs", 1, 0, 'i'},
+	                                     {"cot-carry", 1, 0, 'C'},
+	                                     {"cot-outputs", 1, 0, 'O'},
+	                                     {"out", 1, 0, 'o'},
+	                                     {"body", 1, 0, 'b'},
+	                                     {"entry", 1, 0, 'e'},
+	                                     {"strategy", 1, 0, 's'},
+	                                     {"max-steps", 1, 0, 'S'},
+	                                     {"max-elements", 1, 0, 'E'},
+	                                     {"budget", 1, 0, 'B'},
+	                                     {"live", 0, 0, 'l'},
+	                                     {"prometheus", 0, 0, 'p'},
+	                                     {"grad", 0, 0, 'g'},
+	                                     {"dtype", 1, 0, 'd'},
+	                                     {"help", 0, 0, 'h'},
+	                                     {0, 0, 0, 0}};
 	int opt, rc = EXIT_OK;
 
 	optind = 1;
 	opterr = 0;
 	while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1 && rc == EXIT_OK) {
 		switch (opt) {
-		case 'c': o->carry = optarg; break;
-		case 'i': o->inputs = optarg; break;
-		case 'C': o->cot_carry = optarg; break;
-		case 'O': o->cot_outputs = optarg; break;
-		case 'o': o->out = optarg; break;
-		case 'b': o->body = optarg; break;
-		case 'e': o->entry = optarg; break;
-		case 's': o->strategy = optarg; break;
-		case 'S': rc = parse_int_opt("max-steps", optarg, &o->max_steps); break;
-		case 'E': rc = parse_int_opt("max-elements", optarg, &o->max_elements); break;
-		case 'B': rc = parse_int_opt("budget", optarg, &o->budget); break;
-		case 'l': o->live = true; break;
-		case 'p': o->prometheus = true; break;
-		case 'g': o->grad = true; break;
-		case 'd': o->dtype = optarg; break;
-		case 'h': print_help(stdout, cmd); return -1;
-		default: return usage_error("%s: unknown option '%s'", cmd, argv[optind - 1]);
+		case 'c':
+			o->carry = optarg;
+			break;
+		case 'i':
+			o->inputs = optarg;
+			break;
+		case 'C':
+			o->cot_carry = optarg;
+			break;
+		case 'O':
+			o->cot_outputs = optarg;
+			break;
+		case 'o':
+			o->out = optarg;
+			break;
+		case 'b':
+			o->body = optarg;
+			break;
+		case 'e':
+			o->entry = optarg;
+			break;
+		case 's':
+			o->strategy = optarg;
+			break;
+		case 'S':
+			rc = parse_int_opt("max-steps", optarg, &o->max_steps);
+			break;
+		case 'E':
+			rc = parse_int_opt("max-elements", optarg, &o->max_elements);
+			break;
+		case 'B':
+			rc = parse_int_opt("budget", optarg, &o->budget);
+			break;
+		case 'l':
+			o->live = true;
+			break;
+		case 'p':
+			o->prometheus = true;
+			break;
+		case 'g':
+			o->grad = true;
+			break;
+		case 'd':
+			o->dtype = optarg;
+			break;
+		case 'h':
+			print_help(stdout, cmd);
+			return -1;
+		default:
+			return usage_error("%s: unknown option '%s'", cmd, argv[optind - 1]);
 		}
 	}
 	return rc;
@@ -220,7 +268,8 @@ static char *slurp(const char *path)
 
 	if (f == NULL)
 		return NULL;
-	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && n < (1 << 20) && fseek(f, 0, SEEK_SET) == 0) {
+	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && n < (1 << 20) &&
+	    fseek(f, 0, SEEK_SET) == 0) {
 		buf = calloc(1, (size_t)n + 1);
 		if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
 			free(buf);
@@ -259,8 +308,8 @@ static int cmd_register(struct cli *c, const struct sub_opts *o, const char *nam
 	src = slurp(o->body);
 	if (src == NULL)
 		return usage_error("register: cannot read %s: %s", o->body, strerror(errno));
-	def = (struct tl_adapter_def){name, src, o->body, o->entry, o->strategy,
-				      o->max_steps, o->max_elements, o->budget};
+	def = (struct tl_adapter_def){name,        src,          o->body,         o->entry,
+	                              o->strategy, o->max_steps, o->max_elements, o->budget};
 	rc = connect_client(c);
 	if (rc == EXIT_OK && tl_register(c->client, &def, &err) != 0)
 		rc = daemon_error(c, &err);
@@ -278,15 +327,18 @@ static int cmd_run(struct cli *c, const struct sub_opts *o, const char *adapter,
 	int rc;
 
 	if (!o->carry || !o->inputs || !o->out)
-		return usage_error("%s: --carry, --inputs and --out are required", grad ? "grad" : "scan");
+		return usage_error("%s: --carry, --inputs and --out are required",
+		                   grad ? "grad" : "scan");
 	if ((rc = parse_tree(c, "--carry", o->carry, false, &carry)) ||
 	    (rc = parse_tree(c, "--inputs", o->inputs, false, &inputs)) ||
-	    (grad && o->cot_carry && (rc = parse_tree(c, "--cot-carry", o->cot_carry, false, &cc))) ||
-	    (grad && o->cot_outputs && (rc = parse_tree(c, "--cot-outputs", o->cot_outputs, false, &co))) ||
+	    (grad && o->cot_carry &&
+	     (rc = parse_tree(c, "--cot-carry", o->cot_carry, false, &cc))) ||
+	    (grad && o->cot_outputs &&
+	     (rc = parse_tree(c, "--cot-outputs", o->cot_outputs, false, &co))) ||
 	    (rc = connect_client(c)))
 		return rc;
 	rc = grad ? tl_grad(c->client, adapter, carry, inputs, cc, co, &r, &err)
-		  : tl_scan(c->client, adapter, carry, inputs, &r, &err);
+	          : tl_scan(c->client, adapter, carry, inputs, &r, &err);
 	if (isatty(2))
 		fprintf(stderr, "\r\033[K");
 	if (rc != 0)
@@ -312,15 +364,15 @@ static int cmd_compile(struct cli *c, const struct sub_opts *o, const char *adap
 	if ((rc = parse_tree(c, "--carry", o->carry, true, &carry)) ||
 	    (rc = parse_tree(c, "--inputs", o->inputs, true, &inputs)) || (rc = connect_client(c)))
 		return rc;
-	if (tl_compile(c->client, adapter, carry, inputs, c->tj.have_dtype ? c->tj.dtype : TL_FLOAT64,
-		       o->grad, &r, &err) != 0)
+	if (tl_compile(c->client, adapter, carry, inputs,
+	               c->tj.have_dtype ? c->tj.dtype : TL_FLOAT64, o->grad, &r, &err) != 0)
 		return daemon_error(c, &err);
 	if (isatty(2))
 		fprintf(stderr, "\r\033[K");
 	printf(c->json ? "{\"ready\":true,\"from_cache\":%s,\"compile_seconds\":%.3f}\n"
-		       : "ready (%s, %.1f s compile)\n",
+	               : "ready (%s, %.1f s compile)\n",
 	       tl_reply_number(r, "from_cache") == 1 ? (c->json ? "true" : "from cache")
-						     : (c->json ? "false" : "compiled"),
+	                                             : (c->json ? "false" : "compiled"),
 	       tl_reply_number(r, "compile_seconds"));
 	tl_reply_free(r);
 	return EXIT_OK;
@@ -337,8 +389,8 @@ static void print_stats_table(json_t *j)
 	{
 		char budget[32];
 		snprintf(budget, sizeof budget, "%lld/%lld",
-			 (long long)json_integer_value(json_object_get(a, "budget_used")),
-			 (long long)json_integer_value(json_object_get(a, "recompile_budget")));
+		         (long long)json_integer_value(json_object_get(a, "budget_used")),
+		         (long long)json_integer_value(json_object_get(a, "recompile_budget")));
 		printf("%-24s %9lld %7lld %8lld %9.1f %6lld %6lld %9s %10.1f %10.1f\n",
 		       json_string_value(json_object_get(a, "name")),
 		       (long long)json_integer_value(json_object_get(a, "requests")),
@@ -354,8 +406,8 @@ static void print_stats_table(json_t *j)
 
 static void print_prometheus(json_t *j)
 {
-	static const char *const counters[] = {"requests", "errors", "compiles", "cache_hits",
-					       "cache_misses", "runs"};
+	static const char *const counters[] = {"requests",   "errors",       "compiles",
+	                                       "cache_hits", "cache_misses", "runs"};
 	json_t *a;
 	size_t i;
 
@@ -366,23 +418,25 @@ static void print_prometheus(json_t *j)
 	for (size_t k = 0; k < sizeof counters / sizeof counters[0]; k++) {
 		printf("# TYPE torchloopd_adapter_%s_total counter\n", counters[k]);
 		json_array_foreach(json_object_get(j, "adapters"), i, a)
-			printf("torchloopd_adapter_%s_total{adapter=\"%s\"} %lld\n", counters[k],
-			       json_string_value(json_object_get(a, "name")),
-			       (long long)json_integer_value(json_object_get(a, counters[k])));
+		    printf("torchloopd_adapter_%s_total{adapter=\"%s\"} %lld\n", counters[k],
+		           json_string_value(json_object_get(a, "name")),
+		           (long long)json_integer_value(json_object_get(a, counters[k])));
 	}
 	printf("# TYPE torchloopd_adapter_compile_seconds_total counter\n");
 	json_array_foreach(json_object_get(j, "adapters"), i, a)
-		printf("torchloopd_adapter_compile_seconds_total{adapter=\"%s\"} %.3f\n",
-		       json_string_value(json_object_get(a, "name")),
-		       json_number_value(json_object_get(a, "compile_seconds")));
+	    printf("torchloopd_adapter_compile_seconds_total{adapter=\"%s\"} %.3f\n",
+	           json_string_value(json_object_get(a, "name")),
+	           json_number_value(json_object_get(a, "compile_seconds")));
 	printf("# TYPE torchloopd_adapter_run_microseconds summary\n");
 	json_array_foreach(json_object_get(j, "adapters"), i, a)
 	{
 		const char *n = json_string_value(json_object_get(a, "name"));
-		printf("torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.5\"} %.1f\n", n,
-		       json_number_value(json_object_get(a, "run_p50_us")));
-		printf("torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.99\"} %.1f\n", n,
-		       json_number_value(json_object_get(a, "run_p99_us")));
+		printf(
+		    "torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.5\"} %.1f\n",
+		    n, json_number_value(json_object_get(a, "run_p50_us")));
+		printf(
+		    "torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.99\"} %.1f\n",
+		    n, json_number_value(json_object_get(a, "run_p99_us")));
 	}
 }
 
@@ -420,8 +474,8 @@ static int dispatch(struct cli *c, const char *cmd, int argc, char **argv)
 	const char *arg;
 	int rc = parse_sub(argc, argv, &o, cmd);
 	bool needs_arg = strcmp(cmd, "register") == 0 || strcmp(cmd, "unregister") == 0 ||
-			 strcmp(cmd, "describe") == 0 || strcmp(cmd, "scan") == 0 ||
-			 strcmp(cmd, "grad") == 0 || strcmp(cmd, "compile") == 0;
+	                 strcmp(cmd, "describe") == 0 || strcmp(cmd, "scan") == 0 ||
+	                 strcmp(cmd, "grad") == 0 || strcmp(cmd, "compile") == 0;
 
 	if (rc < 0)
 		return EXIT_OK; /* --help */
@@ -430,10 +484,13 @@ static int dispatch(struct cli *c, const char *cmd, int argc, char **argv)
 	arg = optind < argc ? argv[optind] : NULL;
 	if (needs_arg && arg == NULL)
 		return usage_error("%s needs %s", cmd,
-				   strcmp(cmd, "scan") == 0 || strcmp(cmd, "grad") == 0 || strcmp(cmd, "compile") == 0
-					   ? "an ADAPTER" : "a NAME");
+		                   strcmp(cmd, "scan") == 0 || strcmp(cmd, "grad") == 0 ||
+		                           strcmp(cmd, "compile") == 0
+		                       ? "an ADAPTER"
+		                       : "a NAME");
 	if (optind + (needs_arg ? 1 : 0) < argc)
-		return usage_error("%s: unexpected argument '%s'", cmd, argv[optind + (needs_arg ? 1 : 0)]);
+		return usage_error("%s: unexpected argument '%s'", cmd,
+		                   argv[optind + (needs_arg ? 1 : 0)]);
 	if (strcmp(cmd, "health") == 0)
 		return cmd_health(c, &o);
 	if (strcmp(cmd, "register") == 0)

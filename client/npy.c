@@ -78,7 +78,8 @@ static int parse_shape(const char *h, struct npy *n, const char *path, char *msg
 		if (*p == ')')
 			break;
 		if (!isdigit((unsigned char)*p) || n->ndim == 8)
-			return bad(msg, size, "%s: damaged or unsupported shape in the .npy header", path);
+			return bad(msg, size, "%s: damaged or unsupported shape in the .npy header",
+			           path);
 		errno = 0;
 		v = strtoll(p, &end, 10);
 		if (errno)
@@ -100,8 +101,10 @@ static int parse_header(const char *h, struct npy *n, const char *path, char *ms
 	if (f == NULL)
 		return bad(msg, size, "%s: damaged .npy header (no fortran_order)", path);
 	if (strncmp(f, "True", 4) == 0)
-		return bad(msg, size, "%s: Fortran-order arrays are not supported; save with C order "
-				      "(np.ascontiguousarray)", path);
+		return bad(msg, size,
+		           "%s: Fortran-order arrays are not supported; save with C order "
+		           "(np.ascontiguousarray)",
+		           path);
 	if (strncmp(f, "False", 5) != 0)
 		return bad(msg, size, "%s: damaged .npy header (fortran_order)", path);
 	return parse_descr(h, n, path, msg, size) || parse_shape(h, n, path, msg, size) ? -1 : 0;
@@ -113,7 +116,8 @@ static int read_data(FILE *fp, struct npy *n, const char *path, char *msg, size_
 	long here = ftell(fp), end;
 
 	for (int i = 0; i < n->ndim; i++) {
-		if (n->shape[i] < 0 || (n->shape[i] && count > UINT64_MAX / 8 / (uint64_t)n->shape[i]))
+		if (n->shape[i] < 0 ||
+		    (n->shape[i] && count > UINT64_MAX / 8 / (uint64_t)n->shape[i]))
 			return bad(msg, size, "%s: shape too large", path);
 		count *= (uint64_t)n->shape[i];
 	}
@@ -123,8 +127,9 @@ static int read_data(FILE *fp, struct npy *n, const char *path, char *msg, size_
 	fseek(fp, here, SEEK_SET);
 	if (end - here != (long)n->nbytes)
 		return bad(msg, size, "%s: %ld data bytes, the header's shape needs %zu", path,
-			   end - here, n->nbytes);
-	n->data = aligned_alloc(64, (n->nbytes + 63) & ~(size_t)63 ? (n->nbytes + 63) & ~(size_t)63 : 64);
+		           end - here, n->nbytes);
+	n->data =
+	    aligned_alloc(64, (n->nbytes + 63) & ~(size_t)63 ? (n->nbytes + 63) & ~(size_t)63 : 64);
 	if (n->data == NULL)
 		return bad(msg, size, "%s: out of memory", path);
 	if (n->nbytes && fread(n->data, 1, n->nbytes, fp) != n->nbytes)
@@ -143,7 +148,8 @@ int npy_read(const char *path, struct npy *n, char *msg, size_t size)
 	memset(n, 0, sizeof *n);
 	if (fp == NULL)
 		return bad(msg, size, "%s: %s", path, strerror(errno));
-	if (fread(pre, 1, 10, fp) != 10 || memcmp(pre, "\x93NUMPY", 6) != 0 || pre[6] < 1 || pre[6] > 3) {
+	if (fread(pre, 1, 10, fp) != 10 || memcmp(pre, "\x93NUMPY", 6) != 0 || pre[6] < 1 ||
+	    pre[6] > 3) {
 		fclose(fp);
 		return bad(msg, size, "%s: not a .npy file (bad magic or version)", path);
 	}
@@ -171,17 +177,17 @@ int npy_read(const char *path, struct npy *n, char *msg, size_t size)
 }
 
 int npy_write(const char *path, enum tl_dtype dtype, int ndim, const int64_t *shape,
-	      const void *data, char *msg, size_t size)
+              const void *data, char *msg, size_t size)
 {
 	char h[256];
 	int len = snprintf(h, sizeof h, "{'descr': '%s', 'fortran_order': False, 'shape': (",
-			   dtype == TL_FLOAT32 ? "<f4" : "<f8");
+	                   dtype == TL_FLOAT32 ? "<f4" : "<f8");
 	uint64_t count = 1;
 	FILE *fp;
 
 	for (int i = 0; i < ndim; i++) {
 		len += snprintf(h + len, sizeof h - (size_t)len, "%lld,%s", (long long)shape[i],
-				i + 1 < ndim ? " " : "");
+		                i + 1 < ndim ? " " : "");
 		count *= (uint64_t)shape[i];
 	}
 	len += snprintf(h + len, sizeof h - (size_t)len, "), }");

@@ -21,7 +21,7 @@ struct npy {
 
 int npy_read(const char *path, struct npy *out, char *msg, size_t msg_size);
 int npy_write(const char *path, enum tl_dtype dtype, int ndim, const int64_t *shape,
-	      const void *data, char *msg, size_t msg_size);
+              const void *data, char *msg, size_t msg_size);
 void npy_free(struct npy *n);
 
 #endif

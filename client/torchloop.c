@@ -45,11 +45,11 @@ struct tl_reply {
 	int n;
 };
 
-#define NODE(t) ((struct tree_node *)(t))
+#define NODE(t)  ((struct tree_node *)(t))
 #define CNODE(t) ((const struct tree_node *)(t))
 
 static int fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
+    __attribute__((format(printf, 4, 5)));
 
 static int fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
 {
@@ -109,7 +109,8 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 	if (path == NULL || *path == '\0')
 		default_path(p, sizeof p);
 	else if (strlen(path) >= sizeof sa.sun_path)
-		return fail(err, "CONNECT", NULL, "socket path longer than %zu bytes", sizeof sa.sun_path - 1);
+		return fail(err, "CONNECT", NULL, "socket path longer than %zu bytes",
+		            sizeof sa.sun_path - 1);
 	else
 		snprintf(p, sizeof p, "%s", path);
 	memcpy(sa.sun_path, p, strlen(p) + 1);
@@ -119,7 +120,8 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 	rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
 	if (rc != 0 && (errno == EINPROGRESS || errno == EAGAIN)) {
 		rc = wait_fd(fd, POLLOUT, timeout_ms > 0 ? timeout_ms : 5000);
-		if (rc == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 && soerr == 0)
+		if (rc == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 &&
+		    soerr == 0)
 			rc = 0;
 		else
 			errno = rc == 0 ? ETIMEDOUT : soerr;
@@ -195,8 +197,8 @@ static struct tree_node *node(struct tl_builder *b, enum tree_kind kind, size_t 
 	return t;
 }
 
-struct tl_tree *tl_tensor(struct tl_builder *b, enum tl_dtype dtype, int ndim,
-			  const int64_t *shape, const void *data)
+struct tl_tree *tl_tensor(struct tl_builder *b, enum tl_dtype dtype, int ndim, const int64_t *shape,
+                          const void *data)
 {
 	struct tree_node *t;
 
@@ -224,7 +226,7 @@ struct tl_tree *tl_none(struct tl_builder *b)
 }
 
 static struct tl_tree *seq(struct tl_builder *b, enum tree_kind kind, size_t n,
-			   struct tl_tree *const *items)
+                           struct tl_tree *const *items)
 {
 	struct tree_node *t = node(b, kind, n);
 
@@ -247,11 +249,12 @@ struct tl_tree *tl_list(struct tl_builder *b, size_t n, struct tl_tree *const *i
 }
 
 struct tl_tree *tl_dict(struct tl_builder *b, size_t n, const char *const *keys,
-			struct tl_tree *const *items)
+                        struct tl_tree *const *items)
 {
 	struct tree_node *t = (struct tree_node *)seq(b, TREE_DICT, n, items);
 
-	if (t == NULL || (n && (t->keys = msgpack_zone_malloc(b->zone, n * sizeof *t->keys)) == NULL))
+	if (t == NULL ||
+	    (n && (t->keys = msgpack_zone_malloc(b->zone, n * sizeof *t->keys)) == NULL))
 		return NULL;
 	for (size_t i = 0; i < n; i++) {
 		size_t len = strlen(keys[i]);
@@ -266,13 +269,34 @@ struct tl_tree *tl_dict(struct tl_builder *b, size_t n, const char *const *keys,
 
 /* ---- reading trees ------------------------------------------------------------- */
 
-enum tl_kind tl_tree_kind(const struct tl_tree *t) { return (enum tl_kind)CNODE(t)->kind; }
-size_t tl_tree_len(const struct tl_tree *t) { return CNODE(t)->count; }
-enum tl_dtype tl_tree_dtype(const struct tl_tree *t) { return (enum tl_dtype)CNODE(t)->tensor.dtype; }
-int tl_tree_ndim(const struct tl_tree *t) { return (int)CNODE(t)->tensor.ndim; }
-const int64_t *tl_tree_shape(const struct tl_tree *t) { return CNODE(t)->tensor.shape; }
-const void *tl_tree_data(const struct tl_tree *t) { return CNODE(t)->tensor.data; }
-size_t tl_tree_nbytes(const struct tl_tree *t) { return (size_t)CNODE(t)->tensor.nbytes; }
+enum tl_kind tl_tree_kind(const struct tl_tree *t)
+{
+	return (enum tl_kind)CNODE(t)->kind;
+}
+size_t tl_tree_len(const struct tl_tree *t)
+{
+	return CNODE(t)->count;
+}
+enum tl_dtype tl_tree_dtype(const struct tl_tree *t)
+{
+	return (enum tl_dtype)CNODE(t)->tensor.dtype;
+}
+int tl_tree_ndim(const struct tl_tree *t)
+{
+	return (int)CNODE(t)->tensor.ndim;
+}
+const int64_t *tl_tree_shape(const struct tl_tree *t)
+{
+	return CNODE(t)->tensor.shape;
+}
+const void *tl_tree_data(const struct tl_tree *t)
+{
+	return CNODE(t)->tensor.data;
+}
+size_t tl_tree_nbytes(const struct tl_tree *t)
+{
+	return (size_t)CNODE(t)->tensor.nbytes;
+}
 
 const struct tl_tree *tl_tree_item(const struct tl_tree *t, size_t i)
 {
@@ -314,7 +338,8 @@ static int send_frame(struct tl_client *c, struct writer *w, struct tl_error *er
 		return fail(err, proto_code_name(perr.code), NULL, "%s", perr.message);
 	}
 	while (off < (size_t)cnt) {
-		ssize_t k = writev(c->fd, iov + off, (int)((size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off));
+		ssize_t k = writev(c->fd, iov + off,
+		                   (int)((size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off));
 		if (k < 0 && errno == EINTR)
 			continue;
 		if (k < 0) {
@@ -337,13 +362,14 @@ static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error 
 	while (n > 0) {
 		ssize_t k;
 		if (c->timeout_ms > 0 && wait_fd(c->fd, POLLIN, c->timeout_ms) == 0)
-			return fail(err, "IO", NULL, "no reply from torchloopd within %d ms", c->timeout_ms);
+			return fail(err, "IO", NULL, "no reply from torchloopd within %d ms",
+			            c->timeout_ms);
 		k = read(c->fd, p, n);
 		if (k < 0 && errno == EINTR)
 			continue;
 		if (k <= 0)
 			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
-				    k < 0 ? ": " : "", k < 0 ? strerror(errno) : "");
+			            k < 0 ? ": " : "", k < 0 ? strerror(errno) : "");
 		p += k;
 		n -= (size_t)k;
 	}
@@ -378,7 +404,8 @@ static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, stru
 
 		if (read_full(c, head, 4, err) != 0)
 			return -1;
-		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 | head[3];
+		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 |
+		      head[3];
 		if (len > PROTO_FRAME_MAX)
 			return fail(err, "FRAME_TOO_LARGE", NULL, "reply of %u bytes", len);
 		r->body = frame_alloc(len);
@@ -387,7 +414,8 @@ static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, stru
 		if (read_full(c, r->body, len, err) != 0)
 			return -1;
 		if (msg_parse(&r->msg, r->body, len, MSG_REPLY, &perr) != 0)
-			return fail(err, proto_code_name(perr.code), NULL, "bad reply: %s", perr.message);
+			return fail(err, proto_code_name(perr.code), NULL, "bad reply: %s",
+			            perr.message);
 		if (!r->msg.is_event && (!r->msg.has_id || r->msg.id == id))
 			return 0;
 		if (r->msg.is_event)
@@ -425,7 +453,7 @@ static int reply_error(struct tl_reply *r, struct tl_error *err)
 
 /* Sends the request in w (already begun with nfields) and reads the reply. */
 static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
-		     struct tl_error *err)
+                     struct tl_error *err)
 {
 	struct tl_reply *r = calloc(1, sizeof *r);
 	int rc;
@@ -450,7 +478,7 @@ static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct 
 }
 
 static int begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields,
-		 uint64_t *id, struct tl_error *err)
+                 uint64_t *id, struct tl_error *err)
 {
 	if (writer_init(w) != 0)
 		return fail(err, "IO", NULL, "out of memory");
@@ -487,12 +515,17 @@ double tl_reply_number(const struct tl_reply *r, const char *key)
 	if (o == NULL)
 		return NAN;
 	switch (o->type) {
-	case MSGPACK_OBJECT_BOOLEAN: return o->via.boolean;
-	case MSGPACK_OBJECT_POSITIVE_INTEGER: return (double)o->via.u64;
-	case MSGPACK_OBJECT_NEGATIVE_INTEGER: return (double)o->via.i64;
+	case MSGPACK_OBJECT_BOOLEAN:
+		return o->via.boolean;
+	case MSGPACK_OBJECT_POSITIVE_INTEGER:
+		return (double)o->via.u64;
+	case MSGPACK_OBJECT_NEGATIVE_INTEGER:
+		return (double)o->via.i64;
 	case MSGPACK_OBJECT_FLOAT32:
-	case MSGPACK_OBJECT_FLOAT64: return o->via.f64;
-	default: return NAN;
+	case MSGPACK_OBJECT_FLOAT64:
+		return o->via.f64;
+	default:
+		return NAN;
 	}
 }
 
@@ -576,8 +609,8 @@ const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key)
 }
 
 static int run_op(struct tl_client *c, const char *op, const char *adapter,
-		  const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
-		  struct tl_reply **out, struct tl_error *err)
+                  const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
+                  struct tl_reply **out, struct tl_error *err)
 {
 	struct writer w;
 	uint64_t id = 0;
@@ -604,31 +637,33 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 }
 
 int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-	    const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
+            const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
 {
 	const struct tl_tree *trees[] = {carry, inputs};
 	const char *keys[] = {"carry", "inputs"};
 
 	if (carry == NULL || inputs == NULL)
-		return fail(err, "INVALID_ARGUMENT", NULL, "carry and inputs are required (use tl_none)");
+		return fail(err, "INVALID_ARGUMENT", NULL,
+		            "carry and inputs are required (use tl_none)");
 	return run_op(c, "scan", adapter, trees, keys, 2, out, err);
 }
 
 int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-	    const struct tl_tree *inputs, const struct tl_tree *cot_carry,
-	    const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err)
+            const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+            const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err)
 {
 	const struct tl_tree *trees[] = {carry, inputs, cot_carry, cot_outputs};
 	const char *keys[] = {"carry", "inputs", "cot_carry", "cot_outputs"};
 
 	if (carry == NULL || inputs == NULL)
-		return fail(err, "INVALID_ARGUMENT", NULL, "carry and inputs are required (use tl_none)");
+		return fail(err, "INVALID_ARGUMENT", NULL,
+		            "carry and inputs are required (use tl_none)");
 	return run_op(c, "grad", adapter, trees, keys, 4, out, err);
 }
 
 int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-	       const struct tl_tree *inputs, enum tl_dtype dtype, int grad,
-	       struct tl_reply **out, struct tl_error *err)
+               const struct tl_tree *inputs, enum tl_dtype dtype, int grad, struct tl_reply **out,
+               struct tl_error *err)
 {
 	struct writer w;
 	uint64_t id = 0;
@@ -695,19 +730,28 @@ static void jvalue(struct jbuf *b, const msgpack_object *o)
 	char num[64];
 
 	switch (o->type) {
-	case MSGPACK_OBJECT_NIL: jput(b, "null", 4); return;
-	case MSGPACK_OBJECT_BOOLEAN: jput(b, o->via.boolean ? "true" : "false", o->via.boolean ? 4 : 5); return;
+	case MSGPACK_OBJECT_NIL:
+		jput(b, "null", 4);
+		return;
+	case MSGPACK_OBJECT_BOOLEAN:
+		jput(b, o->via.boolean ? "true" : "false", o->via.boolean ? 4 : 5);
+		return;
 	case MSGPACK_OBJECT_POSITIVE_INTEGER:
-		jput(b, num, (size_t)snprintf(num, sizeof num, "%llu", (unsigned long long)o->via.u64));
+		jput(b, num,
+		     (size_t)snprintf(num, sizeof num, "%llu", (unsigned long long)o->via.u64));
 		return;
 	case MSGPACK_OBJECT_NEGATIVE_INTEGER:
 		jput(b, num, (size_t)snprintf(num, sizeof num, "%lld", (long long)o->via.i64));
 		return;
 	case MSGPACK_OBJECT_FLOAT32:
 	case MSGPACK_OBJECT_FLOAT64:
-		jput(b, num, (size_t)snprintf(num, sizeof num, isfinite(o->via.f64) ? "%.17g" : "null", o->via.f64));
+		jput(b, num,
+		     (size_t)snprintf(num, sizeof num, isfinite(o->via.f64) ? "%.17g" : "null",
+		                      o->via.f64));
 		return;
-	case MSGPACK_OBJECT_STR: jstr(b, o->via.str.ptr, o->via.str.size); return;
+	case MSGPACK_OBJECT_STR:
+		jstr(b, o->via.str.ptr, o->via.str.size);
+		return;
 	case MSGPACK_OBJECT_ARRAY:
 		jput(b, "[", 1);
 		for (uint32_t i = 0; i < o->via.array.size; i++) {
@@ -732,12 +776,14 @@ static void jvalue(struct jbuf *b, const msgpack_object *o)
 		}
 		jput(b, "}", 1);
 		return;
-	default: jput(b, "null", 4); return;
+	default:
+		jput(b, "null", 4);
+		return;
 	}
 }
 
 int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,
-		 struct tl_error *err)
+                 struct tl_error *err)
 {
 	struct writer w;
 	struct tl_reply *r;

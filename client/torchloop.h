@@ -32,7 +32,7 @@ enum tl_dtype { TL_FLOAT32 = 1, TL_FLOAT64 = 2 };
 enum tl_kind { TL_NONE, TL_TENSOR, TL_TUPLE, TL_LIST, TL_DICT };
 
 struct tl_error {
-	char code[48];	  /* "OK", a protocol code, "CONNECT" or "IO" */
+	char code[48]; /* "OK", a protocol code, "CONNECT" or "IO" */
 	char message[1024];
 	char path[512];
 };
@@ -50,20 +50,20 @@ void tl_close(struct tl_client *c);
 void tl_set_timeout(struct tl_client *c, int timeout_ms);
 /* Called for each progress event (a compile the request waits on). */
 typedef void (*tl_progress_fn)(const char *event, const char *adapter, const char *signature,
-			       double elapsed_seconds, void *user);
+                               double elapsed_seconds, void *user);
 void tl_set_progress(struct tl_client *c, tl_progress_fn fn, void *user);
 
 /* ---- building trees over caller-owned buffers ---- */
 struct tl_builder *tl_builder_new(void);
 void tl_builder_free(struct tl_builder *b);
 /* data must stay valid and unchanged until the request using it returns. */
-struct tl_tree *tl_tensor(struct tl_builder *b, enum tl_dtype dtype, int ndim,
-			  const int64_t *shape, const void *data);
+struct tl_tree *tl_tensor(struct tl_builder *b, enum tl_dtype dtype, int ndim, const int64_t *shape,
+                          const void *data);
 struct tl_tree *tl_none(struct tl_builder *b);
 struct tl_tree *tl_tuple(struct tl_builder *b, size_t n, struct tl_tree *const *items);
 struct tl_tree *tl_list(struct tl_builder *b, size_t n, struct tl_tree *const *items);
 struct tl_tree *tl_dict(struct tl_builder *b, size_t n, const char *const *keys,
-			struct tl_tree *const *items);
+                        struct tl_tree *const *items);
 
 /* ---- reading trees (built or received) ---- */
 enum tl_kind tl_tree_kind(const struct tl_tree *t);
@@ -85,12 +85,12 @@ int tl_health(struct tl_client *c, int *ready, struct tl_error *err);
 
 struct tl_adapter_def {
 	const char *name;
-	const char *body_source; /* Python source text */
-	const char *body_file;	 /* shown in errors; may be NULL */
-	const char *entry;	 /* NULL: "body" */
-	const char *strategy;	 /* NULL: "unroll"; or "scan" */
-	int64_t max_steps;	 /* 0: the default 128 */
-	int64_t max_elements;	 /* 0: 65536 */
+	const char *body_source;  /* Python source text */
+	const char *body_file;    /* shown in errors; may be NULL */
+	const char *entry;        /* NULL: "body" */
+	const char *strategy;     /* NULL: "unroll"; or "scan" */
+	int64_t max_steps;        /* 0: the default 128 */
+	int64_t max_elements;     /* 0: 65536 */
 	int64_t recompile_budget; /* 0: 8 */
 };
 int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl_error *err);
@@ -98,19 +98,19 @@ int tl_unregister(struct tl_client *c, const char *name, struct tl_error *err);
 
 /* Reply keys: "carry" and "outputs". */
 int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-	    const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err);
+            const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err);
 /* Cotangent trees may be NULL (zeros). Adds "grad_carry" and "grad_inputs". */
 int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-	    const struct tl_tree *inputs, const struct tl_tree *cot_carry,
-	    const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err);
+            const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+            const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err);
 /* Warms a specialization: shape-only trees (tensors' data may be NULL). */
 int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-	       const struct tl_tree *inputs, enum tl_dtype dtype, int grad,
-	       struct tl_reply **out, struct tl_error *err);
+               const struct tl_tree *inputs, enum tl_dtype dtype, int grad, struct tl_reply **out,
+               struct tl_error *err);
 
 /* list, describe (name), stats, shutdown: the result as JSON text. */
 int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,
-		 struct tl_error *err);
+                 struct tl_error *err);
 
 const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key);
 /* A number or bool field of the result (NaN when absent). */

@@ -49,14 +49,15 @@ static struct tl_tree *npy_leaf(struct treejson *t, const char *s, char *msg, si
 
 	if (t->n_arrays == t->cap) {
 		int cap = t->cap ? 2 * t->cap : 16;
-		struct npy *a = cap > TREEJSON_MAX_ITEMS ? NULL : realloc(t->arrays, (size_t)cap * sizeof *a);
+		struct npy *a =
+		    cap > TREEJSON_MAX_ITEMS ? NULL : realloc(t->arrays, (size_t)cap * sizeof *a);
 		if (a == NULL)
 			return snprintf(msg, size, "too many leaves"), NULL;
 		t->arrays = a;
 		t->cap = cap;
 	}
 	snprintf(path, sizeof path, "%s%s%s", t->base && s[0] != '/' ? t->base : "",
-		 t->base && s[0] != '/' ? "/" : "", s);
+	         t->base && s[0] != '/' ? "/" : "", s);
 	n = &t->arrays[t->n_arrays];
 	if (npy_read(path, n, msg, size) != 0)
 		return NULL;
@@ -71,7 +72,7 @@ static struct tl_tree *npy_leaf(struct treejson *t, const char *s, char *msg, si
 static struct tl_tree *load(struct treejson *t, json_t *j, char *msg, size_t size, int depth);
 
 static struct tl_tree *load_items(struct treejson *t, json_t *j, enum tl_kind kind, char *msg,
-				  size_t size, int depth)
+                                  size_t size, int depth)
 {
 	size_t n = json_is_array(j) ? json_array_size(j) : json_object_size(j), i = 0;
 	struct tl_tree **items = calloc(n ? n : 1, sizeof *items);
@@ -85,7 +86,8 @@ static struct tl_tree *load_items(struct treejson *t, json_t *j, enum tl_kind ki
 		goto done;
 	}
 	if (json_is_array(j)) {
-		json_array_foreach(j, i, v) if ((items[i] = load(t, v, msg, size, depth + 1)) == NULL) goto done;
+		json_array_foreach(j, i, v) if ((items[i] = load(t, v, msg, size, depth + 1)) ==
+		                                NULL) goto done;
 	} else {
 		json_object_foreach(j, k, v)
 		{
@@ -94,9 +96,9 @@ static struct tl_tree *load_items(struct treejson *t, json_t *j, enum tl_kind ki
 				goto done;
 		}
 	}
-	out = kind == TL_TUPLE ? tl_tuple(t->builder, n, items)
+	out = kind == TL_TUPLE  ? tl_tuple(t->builder, n, items)
 	      : kind == TL_LIST ? tl_list(t->builder, n, items)
-				: tl_dict(t->builder, n, keys, items);
+	                        : tl_dict(t->builder, n, keys, items);
 	if (out == NULL)
 		snprintf(msg, size, "cannot build the tree (dict key over 256 bytes?)");
 done:
@@ -107,7 +109,8 @@ done:
 
 static struct tl_tree *load(struct treejson *t, json_t *j, char *msg, size_t size, int depth)
 {
-	json_t *tup = json_is_object(j) && json_object_size(j) == 1 ? json_object_get(j, "__tuple__") : NULL;
+	json_t *tup =
+	    json_is_object(j) && json_object_size(j) == 1 ? json_object_get(j, "__tuple__") : NULL;
 
 	if (depth > 16)
 		return snprintf(msg, size, "tree nested deeper than 16"), NULL;
@@ -151,7 +154,7 @@ struct tl_tree *treejson_parse(struct treejson *t, const char *text, char *msg, 
 }
 
 static json_t *save(const struct tl_tree *tree, const char *dir, const char *root, int *counter,
-		    char *msg, size_t size)
+                    char *msg, size_t size)
 {
 	char file[300], path[4096];
 	json_t *j, *v;
@@ -163,7 +166,7 @@ static json_t *save(const struct tl_tree *tree, const char *dir, const char *roo
 		snprintf(file, sizeof file, "%s_%d.npy", root, (*counter)++);
 		snprintf(path, sizeof path, "%s/%s", dir, file);
 		if (npy_write(path, tl_tree_dtype(tree), tl_tree_ndim(tree), tl_tree_shape(tree),
-			      tl_tree_data(tree), msg, size) != 0)
+		              tl_tree_data(tree), msg, size) != 0)
 			return NULL;
 		return json_string(file);
 	case TL_DICT:
@@ -171,7 +174,8 @@ static json_t *save(const struct tl_tree *tree, const char *dir, const char *roo
 		for (size_t i = 0; i < tl_tree_len(tree); i++) {
 			size_t len;
 			const char *k = tl_tree_key(tree, i, &len);
-			if ((v = save(tl_tree_item(tree, i), dir, root, counter, msg, size)) == NULL)
+			if ((v = save(tl_tree_item(tree, i), dir, root, counter, msg, size)) ==
+			    NULL)
 				return json_decref(j), NULL;
 			json_object_setn_new_nocheck(j, k, len, v);
 		}
@@ -179,7 +183,8 @@ static json_t *save(const struct tl_tree *tree, const char *dir, const char *roo
 	default:
 		j = json_array();
 		for (size_t i = 0; i < tl_tree_len(tree); i++) {
-			if ((v = save(tl_tree_item(tree, i), dir, root, counter, msg, size)) == NULL)
+			if ((v = save(tl_tree_item(tree, i), dir, root, counter, msg, size)) ==
+			    NULL)
 				return json_decref(j), NULL;
 			json_array_append_new(j, v);
 		}
@@ -190,7 +195,7 @@ static json_t *save(const struct tl_tree *tree, const char *dir, const char *roo
 }
 
 json_t *treejson_save(const struct tl_tree *tree, const char *dir, const char *root, char *msg,
-		      size_t size)
+                      size_t size)
 {
 	int counter = 0;
 

@@ -16,8 +16,8 @@ struct treejson {
 	struct tl_builder *builder;
 	struct npy *arrays; /* loaded leaves, owned */
 	int n_arrays, cap;
-	const char *base;   /* directory relative paths resolve against, or NULL */
-	bool shapes_only;   /* leaves may be "shape:AxB" (data NULL) */
+	const char *base; /* directory relative paths resolve against, or NULL */
+	bool shapes_only; /* leaves may be "shape:AxB" (data NULL) */
 	bool have_dtype;
 	enum tl_dtype dtype;
 };
@@ -30,6 +30,6 @@ struct tl_tree *treejson_load(struct treejson *t, json_t *j, char *msg, size_t s
 struct tl_tree *treejson_parse(struct treejson *t, const char *text, char *msg, size_t size);
 /* Writes each tensor of tree as DIR/ROOT_<n>.npy; returns the JSON (NULL on error). */
 json_t *treejson_save(const struct tl_tree *tree, const char *dir, const char *root, char *msg,
-		      size_t size);
+                      size_t size);
 
 #endif

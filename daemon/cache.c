@@ -60,7 +60,8 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 	struct stat st;
 
 	if (strlen(dir) >= sizeof c->dir - 80)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "cache path too long: %s", dir);
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "cache path too long: %s",
+		                  dir);
 	snprintf(c->dir, sizeof c->dir, "%s", dir);
 	if (mkdir_p(dir, 0700) != 0)
 		return sys_fail(err, "cannot create cache directory", dir);
@@ -70,10 +71,11 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 		return sys_fail(err, "cache directory is not writable:", dir);
 	if (statvfs(dir, &vfs) == 0 && (vfs.f_flag & ST_NOEXEC))
 		return proto_fail(err, PROTO_E_INTERNAL, NULL,
-				  "cache directory %s is on a noexec mount: compiled graphs could "
-				  "not be loaded; choose another --cache-dir",
-				  dir);
-	if (sub(c, "objects", err) || sub(c, "tmp", err) || sub(c, "quarantine", err))
+		                  "cache directory %s is on a noexec mount: compiled graphs could "
+		                  "not be loaded; choose another --cache-dir",
+		                  dir);
+	if (sub(c, "objects", err) || sub(c, "tmp", err) || sub(c, "quarantine", err) ||
+	    sub(c, "index", err))
 		return -1;
 	return 0;
 }
@@ -92,7 +94,7 @@ void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX])
 }
 
 static void entry_path(const struct cache *c, const char *key, const char *ext, char *out,
-		       size_t size)
+                       size_t size)
 {
 	snprintf(out, size, "%s/objects/%s.%s", c->dir, key, ext);
 }
@@ -107,7 +109,7 @@ void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t si
 	static atomic_uint counter;
 
 	snprintf(out, size, "%s/tmp/%.16s.%ld.%u.so", c->dir, key, (long)getpid(),
-		 atomic_fetch_add(&counter, 1));
+	         atomic_fetch_add(&counter, 1));
 }
 
 void cache_meta_free(struct cache_meta *meta)
@@ -204,8 +206,8 @@ static int keep_y(const uint8_t *buf, size_t len, struct cache_meta *m)
 	return rc;
 }
 
-int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta,
-		 int *quarantined, struct proto_err *err)
+int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta, int *quarantined,
+                 struct proto_err *err)
 {
 	char so[PATH_MAX], mp[PATH_MAX], hex[CACHE_KEY_HEX];
 	uint8_t *buf;
@@ -252,7 +254,7 @@ static int fsync_path(const char *path, int flags)
 }
 
 static int write_meta(const struct cache *c, const char *key, const struct cache_meta *m,
-		      struct proto_err *err)
+                      struct proto_err *err)
 {
 	char tmp[PATH_MAX], dst[PATH_MAX];
 	struct writer w;
@@ -294,7 +296,7 @@ static int write_meta(const struct cache *c, const char *key, const struct cache
 }
 
 int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
-		 struct cache_meta *meta, struct proto_err *err)
+                 struct cache_meta *meta, struct proto_err *err)
 {
 	char so[PATH_MAX], objects[PATH_MAX];
 
@@ -322,7 +324,7 @@ void cache_quarantine(const struct cache *c, const char *key, const char *why)
 	for (size_t i = 0; i < 2; i++) {
 		entry_path(c, key, exts[i], src, sizeof src);
 		snprintf(dst, sizeof dst, "%s/quarantine/%s.%ld.%ld.%s", c->dir, key, stamp,
-			 (long)getpid(), exts[i]);
+		         (long)getpid(), exts[i]);
 		if (rename(src, dst) != 0 && errno != ENOENT)
 			unlink(src);
 	}

@@ -59,8 +59,8 @@ void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t si
  * none (a corrupt one is quarantined first and *quarantined set), -1 with
  * err on an I/O failure.  Free meta with cache_meta_free.
  */
-int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta,
-		 int *quarantined, struct proto_err *err);
+int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta, int *quarantined,
+                 struct proto_err *err);
 void cache_meta_free(struct cache_meta *meta);
 
 /*
@@ -68,7 +68,7 @@ void cache_meta_free(struct cache_meta *meta);
  * then write the .meta the same way.  Fills meta->size and meta->sha256.
  */
 int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
-		 struct cache_meta *meta, struct proto_err *err);
+                 struct cache_meta *meta, struct proto_err *err);
 
 /* Moves an entry to quarantine/. */
 void cache_quarantine(const struct cache *c, const char *key, const char *why);

@@ -50,11 +50,26 @@ struct compiler {
 static void spawn_worker(struct compiler *c);
 static void pump(struct compiler *c);
 
-void *compiler_data(const struct compiler *c) { return c->data; }
-const struct worker_info *compiler_info(const struct compiler *c) { return &c->info; }
-bool compiler_alive(const struct compiler *c) { return c->running && c->hello_done; }
-uint64_t compiler_restarts(const struct compiler *c) { return c->restarts; }
-pid_t compiler_pid(const struct compiler *c) { return c->running && c->wp ? c->wp->proc.pid : 0; }
+void *compiler_data(const struct compiler *c)
+{
+	return c->data;
+}
+const struct worker_info *compiler_info(const struct compiler *c)
+{
+	return &c->info;
+}
+bool compiler_alive(const struct compiler *c)
+{
+	return c->running && c->hello_done;
+}
+uint64_t compiler_restarts(const struct compiler *c)
+{
+	return c->restarts;
+}
+pid_t compiler_pid(const struct compiler *c)
+{
+	return c->running && c->wp ? c->wp->proc.pid : 0;
+}
 
 unsigned compiler_queue_length(const struct compiler *c)
 {
@@ -88,7 +103,7 @@ static char **worker_env(void)
 }
 
 static void finish(struct compiler *c, struct compile_job *job, const struct compile_result *res,
-		   const struct proto_err *err)
+                   const struct proto_err *err)
 {
 	(void)c;
 	job->done(job, res, err);
@@ -157,7 +172,8 @@ static int send_msg(struct compiler *c, struct write_req *wr)
 	}
 	for (int i = 0; i < n; i++)
 		bufs[i] = uv_buf_init(iov[i].iov_base, (unsigned)iov[i].iov_len);
-	if (c->wp == NULL || uv_write(&wr->req, (uv_stream_t *)&c->wp->in, bufs, (unsigned)n, on_write) != 0) {
+	if (c->wp == NULL ||
+	    uv_write(&wr->req, (uv_stream_t *)&c->wp->in, bufs, (unsigned)n, on_write) != 0) {
 		writer_destroy(&wr->w);
 		free(wr);
 		return -1;
@@ -194,11 +210,12 @@ static void on_timeout(uv_timer_t *t)
 	struct compiler *c = t->data;
 
 	log_warn("compile worker: job %llu exceeded %.0f s; killing the worker",
-		 (unsigned long long)(c->current ? c->current->id : 0), c->timeout);
+	         (unsigned long long)(c->current ? c->current->id : 0), c->timeout);
 	c->timed_out = true;
 	if (c->running && c->wp)
 		uv_kill(-c->wp->proc.pid, SIGKILL); /* its whole process group (g++ too) */
-	fail_current(c, PROTO_E_COMPILE_TIMEOUT, "the compile exceeded its timeout; the worker was restarted");
+	fail_current(c, PROTO_E_COMPILE_TIMEOUT,
+	             "the compile exceeded its timeout; the worker was restarted");
 }
 
 static void pump(struct compiler *c)
@@ -260,7 +277,8 @@ static void read_hello(struct compiler *c, const struct msg *m)
 		c->ready = NULL;
 		if (!ok) {
 			proto_fail(&err, PROTO_E_INTERNAL, NULL,
-				   "Compiled loops require Torch >= 2.14 (found %s)", c->info.torch);
+			           "Compiled loops require Torch >= 2.14 (found %s)",
+			           c->info.torch);
 			ready(c, &err);
 		} else {
 			ready(c, NULL);
@@ -383,22 +401,25 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
 	struct wproc *wp = p->data;
 	struct compiler *c = wp->c;
 
-	log_warn("compile worker %d exited (status %lld, signal %d)", p->pid, (long long)status, sig);
+	log_warn("compile worker %d exited (status %lld, signal %d)", p->pid, (long long)status,
+	         sig);
 	c->wp = NULL;
 	c->running = false;
 	c->hello_done = false;
 	close_wproc(wp);
 	if (!c->timed_out)
-		fail_current(c, PROTO_E_WORKER_CRASHED, "the compile worker died during the compile; it was restarted");
+		fail_current(c, PROTO_E_WORKER_CRASHED,
+		             "the compile worker died during the compile; it was restarted");
 	c->timed_out = false;
 	if (c->ready) {
 		struct proto_err err;
 		compiler_ready_cb ready = c->ready;
 		c->ready = NULL;
-		proto_fail(&err, PROTO_E_INTERNAL, NULL,
-			   "the compile worker (%s %s) exited before it was ready; is torch installed "
-			   "in that interpreter?",
-			   c->python, c->script);
+		proto_fail(
+		    &err, PROTO_E_INTERNAL, NULL,
+		    "the compile worker (%s %s) exited before it was ready; is torch installed "
+		    "in that interpreter?",
+		    c->python, c->script);
 		ready(c, &err);
 		return;
 	}
@@ -437,8 +458,10 @@ static void spawn_worker(struct compiler *c)
 	wp->in.data = wp->out.data = wp->proc.data = wp;
 	wp->open = 3;
 	c->open_handles++;
-	stdio[0] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_READABLE_PIPE, .data.stream = (uv_stream_t *)&wp->in};
-	stdio[1] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_WRITABLE_PIPE, .data.stream = (uv_stream_t *)&wp->out};
+	stdio[0] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_READABLE_PIPE,
+	                                  .data.stream = (uv_stream_t *)&wp->in};
+	stdio[1] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_WRITABLE_PIPE,
+	                                  .data.stream = (uv_stream_t *)&wp->out};
 	stdio[2] = (uv_stdio_container_t){.flags = UV_INHERIT_FD, .data.fd = 2};
 	o.file = c->python;
 	o.args = args;
@@ -453,7 +476,7 @@ static void spawn_worker(struct compiler *c)
 		log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
 		close_wproc(wp);
 		proto_fail(&err, PROTO_E_INTERNAL, NULL, "cannot start the compile worker %s: %s",
-			   c->python, uv_strerror(rc));
+		           c->python, uv_strerror(rc));
 		if (c->ready) {
 			compiler_ready_cb ready = c->ready;
 			c->ready = NULL;
@@ -469,7 +492,7 @@ static void spawn_worker(struct compiler *c)
 }
 
 struct compiler *compiler_start(uv_loop_t *loop, const char *python, const char *script,
-				double timeout_seconds, compiler_ready_cb ready, void *data)
+                                double timeout_seconds, compiler_ready_cb ready, void *data)
 {
 	struct compiler *c = calloc(1, sizeof *c);
 

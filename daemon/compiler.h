@@ -29,7 +29,7 @@ struct compile_result {
 
 struct compile_job;
 typedef void (*compile_done_cb)(struct compile_job *job, const struct compile_result *res,
-				const struct proto_err *err);
+                                const struct proto_err *err);
 
 struct compile_job {
 	/* set by the submitter; borrowed until done runs */
@@ -61,7 +61,7 @@ typedef void (*compiler_ready_cb)(struct compiler *c, const struct proto_err *er
  * worker answered (info filled) or with the start-up error.
  */
 struct compiler *compiler_start(uv_loop_t *loop, const char *python, const char *script,
-				double timeout_seconds, compiler_ready_cb ready, void *data);
+                                double timeout_seconds, compiler_ready_cb ready, void *data);
 void *compiler_data(const struct compiler *c);
 const struct worker_info *compiler_info(const struct compiler *c);
 bool compiler_alive(const struct compiler *c);

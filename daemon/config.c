@@ -22,8 +22,20 @@
 #define TORCHLOOPD_PREFIX ""
 #endif
 
-enum { OPT_SOCKET = 1000, OPT_CACHE, OPT_ADAPTERS, OPT_PYTHON, OPT_WORKER, OPT_ADMIN,
-       OPT_NO_PROBE, OPT_MODE, OPT_LOG, OPT_HELP, OPT_VERSION, OPT_LIMIT0 };
+enum {
+	OPT_SOCKET = 1000,
+	OPT_CACHE,
+	OPT_ADAPTERS,
+	OPT_PYTHON,
+	OPT_WORKER,
+	OPT_ADMIN,
+	OPT_NO_PROBE,
+	OPT_MODE,
+	OPT_LOG,
+	OPT_HELP,
+	OPT_VERSION,
+	OPT_LIMIT0
+};
 
 static const struct limit {
 	const char *name;
@@ -31,7 +43,7 @@ static const struct limit {
 	const char *help;
 } LIMITS[] = {
 #define CONFIG_X_LIMIT(name, field, min, def, max, help) {name, min, def, max, help},
-	CONFIG_LIMITS(CONFIG_X_LIMIT)
+    CONFIG_LIMITS(CONFIG_X_LIMIT)
 #undef CONFIG_X_LIMIT
 };
 #define N_LIMITS (sizeof LIMITS / sizeof LIMITS[0])
@@ -40,7 +52,7 @@ static long long *limit_field(struct config *c, size_t i)
 {
 	long long *fields[] = {
 #define CONFIG_X_PTR(name, field, min, def, max, help) &c->field,
-		CONFIG_LIMITS(CONFIG_X_PTR)
+	    CONFIG_LIMITS(CONFIG_X_PTR)
 #undef CONFIG_X_PTR
 	};
 	return fields[i];
@@ -48,24 +60,27 @@ static long long *limit_field(struct config *c, size_t i)
 
 static void usage(FILE *f)
 {
-	fprintf(f,
-		"usage: torchloopd [options]\n\n"
-		"Serves compiled scans (PyTorch Inductor, AOT) to local clients over a Unix socket.\n\n"
-		"  --socket PATH        listening socket (default $XDG_RUNTIME_DIR/torchloopd/torchloopd.sock;\n"
-		"                       under systemd $RUNTIME_DIRECTORY/torchloopd.sock)\n"
-		"  --socket-mode OCTAL  socket file mode (default 0660)\n"
-		"  --cache-dir DIR      compiled artifacts (default $XDG_CACHE_HOME/torchloopd;\n"
-		"                       under systemd $CACHE_DIRECTORY); must allow exec\n"
-		"  --adapters DIR       adapter definitions (*.adapter) registered at start and on SIGHUP\n"
-		"  --python PATH        the compile worker's interpreter (default: the build's .venv)\n"
-		"  --worker PATH        the compile worker script\n"
-		"  --admin-group NAME   members may register, unregister and shut down\n"
-		"  --no-probe           skip the start-up probe compile\n"
-		"  --log-level LEVEL    debug, info, warn or error (default info)\n"
-		"  --help, --version\n\nlimits (name: min / default / max):\n");
+	fprintf(
+	    f,
+	    "usage: torchloopd [options]\n\n"
+	    "Serves compiled scans (PyTorch Inductor, AOT) to local clients over a Unix socket.\n\n"
+	    "  --socket PATH        listening socket (default "
+	    "$XDG_RUNTIME_DIR/torchloopd/torchloopd.sock;\n"
+	    "                       under systemd $RUNTIME_DIRECTORY/torchloopd.sock)\n"
+	    "  --socket-mode OCTAL  socket file mode (default 0660)\n"
+	    "  --cache-dir DIR      compiled artifacts (default $XDG_CACHE_HOME/torchloopd;\n"
+	    "                       under systemd $CACHE_DIRECTORY); must allow exec\n"
+	    "  --adapters DIR       adapter definitions (*.adapter) registered at start and on "
+	    "SIGHUP\n"
+	    "  --python PATH        the compile worker's interpreter (default: the build's .venv)\n"
+	    "  --worker PATH        the compile worker script\n"
+	    "  --admin-group NAME   members may register, unregister and shut down\n"
+	    "  --no-probe           skip the start-up probe compile\n"
+	    "  --log-level LEVEL    debug, info, warn or error (default info)\n"
+	    "  --help, --version\n\nlimits (name: min / default / max):\n");
 	for (size_t i = 0; i < N_LIMITS; i++)
 		fprintf(f, "  --%-17s %s (%lld / %lld / %lld)\n", LIMITS[i].name, LIMITS[i].help,
-			LIMITS[i].min, LIMITS[i].def, LIMITS[i].max);
+		        LIMITS[i].min, LIMITS[i].def, LIMITS[i].max);
 }
 
 static void default_paths(struct config *c)
@@ -77,18 +92,21 @@ static void default_paths(struct config *c)
 	if (rt && *rt)
 		snprintf(c->socket_path, sizeof c->socket_path, "%s/torchloopd.sock", rt);
 	else if (xrt && *xrt)
-		snprintf(c->socket_path, sizeof c->socket_path, "%s/torchloopd/torchloopd.sock", xrt);
+		snprintf(c->socket_path, sizeof c->socket_path, "%s/torchloopd/torchloopd.sock",
+		         xrt);
 	else
-		snprintf(c->socket_path, sizeof c->socket_path, "/tmp/torchloopd-%u/torchloopd.sock",
-			 (unsigned)getuid());
+		snprintf(c->socket_path, sizeof c->socket_path,
+		         "/tmp/torchloopd-%u/torchloopd.sock", (unsigned)getuid());
 	if (cache && *cache)
 		snprintf(c->cache_dir, sizeof c->cache_dir, "%s", cache);
 	else if (xc && *xc)
 		snprintf(c->cache_dir, sizeof c->cache_dir, "%s/torchloopd", xc);
 	else
-		snprintf(c->cache_dir, sizeof c->cache_dir, "%s/.cache/torchloopd", home ? home : "/tmp");
+		snprintf(c->cache_dir, sizeof c->cache_dir, "%s/.cache/torchloopd",
+		         home ? home : "/tmp");
 	snprintf(c->python, sizeof c->python, "%s", TORCHLOOPD_PREFIX "/.venv/bin/python");
-	snprintf(c->worker, sizeof c->worker, "%s", TORCHLOOPD_PREFIX "/daemon/worker/compile_worker.py");
+	snprintf(c->worker, sizeof c->worker, "%s",
+	         TORCHLOOPD_PREFIX "/daemon/worker/compile_worker.py");
 }
 
 static int parse_limit(struct config *c, size_t i, const char *arg)
@@ -100,7 +118,7 @@ static int parse_limit(struct config *c, size_t i, const char *arg)
 	v = strtoll(arg, &end, 10);
 	if (errno || *end || end == arg || v < LIMITS[i].min || v > LIMITS[i].max) {
 		fprintf(stderr, "torchloopd: --%s must be an integer in [%lld, %lld], got '%s'\n",
-			LIMITS[i].name, LIMITS[i].min, LIMITS[i].max, arg);
+		        LIMITS[i].name, LIMITS[i].min, LIMITS[i].max, arg);
 		return -1;
 	}
 	*limit_field(c, i) = v;
@@ -168,7 +186,8 @@ int config_parse(struct config *c, int argc, char **argv)
 	memset(c, 0, sizeof *c);
 	for (size_t i = 0; i < N_LIMITS; i++) {
 		*limit_field(c, i) = LIMITS[i].def;
-		opts[n++] = (struct option){LIMITS[i].name, required_argument, NULL, OPT_LIMIT0 + (int)i};
+		opts[n++] =
+		    (struct option){LIMITS[i].name, required_argument, NULL, OPT_LIMIT0 + (int)i};
 	}
 	c->probe = true;
 	c->log_level = 1;
@@ -191,7 +210,9 @@ int config_parse(struct config *c, int argc, char **argv)
 		if (opt == OPT_HELP)
 			return usage(stdout), 1;
 		if (opt == OPT_VERSION)
-			return printf("torchloopd %s (protocol %d)\n", TORCHLOOPD_VERSION, PROTO_VERSION), 1;
+			return printf("torchloopd %s (protocol %d)\n", TORCHLOOPD_VERSION,
+			              PROTO_VERSION),
+			       1;
 		if (opt >= OPT_LIMIT0 && opt < OPT_LIMIT0 + (int)N_LIMITS) {
 			if (parse_limit(c, (size_t)(opt - OPT_LIMIT0), optarg) != 0)
 				return -1;

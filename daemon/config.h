@@ -12,19 +12,17 @@
 #include <sys/types.h>
 
 /* name, field, min, default, max, help */
-#define CONFIG_LIMITS(X)                                                                   \
-	X("max-frame", max_frame, 1024, 64LL << 20, 1LL << 30,                             \
-	  "largest frame accepted or sent, in bytes")                                      \
-	X("max-inflight", max_inflight, 1, 64, 4096,                                       \
-	  "requests one connection may have in flight")                                    \
-	X("write-queue-cap", write_queue_cap, 1LL << 20, 256LL << 20, 4LL << 30,           \
-	  "bytes queued to one slow client before its reads pause")                        \
-	X("max-connections", max_connections, 1, 1024, 65536, "concurrent client connections") \
-	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take") \
-	X("drain-timeout", drain_timeout, 0, 30, 3600,                                     \
-	  "seconds to finish in-flight requests on SIGTERM")                               \
-	X("threads", threads, 1, 0, 128,                                                   \
-	  "thread-pool size for graph runs (0: one per core)")
+#define CONFIG_LIMITS(X)                                                                           \
+	X("max-frame", max_frame, 1024, 64LL << 20, 1LL << 30,                                     \
+	  "largest frame accepted or sent, in bytes")                                              \
+	X("max-inflight", max_inflight, 1, 64, 4096, "requests one connection may have in flight") \
+	X("write-queue-cap", write_queue_cap, 1LL << 20, 256LL << 20, 4LL << 30,                   \
+	  "bytes queued to one slow client before its reads pause")                                \
+	X("max-connections", max_connections, 1, 1024, 65536, "concurrent client connections")     \
+	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take")       \
+	X("drain-timeout", drain_timeout, 0, 30, 3600,                                             \
+	  "seconds to finish in-flight requests on SIGTERM")                                       \
+	X("threads", threads, 1, 0, 128, "thread-pool size for graph runs (0: one per core)")
 
 struct config {
 #define CONFIG_X_FIELD(name, field, min, def, max, help) long long field;

@@ -102,9 +102,8 @@ static void on_write(uv_write_t *req, int status)
 		conn_close(c);
 	else if (out->close_after)
 		conn_close(c);
-	else if (c->paused &&
-		 uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) <
-			 (size_t)c->d->cfg.write_queue_cap / 2)
+	else if (c->paused && uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) <
+	                          (size_t)c->d->cfg.write_queue_cap / 2)
 		resume_reading(c);
 	outmsg_free(out);
 }
@@ -136,10 +135,10 @@ void conn_send(struct conn *c, struct outmsg *out)
 		conn_close(c);
 		goto done;
 	}
-	if (!c->paused &&
-	    uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) > (size_t)c->d->cfg.write_queue_cap) {
+	if (!c->paused && uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) >
+	                      (size_t)c->d->cfg.write_queue_cap) {
 		log_warn("connection %llu: write queue over %lld bytes; pausing its reads",
-			 (unsigned long long)c->serial, c->d->cfg.write_queue_cap);
+		         (unsigned long long)c->serial, c->d->cfg.write_queue_cap);
 		c->d->stats.limit_breaches++;
 		c->paused = true;
 		uv_read_stop((uv_stream_t *)&c->handle);
@@ -159,7 +158,7 @@ static void frame_error(struct conn *c, const struct proto_err *err, bool close_
 	c->d->stats.frame_errors++;
 	c->d->stats.error_codes[err->code]++;
 	log_warn("connection %llu: %s: %s", (unsigned long long)c->serial,
-		 proto_code_name(err->code), err->message);
+	         proto_code_name(err->code), err->message);
 	if (out == NULL) {
 		conn_close(c);
 		return;
@@ -195,7 +194,8 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 		return;
 	if (nread < 0) {
 		if (nread != UV_EOF)
-			log_debug("connection %llu: %s", (unsigned long long)c->serial, uv_strerror((int)nread));
+			log_debug("connection %llu: %s", (unsigned long long)c->serial,
+			          uv_strerror((int)nread));
 		else if (frame_reader_eof(&c->reader, &err) != 0)
 			log_warn("connection %llu: %s", (unsigned long long)c->serial, err.message);
 		conn_close(c);
@@ -266,9 +266,9 @@ static void on_connection(uv_stream_t *server, int status)
 	if (d->n_conns > (unsigned)d->cfg.max_connections || d->shutting_down) {
 		struct proto_err err;
 		proto_fail(&err, d->shutting_down ? PROTO_E_SHUTTING_DOWN : PROTO_E_BUSY, NULL,
-			   d->shutting_down ? "the daemon is stopping"
-					    : "too many connections (max-connections=%lld)",
-			   d->cfg.max_connections);
+		           d->shutting_down ? "the daemon is stopping"
+		                            : "too many connections (max-connections=%lld)",
+		           d->cfg.max_connections);
 		if (!d->shutting_down)
 			d->stats.limit_breaches++;
 		frame_error(c, &err, true);
@@ -288,7 +288,7 @@ static int clear_stale(const char *path, struct proto_err *err)
 		return 0;
 	if (!S_ISSOCK(st.st_mode))
 		return proto_fail(err, PROTO_E_INTERNAL, NULL,
-				  "%s exists and is not a socket; refusing to touch it", path);
+		                  "%s exists and is not a socket; refusing to touch it", path);
 	snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
@@ -297,10 +297,10 @@ static int clear_stale(const char *path, struct proto_err *err)
 	close(fd);
 	if (rc == 0)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL,
-				  "another torchloopd is listening on %s", path);
+		                  "another torchloopd is listening on %s", path);
 	if (errno != ECONNREFUSED)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "cannot probe %s: %s", path,
-				  strerror(errno));
+		                  strerror(errno));
 	log_info("removing stale socket %s", path);
 	unlink(path);
 	return 0;
@@ -318,7 +318,7 @@ static int make_parent(const char *path, struct proto_err *err)
 	*slash = '\0';
 	if (mkdir(dir, 0750) != 0 && errno != EEXIST)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "cannot create %s: %s", dir,
-				  strerror(errno));
+		                  strerror(errno));
 	return 0;
 }
 
@@ -329,8 +329,8 @@ int server_listen(struct daemon *d, struct proto_err *err)
 
 	if (strlen(path) > sizeof(((struct sockaddr_un *)0)->sun_path) - 1)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL,
-				  "socket path is %zu bytes; Unix sockets allow at most 107: %s",
-				  strlen(path), path);
+		                  "socket path is %zu bytes; Unix sockets allow at most 107: %s",
+		                  strlen(path), path);
 	if (make_parent(path, err) != 0 || clear_stale(path, err) != 0)
 		return -1;
 	uv_pipe_init(d->loop, &d->server, 0);
@@ -346,7 +346,7 @@ int server_listen(struct daemon *d, struct proto_err *err)
 		rc = uv_listen((uv_stream_t *)&d->server, 128, on_connection);
 	if (rc != 0)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "cannot listen on %s: %s", path,
-				  uv_strerror(rc));
+		                  uv_strerror(rc));
 	log_info("listening on %s (mode %04o)", path, d->cfg.socket_mode);
 	return 0;
 }

@@ -55,7 +55,8 @@ static void on_drain_timeout(uv_timer_t *t)
 {
 	struct daemon *d = t->data;
 
-	log_warn("drain timeout (%lld s) with %u requests in flight", d->cfg.drain_timeout, d->inflight);
+	log_warn("drain timeout (%lld s) with %u requests in flight", d->cfg.drain_timeout,
+	         d->inflight);
 	finish_shutdown(d);
 }
 
@@ -71,7 +72,8 @@ void daemon_begin_shutdown(struct daemon *d, const char *why)
 	if (d->inflight == 0)
 		finish_shutdown(d);
 	else
-		uv_timer_start(&d->drain_timer, on_drain_timeout, (uint64_t)d->cfg.drain_timeout * 1000, 0);
+		uv_timer_start(&d->drain_timer, on_drain_timeout,
+		               (uint64_t)d->cfg.drain_timeout * 1000, 0);
 }
 
 void daemon_request_done(struct daemon *d)
@@ -126,6 +128,14 @@ static void declare_ready(struct daemon *d)
 		d->on_ready(d);
 }
 
+static void prewarmed(struct daemon *d)
+{
+	if (--d->pending_loads == 0 && !d->ready && !d->shutting_down) {
+		log_info("preloaded adapters' graphs loaded from the cache (%u)", specs_loaded(d));
+		declare_ready(d);
+	}
+}
+
 static void probe_done(struct daemon *d, const struct proto_err *err)
 {
 	if (err != NULL) {
@@ -135,7 +145,11 @@ static void probe_done(struct daemon *d, const struct proto_err *err)
 	log_info("probe: compile, cache and run work");
 	if (d->cfg.adapters_dir[0] && registry_load_dir(d, d->cfg.adapters_dir, false) != 0)
 		log_warn("some adapter files failed to load; see above");
-	declare_ready(d);
+	/* graphs these adapters had before a restart load before we say ready */
+	d->pending_loads = 1;
+	for (struct adapter *a = d->reg.head; a; a = a->next)
+		d->pending_loads += specs_prewarm(d, a, prewarmed);
+	prewarmed(d);
 }
 
 static void worker_ready(struct compiler *c, const struct proto_err *err)
@@ -159,8 +173,8 @@ static void worker_ready(struct compiler *c, const struct proto_err *err)
 /* The ISA flags Inductor specialises code for: part of every cache key. */
 static void read_isa(struct daemon *d)
 {
-	static const char *const flags[] = {" avx2", " avx512f", " avx512bw", " avx512vl",
-					    " avx512_bf16", " amx_tile", " fma", " sve"};
+	static const char *const flags[] = {" avx2",        " avx512f",  " avx512bw", " avx512vl",
+	                                    " avx512_bf16", " amx_tile", " fma",      " sve"};
 	FILE *f = fopen("/proc/cpuinfo", "re");
 	char line[8192];
 
@@ -206,7 +220,8 @@ int daemon_start(struct daemon *d)
 	uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&d->sigint, on_signal, SIGINT);
 	uv_signal_start(&d->sighup, on_signal, SIGHUP);
-	d->test_hooks = getenv("TORCHLOOPD_TEST_HOOKS") && strcmp(getenv("TORCHLOOPD_TEST_HOOKS"), "1") == 0;
+	d->test_hooks =
+	    getenv("TORCHLOOPD_TEST_HOOKS") && strcmp(getenv("TORCHLOOPD_TEST_HOOKS"), "1") == 0;
 	if (d->test_hooks) {
 		uv_signal_init(d->loop, &d->sigusr2);
 		d->sigusr2.data = d;
@@ -220,6 +235,6 @@ int daemon_start(struct daemon *d)
 	}
 	log_info("cache %s", d->cfg.cache_dir);
 	d->compiler = compiler_start(d->loop, d->cfg.python, d->cfg.worker,
-				     (double)d->cfg.compile_timeout, worker_ready, d);
+	                             (double)d->cfg.compile_timeout, worker_ready, d);
 	return d->compiler ? 0 : -1;
 }

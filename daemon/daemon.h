@@ -26,16 +26,16 @@
 #include <uv.h>
 
 #define TORCHLOOPD_VERSION_STR "0.1.0"
-#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1"
-#define LATENCY_RING 1024
+#define AOTI_OPTIONS           "use_consts_asm_build=0;package_constants_in_so=1"
+#define LATENCY_RING           1024
 
 /* ---- adapters --------------------------------------------------------- */
 
-#define ADAPTER_NAME_MAX 64
-#define ADAPTER_MAX_STEPS 128
+#define ADAPTER_NAME_MAX     64
+#define ADAPTER_MAX_STEPS    128
 #define ADAPTER_MAX_ELEMENTS 1048576
-#define ADAPTER_MAX_BUDGET 64
-#define ADAPTER_SOURCE_MAX (1 << 20)
+#define ADAPTER_MAX_BUDGET   64
+#define ADAPTER_SOURCE_MAX   (1 << 20)
 
 struct adapter_def {
 	char name[ADAPTER_NAME_MAX + 1];
@@ -117,17 +117,17 @@ struct conn {
 struct request {
 	struct conn *conn; /* holds a reference */
 	struct daemon *d;
-	uint8_t *body;	   /* owned frame body; trees point into it */
+	uint8_t *body; /* owned frame body; trees point into it */
 	uint32_t len;
 	struct msg msg;
 	bool has_id;
 	uint64_t id;
 	int op;
 	double started;
-	struct adapter *adapter;	  /* set by ops that run on one; holds a reference */
+	struct adapter *adapter; /* set by ops that run on one; holds a reference */
 	struct request *next_waiter;
 	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
-	void *state; /* op-specific, owned by the op */
+	void *state;                                            /* op-specific, owned by the op */
 	void (*state_free)(void *state);
 };
 
@@ -190,13 +190,13 @@ double now_seconds(void);
 /* request.c */
 void request_reply(struct request *req, struct outmsg *out);
 void request_fail(struct request *req, const struct proto_err *err);
-void request_fail_code(struct request *req, enum proto_code code, const char *path,
-		       const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+void request_fail_code(struct request *req, enum proto_code code, const char *path, const char *fmt,
+                       ...) __attribute__((format(printf, 4, 5)));
 /* Begins a reply frame {id, result: {nfields...}}; returns NULL when out of memory. */
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields);
 /* Sends a notification tied to the request (the request stays open). */
 void request_event(struct request *req, const char *event, const char *adapter,
-		   const char *signature, double elapsed);
+                   const char *signature, double elapsed);
 void request_free(struct request *req);
 bool request_is_admin(const struct request *req);
 
@@ -214,7 +214,7 @@ void outmsg_free(struct outmsg *out);
 int adapter_def_validate(struct adapter_def *def, struct proto_err *err);
 /* Registers or replaces; *replaced tells whether an old adapter was dropped. */
 struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
-				  bool *unchanged);
+                                  bool *unchanged);
 struct adapter *registry_find(struct daemon *d, const char *name, size_t len);
 int registry_unregister(struct daemon *d, const char *name, size_t len);
 void adapter_ref(struct adapter *a);
@@ -238,11 +238,13 @@ struct scan_args {
  * on sp for the duration of ready.
  */
 void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
-		   struct request *req,
-		   void (*ready)(struct request *req, struct specialization *sp));
+                   struct request *req,
+                   void (*ready)(struct request *req, struct specialization *sp));
 void spec_ref(struct specialization *sp);
 void spec_unref(struct specialization *sp);
 void specs_drop_all(struct adapter *a);
+/* Loads a's specializations listed in the cache's index; done(d) per load. */
+unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d));
 unsigned specs_loaded(const struct daemon *d);
 
 /* daemon.c */

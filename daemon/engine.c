@@ -33,7 +33,8 @@ static int runtime_fail(const struct engine_graph *g, struct proto_err *err, con
 	const char *detail = NULL;
 
 	if (g->last_error != NULL && g->last_error(&detail) == 0 && detail && *detail)
-		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s: %s", g->path, what, detail);
+		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s: %s", g->path, what,
+		                  detail);
 	return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s failed", g->path, what);
 }
 
@@ -49,9 +50,9 @@ static int needs_proxy_executor(const char *so_path, struct proto_err *err)
 	if (access(json, F_OK) != 0)
 		return 0;
 	return proto_fail(err, PROTO_E_PROXY_EXECUTOR_REQUIRED, NULL,
-			  "%s needs AOTI's C++ proxy executor (extern-node file %s); "
-			  "torchloopd runs artifacts from C and cannot provide it",
-			  so_path, json);
+	                  "%s needs AOTI's C++ proxy executor (extern-node file %s); "
+	                  "torchloopd runs artifacts from C and cannot provide it",
+	                  so_path, json);
 }
 
 static void *need_sym(struct engine_graph *g, const char *name, struct proto_err *err)
@@ -65,9 +66,12 @@ static void *need_sym(struct engine_graph *g, const char *name, struct proto_err
 
 static int resolve(struct engine_graph *g, size_t concurrency, struct proto_err *err)
 {
-	aoti_create_fn create = (aoti_create_fn)need_sym(g, "AOTInductorModelContainerCreateWithDevice", err);
-	aoti_count_fn n_in = (aoti_count_fn)need_sym(g, "AOTInductorModelContainerGetNumInputs", err);
-	aoti_count_fn n_out = (aoti_count_fn)need_sym(g, "AOTInductorModelContainerGetNumOutputs", err);
+	aoti_create_fn create =
+	    (aoti_create_fn)need_sym(g, "AOTInductorModelContainerCreateWithDevice", err);
+	aoti_count_fn n_in =
+	    (aoti_count_fn)need_sym(g, "AOTInductorModelContainerGetNumInputs", err);
+	aoti_count_fn n_out =
+	    (aoti_count_fn)need_sym(g, "AOTInductorModelContainerGetNumOutputs", err);
 
 	g->destroy = (aoti_delete_fn)need_sym(g, "AOTInductorModelContainerDelete", err);
 	g->run = (aoti_run_fn)need_sym(g, "AOTInductorModelContainerRun", err);
@@ -82,7 +86,7 @@ static int resolve(struct engine_graph *g, size_t concurrency, struct proto_err 
 }
 
 int engine_load(const char *so_path, size_t concurrency, struct engine_graph **out,
-		struct proto_err *err)
+                struct proto_err *err)
 {
 	struct engine_graph *g;
 
@@ -143,31 +147,32 @@ static void contiguous_strides(uint32_t ndim, const int64_t *shape, int64_t *str
 }
 
 static int check_inputs(const struct engine_graph *g, const struct engine_tensor *in, size_t n,
-			const struct engine_tensor *expected, struct proto_err *err)
+                        const struct engine_tensor *expected, struct proto_err *err)
 {
 	if (n != g->n_in)
 		return proto_fail(err, PROTO_E_SPEC_MISMATCH, NULL,
-				  "graph takes %zu inputs, got %zu", g->n_in, n);
+		                  "graph takes %zu inputs, got %zu", g->n_in, n);
 	for (size_t i = 0; i < n; i++) {
 		const struct engine_tensor *a = &in[i], *e = &expected[i];
 		if (a->dtype != e->dtype || a->ndim != e->ndim ||
 		    memcmp(a->shape, e->shape, a->ndim * sizeof a->shape[0]) != 0)
 			return proto_fail(err, PROTO_E_SPEC_MISMATCH, NULL,
-					  "input %zu differs from the compiled signature", i);
+			                  "input %zu differs from the compiled signature", i);
 	}
 	return 0;
 }
 
 /* Wraps (or, when misaligned, copies) one input; *copy gets any copy made. */
 static int wrap_input(const struct engine_tensor *t, AtenTensorHandle *h, void **copy,
-		      struct proto_err *err)
+                      struct proto_err *err)
 {
 	int64_t strides[PROTO_MAX_NDIM];
 	void *data = t->data;
 
 	*copy = NULL;
 	if (((uintptr_t)data % PROTO_TENSOR_ALIGN) != 0 || data == NULL) {
-		size_t sz = (t->nbytes + PROTO_TENSOR_ALIGN - 1) & ~(size_t)(PROTO_TENSOR_ALIGN - 1);
+		size_t sz =
+		    (t->nbytes + PROTO_TENSOR_ALIGN - 1) & ~(size_t)(PROTO_TENSOR_ALIGN - 1);
 		*copy = aligned_alloc(PROTO_TENSOR_ALIGN, sz ? sz : PROTO_TENSOR_ALIGN);
 		if (*copy == NULL)
 			return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -177,15 +182,15 @@ static int wrap_input(const struct engine_tensor *t, AtenTensorHandle *h, void *
 	}
 	contiguous_strides(t->ndim, t->shape, strides);
 	if (aoti_torch_create_tensor_from_blob(data, t->ndim, t->shape, strides, 0,
-					       torch_dtype(t->dtype), aoti_torch_device_type_cpu(), 0,
-					       h) != 0)
+	                                       torch_dtype(t->dtype), aoti_torch_device_type_cpu(),
+	                                       0, h) != 0)
 		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "cannot wrap an input tensor");
 	return 0;
 }
 
 /* Copies a strided tensor into a contiguous buffer, element by element. */
 static void strided_copy(char *dst, const char *src, uint32_t ndim, const int64_t *shape,
-			 const int64_t *strides, size_t item)
+                         const int64_t *strides, size_t item)
 {
 	int64_t idx[PROTO_MAX_NDIM] = {0};
 	uint64_t total = 1;
@@ -219,10 +224,10 @@ static int read_output(struct engine_result *res, size_t i, struct proto_err *er
 		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "cannot read output %zu", i);
 	if (dim < 0 || dim > PROTO_MAX_NDIM)
 		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "output %zu has rank %lld", i,
-				  (long long)dim);
+		                  (long long)dim);
 	if (dtype != aoti_torch_dtype_float32() && dtype != aoti_torch_dtype_float64())
 		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL,
-				  "output %zu is not float32/float64", i);
+		                  "output %zu is not float32/float64", i);
 	t->dtype = dtype == aoti_torch_dtype_float32() ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
 	t->ndim = (uint32_t)dim;
 	t->nbytes = proto_dtype_size(t->dtype);
@@ -256,8 +261,8 @@ static int alloc_result(struct engine_result *res, size_t n, struct proto_err *e
 }
 
 int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
-	       const struct engine_tensor *expected, struct engine_result *res,
-	       struct proto_err *err)
+               const struct engine_tensor *expected, struct engine_result *res,
+               struct proto_err *err)
 {
 	AtenTensorHandle *handles;
 	void **copies;
@@ -277,7 +282,7 @@ int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_
 		if (wrap_input(&in[made], &handles[made], &copies[made], err) != 0)
 			goto out;
 	if (g->run(g->container, handles, n_in, (AtenTensorHandle *)res->handles, g->n_out, NULL,
-		   NULL) != 0) {
+	           NULL) != 0) {
 		runtime_fail(g, err, "running the graph");
 		goto out;
 	}

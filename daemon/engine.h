@@ -31,7 +31,7 @@ struct engine_result {
 	size_t n;
 	struct engine_tensor *tensors;
 	void **handles; /* AtenTensorHandle, owned */
-	void **copies;	/* malloc'ed contiguous copies, owned */
+	void **copies;  /* malloc'ed contiguous copies, owned */
 };
 
 /*
@@ -41,7 +41,7 @@ struct engine_result {
  * PROXY_EXECUTOR_REQUIRED).
  */
 int engine_load(const char *so_path, size_t concurrency, struct engine_graph **out,
-		struct proto_err *err);
+                struct proto_err *err);
 void engine_unload(struct engine_graph *g);
 size_t engine_num_inputs(const struct engine_graph *g);
 size_t engine_num_outputs(const struct engine_graph *g);
@@ -54,8 +54,8 @@ size_t engine_num_outputs(const struct engine_graph *g);
  * copied.  Returns 0 with res filled (free with engine_result_free), or -1.
  */
 int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
-	       const struct engine_tensor *expected, struct engine_result *res,
-	       struct proto_err *err);
+               const struct engine_tensor *expected, struct engine_result *res,
+               struct proto_err *err);
 void engine_result_free(struct engine_result *res);
 
 /* How many distinct libgomp images are mapped into this process (1 is right). */

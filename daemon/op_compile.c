@@ -13,8 +13,7 @@ static void compile_ready(struct request *req, struct specialization *sp)
 {
 	struct outmsg *out = request_begin_result(req, 4);
 
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}
@@ -26,12 +25,13 @@ static void compile_ready(struct request *req, struct specialization *sp)
 }
 
 static int read_spec(struct request *req, const char *key, enum proto_dtype dtype,
-		     struct tree_node *out, struct proto_err *err)
+                     struct tree_node *out, struct proto_err *err)
 {
 	const msgpack_object *o = msg_field(&req->msg, key);
 
 	if (o == NULL)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "compile needs %s (a spec tree)", key);
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key,
+		                  "compile needs %s (a spec tree)", key);
 	if (shapes_read(o, req->msg.up.zone, dtype, out, err) != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s: %s", key, err->message);
 	return 0;
@@ -44,19 +44,21 @@ static int parse(struct request *req, struct scan_args *args, struct proto_err *
 	enum proto_dtype dtype;
 
 	if (msg_get_str(&req->msg.up.data, "dtype", &s, &n, err) != 0)
-		return proto_fail(err, PROTO_E_BAD_DTYPE, "dtype", "compile needs dtype: float32 or float64");
+		return proto_fail(err, PROTO_E_BAD_DTYPE, "dtype",
+		                  "compile needs dtype: float32 or float64");
 	if (n == 7 && memcmp(s, "float32", 7) == 0)
 		dtype = PROTO_DTYPE_F32;
 	else if (n == 7 && memcmp(s, "float64", 7) == 0)
 		dtype = PROTO_DTYPE_F64;
 	else
-		return proto_fail(err, PROTO_E_BAD_DTYPE, "dtype", "dtype must be float32 or float64");
+		return proto_fail(err, PROTO_E_BAD_DTYPE, "dtype",
+		                  "dtype must be float32 or float64");
 	if (msg_get_str(&req->msg.up.data, "kind", &s, &n, err) == 0)
 		args->grad = n == 4 && memcmp(s, "grad", 4) == 0;
 	return read_spec(req, "carry", dtype, &req->carry, err) ||
-			       read_spec(req, "inputs", dtype, &req->inputs, err)
-		       ? -1
-		       : 0;
+	               read_spec(req, "inputs", dtype, &req->inputs, err)
+	           ? -1
+	           : 0;
 }
 
 static void op_compile(struct request *req)
@@ -67,23 +69,22 @@ static void op_compile(struct request *req)
 	const char *name;
 	uint32_t len;
 
-	if (msg_get_str(&req->msg.up.data, "adapter", &name, &len, &err) != 0)
-		{
-		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, "adapter", "compile needs adapter");
+	if (msg_get_str(&req->msg.up.data, "adapter", &name, &len, &err) != 0) {
+		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, "adapter",
+		                  "compile needs adapter");
 		return;
 	}
 	a = registry_find(req->d, name, len);
-	if (a == NULL)
-		{
-		request_fail_code(req, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'", (int)len, name);
+	if (a == NULL) {
+		request_fail_code(req, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
+		                  (int)len, name);
 		return;
 	}
 	adapter_ref(a);
 	req->adapter = a;
 	a->stats.requests++;
 	if (parse(req, &args, &err) != 0 ||
-	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0)
-		{
+	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

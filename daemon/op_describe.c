@@ -12,22 +12,21 @@ static void op_describe(struct request *req)
 
 	if (rc != 0) {
 		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+			proto_fail(&err, PROTO_E_INVALID_NAME, "name",
+			           "Loop adapter namespace must not be empty");
 		{
-		request_fail(req, &err);
-		return;
-	}
+			request_fail(req, &err);
+			return;
+		}
 	}
 	a = registry_find(req->d, name, len);
-	if (a == NULL)
-		{
+	if (a == NULL) {
 		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",
-					 (int)len, name);
+		                  (int)len, name);
 		return;
 	}
 	out = request_begin_result(req, 7 + 1 + 1);
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

@@ -44,8 +44,8 @@ static void zero_slots(const struct tree_node *spec, struct cot_ctx *c)
 	}
 }
 
-static int cot_tensor(const struct tree_node *spec, const struct tree_node *cot,
-		      const char *path, struct cot_ctx *c)
+static int cot_tensor(const struct tree_node *spec, const struct tree_node *cot, const char *path,
+                      struct cot_ctx *c)
 {
 	const struct tree_tensor *t = &cot->tensor;
 	uint32_t off = c->steps > 0;
@@ -62,7 +62,7 @@ static int cot_tensor(const struct tree_node *spec, const struct tree_node *cot,
 }
 
 static int cot_walk(const struct tree_node *spec, const struct tree_node *cot, char *path,
-		    size_t len, struct cot_ctx *c)
+                    size_t len, struct cot_ctx *c)
 {
 	if (cot->kind == TREE_NONE) {
 		zero_slots(spec, c);
@@ -73,11 +73,13 @@ static int cot_walk(const struct tree_node *spec, const struct tree_node *cot, c
 	if (spec->kind == TREE_NONE)
 		return cot_mismatch(c, path, "expected None (the value is None)");
 	if (cot->kind != spec->kind || cot->count != spec->count)
-		return cot_mismatch(c, path, "structure differs from the value it is a cotangent of");
+		return cot_mismatch(c, path,
+		                    "structure differs from the value it is a cotangent of");
 	for (uint32_t i = 0; i < spec->count; i++) {
 		size_t l = len;
-		if (spec->kind == TREE_DICT && (cot->keys[i].len != spec->keys[i].len ||
-						memcmp(cot->keys[i].ptr, spec->keys[i].ptr, cot->keys[i].len)))
+		if (spec->kind == TREE_DICT &&
+		    (cot->keys[i].len != spec->keys[i].len ||
+		     memcmp(cot->keys[i].ptr, spec->keys[i].ptr, cot->keys[i].len)))
 			return cot_mismatch(c, path, "dict keys differ (names or order)");
 		tree_path_push(path, PROTO_PATH_MAX, &l, spec, i);
 		if (cot_walk(&spec->items[i], &cot->items[i], path, l, c) != 0)
@@ -88,7 +90,7 @@ static int cot_walk(const struct tree_node *spec, const struct tree_node *cot, c
 }
 
 static int add_cotangents(struct run_job *j, struct request *req, struct specialization *sp,
-			  struct proto_err *err)
+                          struct proto_err *err)
 {
 	struct cot_ctx c = {.dtype = sp->dtype, .err = err};
 	char path[PROTO_PATH_MAX] = "cot_carry";
@@ -132,7 +134,7 @@ static void grad_ready(struct request *req, struct specialization *sp)
 }
 
 static int optional_tree(struct request *req, const char *key, struct tree_node *out,
-			 struct proto_err *err)
+                         struct proto_err *err)
 {
 	int rc = msg_get_tree(&req->msg, key, false, out, err);
 

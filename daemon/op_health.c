@@ -10,8 +10,7 @@ static void op_health(struct request *req)
 	bool worker = compiler_alive(d->compiler);
 	struct outmsg *out = request_begin_result(req, 7);
 
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

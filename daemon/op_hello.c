@@ -11,22 +11,21 @@ static void op_hello(struct request *req)
 
 	if (rc != 0) {
 		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_ARGUMENT, "protocol", "hello needs protocol (an integer)");
+			proto_fail(&err, PROTO_E_INVALID_ARGUMENT, "protocol",
+			           "hello needs protocol (an integer)");
 		{
-		request_fail(req, &err);
-		return;
+			request_fail(req, &err);
+			return;
+		}
 	}
-	}
-	if (v != PROTO_VERSION)
-		{
+	if (v != PROTO_VERSION) {
 		request_fail_code(req, PROTO_E_VERSION_MISMATCH, "protocol",
-					 "client speaks protocol %lld, torchloopd %s speaks protocol %d",
-					 (long long)v, TORCHLOOPD_VERSION_STR, PROTO_VERSION);
+		                  "client speaks protocol %lld, torchloopd %s speaks protocol %d",
+		                  (long long)v, TORCHLOOPD_VERSION_STR, PROTO_VERSION);
 		return;
 	}
 	out = request_begin_result(req, 4);
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

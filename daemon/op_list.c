@@ -5,8 +5,7 @@ static void op_list(struct request *req)
 {
 	struct outmsg *out = request_begin_result(req, 1);
 
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

@@ -12,7 +12,7 @@
 #include <string.h>
 
 static int get_bound(struct request *req, const char *key, int64_t *v, const char *msg,
-		     struct proto_err *err)
+                     struct proto_err *err)
 {
 	int rc = msg_get_i64(&req->msg.up.data, key, v, err);
 
@@ -22,7 +22,7 @@ static int get_bound(struct request *req, const char *key, int64_t *v, const cha
 }
 
 static int copy_str(struct request *req, const char *key, char *dst, size_t size, bool required,
-		    struct proto_err *err)
+                    struct proto_err *err)
 {
 	const char *s;
 	uint32_t n;
@@ -31,9 +31,12 @@ static int copy_str(struct request *req, const char *key, char *dst, size_t size
 	if (rc < 0)
 		return -1;
 	if (rc > 0)
-		return required ? proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "register needs %s", key) : 0;
+		return required ? proto_fail(err, PROTO_E_INVALID_ARGUMENT, key,
+		                             "register needs %s", key)
+		                : 0;
 	if (n >= size)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s is longer than %zu bytes", key, size - 1);
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s is longer than %zu bytes",
+		                  key, size - 1);
 	memcpy(dst, s, n);
 	dst[n] = '\0';
 	return 0;
@@ -48,9 +51,11 @@ static int get_name(struct request *req, struct adapter_def *def, struct proto_e
 	if (rc < 0)
 		return proto_fail(err, PROTO_E_INVALID_NAME, "name", "name must be a string");
 	if (rc > 0 || n == 0)
-		return proto_fail(err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
+		                  "Loop adapter namespace must not be empty");
 	if (n > ADAPTER_NAME_MAX)
-		return proto_fail(err, PROTO_E_INVALID_NAME, "name", "adapter name must match [A-Za-z0-9._-]{1,64}");
+		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
+		                  "adapter name must match [A-Za-z0-9._-]{1,64}");
 	memcpy(def->name, s, n);
 	def->name[n] = '\0';
 	return 0;
@@ -66,10 +71,10 @@ static int get_source(struct request *req, struct adapter_def *def, struct proto
 		return -1;
 	if (rc > 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
-				  "register needs body_source (the body's Python source)");
+		                  "register needs body_source (the body's Python source)");
 	if (n > ADAPTER_SOURCE_MAX)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
-				  "body_source is over %d bytes", ADAPTER_SOURCE_MAX);
+		                  "body_source is over %d bytes", ADAPTER_SOURCE_MAX);
 	def->source = malloc(n + 1);
 	if (def->source == NULL)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -82,11 +87,12 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 {
 	adapter_def_defaults(def);
 	if (get_name(req, def, err) ||
-	    get_bound(req, "max_steps", &def->max_steps, "max_steps must be an integer in [1, 128]", err) ||
+	    get_bound(req, "max_steps", &def->max_steps, "max_steps must be an integer in [1, 128]",
+	              err) ||
 	    get_bound(req, "max_elements", &def->max_elements,
-		      "max_elements must be an integer in [1, 1048576]", err) ||
+	              "max_elements must be an integer in [1, 1048576]", err) ||
 	    get_bound(req, "recompile_budget", &def->budget,
-		      "recompile_budget must be an integer in [1, 64]", err) ||
+	              "recompile_budget must be an integer in [1, 64]", err) ||
 	    copy_str(req, "entry", def->entry, sizeof def->entry, false, err) ||
 	    copy_str(req, "strategy", def->strategy, sizeof def->strategy, false, err) ||
 	    copy_str(req, "body_file", def->body_file, sizeof def->body_file, false, err) ||
@@ -116,11 +122,12 @@ static void op_register(struct request *req)
 		return;
 	}
 	log_line(LOG_INFO, req->id, a->def.name, "%s by uid %d",
-		 unchanged ? "re-registered unchanged" : replaced ? "replaced" : "registered",
-		 (int)req->conn->uid);
+	         unchanged  ? "re-registered unchanged"
+	         : replaced ? "replaced"
+	                    : "registered",
+	         (int)req->conn->uid);
 	out = request_begin_result(req, 3);
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

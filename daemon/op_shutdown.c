@@ -6,8 +6,7 @@ static void op_shutdown(struct request *req)
 	struct daemon *d = req->d;
 	struct outmsg *out = request_begin_result(req, 1);
 
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

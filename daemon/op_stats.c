@@ -7,8 +7,7 @@ static void op_stats(struct request *req)
 	struct outmsg *out = request_begin_result(req, 10);
 	uint32_t n_codes = 0;
 
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

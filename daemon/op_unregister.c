@@ -13,18 +13,19 @@ static void op_unregister(struct request *req)
 
 	if (rc != 0) {
 		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+			proto_fail(&err, PROTO_E_INVALID_NAME, "name",
+			           "Loop adapter namespace must not be empty");
 		request_fail(req, &err);
 		return;
 	}
 	if (registry_unregister(req->d, name, len) != 0) {
-		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'", (int)len, name);
+		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",
+		                  (int)len, name);
 		return;
 	}
 	log_line(LOG_INFO, req->id, NULL, "unregistered %.*s", (int)len, name);
 	out = request_begin_result(req, 1);
-	if (out == NULL)
-		{
+	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}

@@ -15,7 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
-static const char PROBE_SOURCE[] = "def body(carry, x):\n    carry = carry + x\n    return carry, carry\n";
+static const char PROBE_SOURCE[] =
+    "def body(carry, x):\n    carry = carry + x\n    return carry, carry\n";
 
 struct probe {
 	uv_work_t work;
@@ -34,8 +35,9 @@ struct probe {
 static void probe_key(struct probe *p)
 {
 	const struct worker_info *wi = compiler_info(p->d->compiler);
-	const char *parts[] = {"torchloopd.probe", PROBE_SOURCE, wi->torch, wi->torch_git,
-			       AOTI_OPTIONS, TORCHLOOPD_VERSION_STR, p->d->worker_sha, p->d->isa};
+	const char *parts[] = {"torchloopd.probe", PROBE_SOURCE, wi->torch,
+	                       wi->torch_git,      AOTI_OPTIONS, TORCHLOOPD_VERSION_STR,
+	                       p->d->worker_sha,   p->d->isa};
 
 	cache_key(parts, sizeof parts / sizeof parts[0], p->key);
 }
@@ -46,7 +48,8 @@ static int probe_run(struct probe *p)
 	double c[2] = {1, 2}, x[4] = {10, 20, 30, 40};
 	const double want_carry[2] = {41, 62}, want_y[4] = {11, 22, 41, 62};
 	double *cin = aligned_alloc(64, 64), *xin = aligned_alloc(64, 64);
-	struct engine_tensor in[2] = {{PROTO_DTYPE_F64, 1, {2}, cin, 16}, {PROTO_DTYPE_F64, 2, {2, 2}, xin, 32}};
+	struct engine_tensor in[2] = {{PROTO_DTYPE_F64, 1, {2}, cin, 16},
+	                              {PROTO_DTYPE_F64, 2, {2, 2}, xin, 32}};
 	struct engine_graph *g = NULL;
 	struct engine_result res;
 	char so[PATH_MAX];
@@ -56,11 +59,12 @@ static int probe_run(struct probe *p)
 	memcpy(xin, x, sizeof x);
 	cache_so_path(&p->d->cache, p->key, so, sizeof so);
 	if (engine_load(so, 1, &g, &p->err) == 0 && engine_run(g, in, 2, in, &res, &p->err) == 0) {
-		rc = res.n == 2 && memcmp(res.tensors[0].data, want_carry, sizeof want_carry) == 0 &&
-				     memcmp(res.tensors[1].data, want_y, sizeof want_y) == 0
-			     ? 0
-			     : proto_fail(&p->err, PROTO_E_ENGINE_ERROR, NULL,
-					  "the probe graph computed wrong numbers");
+		rc = res.n == 2 &&
+		             memcmp(res.tensors[0].data, want_carry, sizeof want_carry) == 0 &&
+		             memcmp(res.tensors[1].data, want_y, sizeof want_y) == 0
+		         ? 0
+		         : proto_fail(&p->err, PROTO_E_ENGINE_ERROR, NULL,
+		                      "the probe graph computed wrong numbers");
 		engine_result_free(&res);
 	}
 	engine_unload(g);
@@ -107,7 +111,7 @@ static void lookup_work(uv_work_t *w)
 static void after(uv_work_t *w, int status);
 
 static void compiled(struct compile_job *job, const struct compile_result *res,
-		     const struct proto_err *err)
+                     const struct proto_err *err)
 {
 	struct probe *p = job->data;
 
@@ -132,14 +136,23 @@ static void after(uv_work_t *w, int status)
 	(void)status;
 	if (p->rc == 0 && p->need_compile) {
 		p->need_compile = false;
-		p->carry = (struct tree_node){.kind = TREE_TENSOR, .tensor = {.dtype = PROTO_DTYPE_F64, .ndim = 1}};
-		p->inputs = (struct tree_node){.kind = TREE_TENSOR, .tensor = {.dtype = PROTO_DTYPE_F64, .ndim = 2}};
+		p->carry = (struct tree_node){.kind = TREE_TENSOR,
+		                              .tensor = {.dtype = PROTO_DTYPE_F64, .ndim = 1}};
+		p->inputs = (struct tree_node){.kind = TREE_TENSOR,
+		                               .tensor = {.dtype = PROTO_DTYPE_F64, .ndim = 2}};
 		memcpy(p->carry.tensor.shape, c_shape, sizeof c_shape);
 		memcpy(p->inputs.tensor.shape, x_shape, sizeof x_shape);
-		p->job = (struct compile_job){.body_source = PROBE_SOURCE, .body_file = "<probe>",
-					      .entry = "body", .strategy = "unroll", .kind = "forward",
-					      .carry = &p->carry, .inputs = &p->inputs,
-					      .dtype = PROTO_DTYPE_F64, .steps = 2, .done = compiled, .data = p};
+		p->job = (struct compile_job){.body_source = PROBE_SOURCE,
+		                              .body_file = "<probe>",
+		                              .entry = "body",
+		                              .strategy = "unroll",
+		                              .kind = "forward",
+		                              .carry = &p->carry,
+		                              .inputs = &p->inputs,
+		                              .dtype = PROTO_DTYPE_F64,
+		                              .steps = 2,
+		                              .done = compiled,
+		                              .data = p};
 		cache_tmp_path(&p->d->cache, p->key, p->job.output, sizeof p->job.output);
 		log_info("probe: compiling a test scan (first start with this cache and torch)");
 		compiler_submit(p->d->compiler, &p->job);

@@ -30,8 +30,8 @@ static bool name_ok(const char *s)
 		return false;
 	for (size_t i = 0; i < n; i++) {
 		char ch = s[i];
-		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-		      ch == '.' || ch == '_' || ch == '-'))
+		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+		      (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-'))
 			return false;
 	}
 	return true;
@@ -52,27 +52,28 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
 {
 	if (def->name[0] == '\0')
 		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
-				  "Loop adapter namespace must not be empty");
+		                  "Loop adapter namespace must not be empty");
 	if (!name_ok(def->name))
 		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
-				  "adapter name must match [A-Za-z0-9._-]{1,64}");
+		                  "adapter name must match [A-Za-z0-9._-]{1,64}");
 	if (def->max_steps < 1 || def->max_steps > ADAPTER_MAX_STEPS)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_steps",
-				  "max_steps must be an integer in [1, 128]");
+		                  "max_steps must be an integer in [1, 128]");
 	if (def->max_elements < 1 || def->max_elements > ADAPTER_MAX_ELEMENTS)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_elements",
-				  "max_elements must be an integer in [1, 1048576]");
+		                  "max_elements must be an integer in [1, 1048576]");
 	if (def->budget < 1 || def->budget > ADAPTER_MAX_BUDGET)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "recompile_budget",
-				  "recompile_budget must be an integer in [1, 64]");
+		                  "recompile_budget must be an integer in [1, 64]");
 	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "strategy",
-				  "strategy must be \"unroll\" or \"scan\"");
+		                  "strategy must be \"unroll\" or \"scan\"");
 	if (!ident_ok(def->entry))
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "entry",
-				  "entry must name a Python function");
+		                  "entry must name a Python function");
 	if (def->source == NULL || def->source[0] == '\0')
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body", "the adapter has no body source");
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body",
+		                  "the adapter has no body source");
 	return 0;
 }
 
@@ -132,7 +133,7 @@ static void unlist(struct daemon *d, struct adapter *a)
 
 /* Takes ownership of def->source. */
 struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
-				  bool *unchanged)
+                                  bool *unchanged)
 {
 	struct adapter *old = registry_find(d, def->name, strlen(def->name));
 	struct adapter *a;
@@ -252,16 +253,22 @@ static int parse_int(const char *v, int64_t *out)
 }
 
 static int set_field(struct adapter_def *def, const char *k, const char *v, char *body,
-		     size_t body_size)
+                     size_t body_size)
 {
 	if (strcmp(k, "name") == 0)
-		return snprintf(def->name, sizeof def->name, "%s", v) >= (int)sizeof def->name ? -1 : 0;
+		return snprintf(def->name, sizeof def->name, "%s", v) >= (int)sizeof def->name ? -1
+		                                                                               : 0;
 	if (strcmp(k, "body") == 0)
 		return snprintf(body, body_size, "%s", v) >= (int)body_size ? -1 : 0;
 	if (strcmp(k, "entry") == 0)
-		return snprintf(def->entry, sizeof def->entry, "%s", v) >= (int)sizeof def->entry ? -1 : 0;
+		return snprintf(def->entry, sizeof def->entry, "%s", v) >= (int)sizeof def->entry
+		           ? -1
+		           : 0;
 	if (strcmp(k, "strategy") == 0)
-		return snprintf(def->strategy, sizeof def->strategy, "%s", v) >= (int)sizeof def->strategy ? -1 : 0;
+		return snprintf(def->strategy, sizeof def->strategy, "%s", v) >=
+		               (int)sizeof def->strategy
+		           ? -1
+		           : 0;
 	if (strcmp(k, "max_steps") == 0)
 		return parse_int(v, &def->max_steps);
 	if (strcmp(k, "max_elements") == 0)
@@ -283,7 +290,7 @@ void adapter_def_defaults(struct adapter_def *def)
 
 /* Parses one *.adapter file; the body path is relative to its directory. */
 static int parse_file(const char *dir, const char *file, struct adapter_def *def,
-		      struct proto_err *err)
+                      struct proto_err *err)
 {
 	char path[PATH_MAX], body[PATH_MAX / 2] = "", full[PATH_MAX];
 	char *text, *line, *save = NULL;
@@ -294,7 +301,8 @@ static int parse_file(const char *dir, const char *file, struct adapter_def *def
 	def->from_dir = true;
 	text = read_text(path, 65536);
 	if (text == NULL)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: %s", path, strerror(errno));
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: %s", path,
+		                  strerror(errno));
 	for (line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
 		char *eq, *t = trim(line);
 		lineno++;
@@ -303,21 +311,26 @@ static int parse_file(const char *dir, const char *file, struct adapter_def *def
 		eq = strchr(t, '=');
 		if (eq == NULL) {
 			free(text);
-			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s:%d: expected key = value", path, lineno);
+			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL,
+			                  "%s:%d: expected key = value", path, lineno);
 		}
 		*eq = '\0';
 		if (set_field(def, trim(t), trim(eq + 1), body, sizeof body) != 0) {
 			free(text);
-			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s:%d: bad setting '%s'", path, lineno, trim(t));
+			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL,
+			                  "%s:%d: bad setting '%s'", path, lineno, trim(t));
 		}
 	}
 	free(text);
 	if (body[0] == '\0')
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: no body = FILE.py", path);
-	snprintf(full, sizeof full, "%s%s%s", body[0] == '/' ? "" : dir, body[0] == '/' ? "" : "/", body);
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: no body = FILE.py",
+		                  path);
+	snprintf(full, sizeof full, "%s%s%s", body[0] == '/' ? "" : dir, body[0] == '/' ? "" : "/",
+	         body);
 	def->source = read_text(full, ADAPTER_SOURCE_MAX);
 	if (def->source == NULL)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: body %s: %s", path, full, strerror(errno));
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: body %s: %s", path,
+		                  full, strerror(errno));
 	if (realpath(full, path) != NULL && strlen(path) < sizeof def->body_file)
 		memcpy(def->body_file, path, strlen(path) + 1);
 	return adapter_def_validate(def, err);
@@ -359,8 +372,10 @@ int registry_load_dir(struct daemon *d, const char *dir, bool reload)
 				if (n_seen < 256)
 					snprintf(seen[n_seen++], sizeof seen[0], "%s", def.name);
 				log_line(LOG_INFO, 0, def.name, "%s from %s",
-					 unchanged ? "unchanged" : replaced ? "replaced" : "registered",
-					 names[i]->d_name);
+				         unchanged  ? "unchanged"
+				         : replaced ? "replaced"
+				                    : "registered",
+				         names[i]->d_name);
 			}
 		}
 		free(names[i]);

@@ -70,9 +70,9 @@ void request_fail(struct request *req, const struct proto_err *err)
 	if (req->adapter)
 		req->adapter->stats.errors++;
 	log_line(err->code == PROTO_E_INTERNAL ? LOG_ERROR : LOG_INFO, req->id,
-		 req->adapter ? req->adapter->def.name : NULL, "%s %s: %s",
-		 req->op >= 0 ? proto_op_name(req->op) : "?", proto_code_name(err->code),
-		 err->message);
+	         req->adapter ? req->adapter->def.name : NULL, "%s %s: %s",
+	         req->op >= 0 ? proto_op_name(req->op) : "?", proto_code_name(err->code),
+	         err->message);
 	if (out != NULL) {
 		msg_write_error(&out->w, req->has_id, req->id, err);
 		conn_send(req->conn, out);
@@ -80,8 +80,8 @@ void request_fail(struct request *req, const struct proto_err *err)
 	request_free(req);
 }
 
-void request_fail_code(struct request *req, enum proto_code code, const char *path,
-		       const char *fmt, ...)
+void request_fail_code(struct request *req, enum proto_code code, const char *path, const char *fmt,
+                       ...)
 {
 	struct proto_err err;
 	va_list ap;
@@ -95,7 +95,7 @@ void request_fail_code(struct request *req, enum proto_code code, const char *pa
 }
 
 void request_event(struct request *req, const char *event, const char *adapter,
-		   const char *signature, double elapsed)
+                   const char *signature, double elapsed)
 {
 	struct outmsg *out = outmsg_new(req->conn);
 
@@ -173,15 +173,16 @@ void request_dispatch(struct conn *c, uint8_t *body, uint32_t len)
 	req->op = req->msg.op;
 	if (req->op < 0) {
 		request_fail_code(req, PROTO_E_UNKNOWN_OP, NULL, "unknown op '%.*s'",
-				  (int)req->msg.op_len, req->msg.op_name);
+		                  (int)req->msg.op_len, req->msg.op_name);
 		return;
 	}
 	if (c->inflight > (unsigned)d->cfg.max_inflight) {
 		d->stats.busy++;
 		d->stats.limit_breaches++;
-		request_fail_code(req, PROTO_E_BUSY, NULL,
-				  "more than max-inflight=%lld requests in flight on this connection",
-				  d->cfg.max_inflight);
+		request_fail_code(
+		    req, PROTO_E_BUSY, NULL,
+		    "more than max-inflight=%lld requests in flight on this connection",
+		    d->cfg.max_inflight);
 		return;
 	}
 	op = OP_TABLE[req->op];
@@ -191,9 +192,9 @@ void request_dispatch(struct conn *c, uint8_t *body, uint32_t len)
 	}
 	if ((op->flags & OP_ADMIN) && !request_is_admin(req)) {
 		request_fail_code(req, PROTO_E_PERMISSION_DENIED, NULL,
-				  "%s is reserved to the daemon's user, root and the admin group "
-				  "(peer uid %d)",
-				  op->name, (int)c->uid);
+		                  "%s is reserved to the daemon's user, root and the admin group "
+		                  "(peer uid %d)",
+		                  op->name, (int)c->uid);
 		return;
 	}
 	op->handler(req);

@@ -42,18 +42,18 @@ static int check_dtype(const struct tree_node *leaf, const char *path, struct ch
 	if (leaf->tensor.dtype == c->args->dtype)
 		return 0;
 	return proto_fail(c->err, PROTO_E_DTYPE_MISMATCH, path,
-			  "%s is %s but %s is %s: every tensor of one request has one dtype", path,
-			  proto_dtype_name(leaf->tensor.dtype), c->first_path,
-			  proto_dtype_name(c->args->dtype));
+	                  "%s is %s but %s is %s: every tensor of one request has one dtype", path,
+	                  proto_dtype_name(leaf->tensor.dtype), c->first_path,
+	                  proto_dtype_name(c->args->dtype));
 }
 
 static int check_elements(const struct tree_node *leaf, const char *path, struct check_ctx *c)
 {
 	if (leaf->tensor.numel <= (uint64_t)c->a->def.max_elements)
 		return 0;
-	return proto_fail(c->err, PROTO_E_TOO_MANY_ELEMENTS, path,
-			  "%s has %llu elements, over max_elements=%lld", path,
-			  (unsigned long long)leaf->tensor.numel, (long long)c->a->def.max_elements);
+	return proto_fail(
+	    c->err, PROTO_E_TOO_MANY_ELEMENTS, path, "%s has %llu elements, over max_elements=%lld",
+	    path, (unsigned long long)leaf->tensor.numel, (long long)c->a->def.max_elements);
 }
 
 static int carry_leaf(const struct tree_node *leaf, const char *path, void *ctx)
@@ -72,25 +72,27 @@ static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 		return -1;
 	if (t->ndim == 0)
 		return proto_fail(c->err, PROTO_E_BAD_RANK, path,
-				  "%s is 0-d; input leaves need a leading scan axis (ndim >= 1)", path);
+		                  "%s is 0-d; input leaves need a leading scan axis (ndim >= 1)",
+		                  path);
 	if (!c->have_steps) {
 		c->have_steps = true;
 		c->args->steps = t->shape[0];
 		snprintf(c->steps_path, sizeof c->steps_path, "%s", path);
 	} else if (t->shape[0] != c->args->steps) {
-		return proto_fail(c->err, PROTO_E_LENGTH_MISMATCH, path,
-				  "%s has leading length %lld but %s has %lld: input leaves share one T",
-				  path, (long long)t->shape[0], c->steps_path, (long long)c->args->steps);
+		return proto_fail(
+		    c->err, PROTO_E_LENGTH_MISMATCH, path,
+		    "%s has leading length %lld but %s has %lld: input leaves share one T", path,
+		    (long long)t->shape[0], c->steps_path, (long long)c->args->steps);
 	}
 	if (t->shape[0] < 1 || t->shape[0] > c->a->def.max_steps)
 		return proto_fail(c->err, PROTO_E_TOO_MANY_STEPS, path,
-				  "%s: T=%lld is outside [1, max_steps=%lld]", path, (long long)t->shape[0],
-				  (long long)c->a->def.max_steps);
+		                  "%s: T=%lld is outside [1, max_steps=%lld]", path,
+		                  (long long)t->shape[0], (long long)c->a->def.max_steps);
 	return check_elements(leaf, path, c);
 }
 
 int scan_validate(const struct adapter *a, const struct tree_node *carry,
-		  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
+                  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
 {
 	struct check_ctx c = {.a = a, .args = args, .err = err};
 
@@ -100,8 +102,9 @@ int scan_validate(const struct adapter *a, const struct tree_node *carry,
 	    tree_visit(inputs, "inputs", 0, input_leaf, &c) != 0)
 		return -1;
 	if (!c.have_steps)
-		return proto_fail(err, PROTO_E_NO_INPUTS, "inputs",
-				  "inputs has no tensor leaf: the scan length T comes from the inputs");
+		return proto_fail(
+		    err, PROTO_E_NO_INPUTS, "inputs",
+		    "inputs has no tensor leaf: the scan length T comes from the inputs");
 	return 0;
 }
 
@@ -155,7 +158,7 @@ static void free_result(void *arg)
 
 /* Writes result trees of the spec's shapes from the flat outputs. */
 static int put_tree(struct outmsg *out, struct request *req, const char *key,
-		    const struct tree_node *spec, const struct engine_result *res, size_t *pos)
+                    const struct tree_node *spec, const struct engine_result *res, size_t *pos)
 {
 	struct tree_node node;
 
@@ -182,11 +185,11 @@ static void after_run(uv_work_t *w, int status)
 		if (out == NULL || put_tree(out, req, "carry", &sp->carry, j->res, &pos) ||
 		    put_tree(out, req, "outputs", &sp->y, j->res, &pos) ||
 		    (sp->grad && (put_tree(out, req, "grad_carry", &sp->carry, j->res, &pos) ||
-				  put_tree(out, req, "grad_inputs", &sp->inputs, j->res, &pos)))) {
+		                  put_tree(out, req, "grad_inputs", &sp->inputs, j->res, &pos)))) {
 			if (out)
 				outmsg_free(out);
 			proto_fail(&j->err, PROTO_E_ENGINE_ERROR, NULL,
-				   "the graph's outputs do not match its signature");
+			           "the graph's outputs do not match its signature");
 			j->rc = -1;
 		} else {
 			out->cleanup = free_result;
@@ -268,7 +271,7 @@ void run_job_own(struct run_job *j, void *zeros)
 /* ---- decoding the request ---------------------------------------------- */
 
 int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
-		struct tree_node *inputs, struct proto_err *err)
+                struct tree_node *inputs, struct proto_err *err)
 {
 	const char *name;
 	uint32_t len;
@@ -277,11 +280,12 @@ int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry
 	if (rc < 0)
 		return -1;
 	if (rc > 0)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "adapter", "request has no adapter");
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "adapter",
+		                  "request has no adapter");
 	*a = registry_find(req->d, name, len);
 	if (*a == NULL)
 		return proto_fail(err, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
-				  (int)len, name);
+		                  (int)len, name);
 	adapter_ref(*a);
 	req->adapter = *a;
 	(*a)->stats.requests++;

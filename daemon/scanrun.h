@@ -12,11 +12,11 @@
  * contract; fills args (dtype, steps).  Errors name the leaf path.
  */
 int scan_validate(const struct adapter *a, const struct tree_node *carry,
-		  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err);
+                  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err);
 
 /* Reads `adapter`, `carry` and `inputs`; sets req->adapter (a reference). */
 int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
-		struct tree_node *inputs, struct proto_err *err);
+                struct tree_node *inputs, struct proto_err *err);
 
 /* A run of a READY specialization for req; inputs are added in graph order. */
 struct run_job;

@@ -63,7 +63,7 @@ static void sig_node(struct sbuf *b, const struct tree_node *n)
 }
 
 int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
-		   enum proto_dtype dtype, int64_t steps, char *buf, size_t size)
+                   enum proto_dtype dtype, int64_t steps, char *buf, size_t size)
 {
 	struct sbuf b = {buf, size, 0, 0};
 
@@ -120,7 +120,7 @@ void spec_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *
 }
 
 int spec_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
-	      size_t *pos, msgpack_zone *zone, struct tree_node *out)
+              size_t *pos, msgpack_zone *zone, struct tree_node *out)
 {
 	*out = *spec;
 	if (spec->kind == TREE_TENSOR) {

@@ -22,7 +22,7 @@
 
 /* Appends the canonical form of a tree (shapes only) to buf; -1 if too long. */
 int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
-		   enum proto_dtype dtype, int64_t steps, char *buf, size_t size);
+                   enum proto_dtype dtype, int64_t steps, char *buf, size_t size);
 
 /* Deep copy of a tree's structure and shapes (no data) into zone. */
 int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out);
@@ -34,6 +34,6 @@ void spec_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *
  * (advancing *pos), nodes in zone.  Returns 0, or -1 when flat runs out.
  */
 int spec_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
-	      size_t *pos, msgpack_zone *zone, struct tree_node *out);
+              size_t *pos, msgpack_zone *zone, struct tree_node *out);
 
 #endif

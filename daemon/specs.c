@@ -32,6 +32,8 @@ struct load_job {
 	struct daemon *d;
 	struct specialization *sp;
 	bool need_compile, hit;
+	bool prewarm; /* load only; a miss is not compiled */
+	void (*prewarmed)(struct daemon *d);
 	int quarantined;
 	int rc;
 	struct proto_err err;
@@ -40,6 +42,11 @@ struct load_job {
 };
 
 typedef void (*ready_fn)(struct request *req, struct specialization *sp);
+
+struct prewarm_rec;
+static void start_lookup(struct daemon *d, struct specialization *sp, struct load_job *j);
+static void index_append(struct daemon *d, struct specialization *sp);
+static int index_record(const struct msg *m, msgpack_zone *zone, struct prewarm_rec *rec);
 
 struct waiter_state {
 	ready_fn ready;
@@ -148,7 +155,7 @@ static void on_progress(uv_timer_t *t)
 }
 
 static void add_waiter(struct daemon *d, struct specialization *sp, struct request *req,
-		       ready_fn ready)
+                       ready_fn ready)
 {
 	struct waiter_state *ws = malloc(sizeof *ws);
 
@@ -164,7 +171,7 @@ static void add_waiter(struct daemon *d, struct specialization *sp, struct reque
 	sp->waiters = req;
 	if (sp->state == SPEC_COMPILING)
 		request_event(req, "compiling", sp->adapter->def.name, sp->signature,
-			      now_seconds() - sp->wait_started);
+		              now_seconds() - sp->wait_started);
 	(void)d;
 }
 
@@ -173,7 +180,7 @@ static void start_progress(struct daemon *d, struct specialization *sp)
 {
 	for (struct request *w = sp->waiters; w; w = w->next_waiter)
 		request_event(w, "compiling", sp->adapter->def.name, sp->signature,
-			      now_seconds() - sp->wait_started);
+		              now_seconds() - sp->wait_started);
 	if (sp->progress != NULL)
 		return;
 	sp->progress = malloc(sizeof *sp->progress);
@@ -206,7 +213,7 @@ static void spec_failed(struct specialization *sp, const struct proto_err *err)
 	sp->state = SPEC_FAILED;
 	sp->error = *err;
 	log_line(LOG_WARN, 0, a->def.name, "%s: %s: %s", sp->signature, proto_code_name(err->code),
-		 err->message);
+	         err->message);
 	spec_ref(sp);
 	release_waiters(sp);
 	if (transient(err->code) || !a->live)
@@ -219,8 +226,8 @@ static void spec_ready(struct daemon *d, struct specialization *sp)
 	(void)d;
 	sp->state = SPEC_READY;
 	log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
-		 sp->grad ? "grad" : "scan", sp->signature, sp->from_cache ? "from cache" : "compiled",
-		 sp->compile_seconds);
+	         sp->grad ? "grad" : "scan", sp->signature,
+	         sp->from_cache ? "from cache" : "compiled", sp->compile_seconds);
 	spec_ref(sp);
 	release_waiters(sp);
 	spec_unref(sp);
@@ -228,8 +235,7 @@ static void spec_ready(struct daemon *d, struct specialization *sp)
 
 /* ---- pool: cache lookup, commit, load ---------------------------------- */
 
-static int check_arity(struct specialization *sp, size_t n_in, size_t n_out,
-		       struct proto_err *err)
+static int check_arity(struct specialization *sp, size_t n_in, size_t n_out, struct proto_err *err)
 {
 	size_t want_in = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
 	size_t want_out = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->y);
@@ -240,15 +246,15 @@ static int check_arity(struct specialization *sp, size_t n_in, size_t n_out,
 	}
 	if (n_in != want_in || n_out != want_out)
 		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
-				  "artifact takes %zu inputs and gives %zu outputs; the signature "
-				  "needs %zu and %zu",
-				  n_in, n_out, want_in, want_out);
+		                  "artifact takes %zu inputs and gives %zu outputs; the signature "
+		                  "needs %zu and %zu",
+		                  n_in, n_out, want_in, want_out);
 	return 0;
 }
 
 /* Parses the y spec and dlopens the artifact: pool. */
 static int load_artifact(struct daemon *d, struct specialization *sp, const uint8_t *y,
-			 size_t y_len, struct proto_err *err)
+                         size_t y_len, struct proto_err *err)
 {
 	msgpack_unpacked up;
 	size_t off = 0;
@@ -303,6 +309,10 @@ static void lookup_work(uv_work_t *w)
 	int found;
 
 	found = cache_lookup(&j->d->cache, sp->key, &meta, &j->quarantined, &j->err);
+	if (found == 0 && j->prewarm) {
+		j->need_compile = true;
+		return;
+	}
 	if (found == 0 && sp->lock_fd < 0) {
 		/* another daemon may be compiling this key: wait for it, look again */
 		if (cache_lock(&j->d->cache, sp->key, &sp->lock_fd, &j->err) != 0) {
@@ -323,9 +333,11 @@ static void lookup_work(uv_work_t *w)
 	sp->compile_seconds = meta.compile_seconds;
 	j->rc = load_artifact(j->d, sp, meta.y_spec, meta.y_spec_len, &j->err);
 	cache_meta_free(&meta);
-	if (j->rc == 0)
+	if (j->rc == 0) {
 		fill_expected(sp);
-	else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
+		if (!j->prewarm)
+			index_append(j->d, sp); /* compiled by an earlier daemon: remember it */
+	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
 		cache_quarantine(&j->d->cache, sp->key, j->err.message);
 }
 
@@ -348,12 +360,14 @@ static void commit_work(uv_work_t *w)
 	}
 	if (j->rc == 0)
 		j->rc = load_artifact(j->d, sp, j->res.y_spec, j->res.y_spec_len, &j->err);
-	if (j->rc == 0)
+	if (j->rc == 0) {
 		fill_expected(sp);
+		index_append(j->d, sp);
+	}
 }
 
 static void compile_done(struct compile_job *cj, const struct compile_result *res,
-			 const struct proto_err *err);
+                         const struct proto_err *err);
 
 struct bound_ctx {
 	int64_t steps, max;
@@ -368,8 +382,8 @@ static int check_output_leaf(const struct tree_node *leaf, const char *path, voi
 	if (n <= (uint64_t)b->max)
 		return 0;
 	return proto_fail(b->err, PROTO_E_TOO_MANY_ELEMENTS, path,
-			  "%s: the stacked output has %llu elements, over max_elements=%lld", path,
-			  (unsigned long long)n, (long long)b->max);
+	                  "%s: the stacked output has %llu elements, over max_elements=%lld", path,
+	                  (unsigned long long)n, (long long)b->max);
 }
 
 /* Stacked outputs are bounded too; known only once the graph exists. */
@@ -387,6 +401,20 @@ static void after_load(uv_work_t *w, int status)
 	struct adapter *a = sp->adapter;
 
 	(void)status;
+	if (j->prewarm && (j->rc != 0 || j->need_compile)) {
+		j->prewarm = false;
+		j->prewarmed(j->d);
+		if (sp->waiters == NULL) {
+			/* not (validly) in the cache and nobody asked: forget it */
+			unlist_spec(sp);
+			spec_unref(sp);
+			free(j);
+			return;
+		}
+		/* requests joined while it loaded: compile it for them */
+		j->rc = 0;
+		j->need_compile = true;
+	}
 	if (j->rc != 0) {
 		spec_failed(sp, &j->err);
 	} else if (j->need_compile) {
@@ -408,7 +436,7 @@ static void after_load(uv_work_t *w, int status)
 		j->job.data = j;
 		cache_tmp_path(&j->d->cache, sp->key, j->job.output, sizeof j->job.output);
 		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s", sp->grad ? "grad" : "scan",
-			 sp->signature);
+		         sp->signature);
 		start_progress(j->d, sp);
 		compiler_submit(j->d->compiler, &j->job);
 		return; /* j lives on until compile_done */
@@ -421,6 +449,8 @@ static void after_load(uv_work_t *w, int status)
 		if (!j->hit)
 			a->stats.compile_seconds += sp->compile_seconds;
 		spec_ready(j->d, sp);
+		if (j->prewarm)
+			j->prewarmed(j->d);
 	}
 	free(j->res.y_spec);
 	spec_unref(sp);
@@ -428,7 +458,7 @@ static void after_load(uv_work_t *w, int status)
 }
 
 static void compile_done(struct compile_job *cj, const struct compile_result *res,
-			 const struct proto_err *err)
+                         const struct proto_err *err)
 {
 	struct load_job *j = cj->data;
 	struct specialization *sp = j->sp;
@@ -449,6 +479,19 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 	uv_queue_work(j->d->loop, &j->work, commit_work, after_load);
 }
 
+/* The leading length of the first tensor leaf (T). */
+static int64_t first_steps(const struct tree_node *n)
+{
+	if (n->kind == TREE_TENSOR)
+		return n->tensor.ndim ? n->tensor.shape[0] : -1;
+	for (uint32_t i = 0; i < n->count; i++) {
+		int64_t t = first_steps(&n->items[i]);
+		if (t != 0)
+			return t;
+	}
+	return 0;
+}
+
 /* ---- acquire ----------------------------------------------------------- */
 
 static int key_for(struct daemon *d, struct specialization *sp)
@@ -459,7 +502,7 @@ static int key_for(struct daemon *d, struct specialization *sp)
 	const char *parts[12];
 
 	snprintf(bounds, sizeof bounds, "max_steps=%lld;max_elements=%lld",
-		 (long long)a->def.max_steps, (long long)a->def.max_elements);
+	         (long long)a->def.max_steps, (long long)a->def.max_elements);
 	snprintf(torch, sizeof torch, "%s;%s;cxx11abi=%d", wi->torch, wi->torch_git, wi->cxx11_abi);
 	parts[0] = a->def.name;
 	parts[1] = a->body_sha;
@@ -477,7 +520,7 @@ static int key_for(struct daemon *d, struct specialization *sp)
 }
 
 static struct specialization *spec_new(struct daemon *d, struct adapter *a,
-				       const struct scan_args *args, const char *sig)
+                                       const struct scan_args *args, const char *sig)
 {
 	struct specialization *sp = calloc(1, sizeof *sp);
 	size_t n = strlen(sig);
@@ -517,26 +560,28 @@ static int budget_exhausted(struct adapter *a, struct request *req)
 		if (!counts_against_budget(sp))
 			continue;
 		int w = snprintf(list + len, sizeof list - len, "%s%s %s", len ? "; " : "",
-				 sp->grad ? "grad" : "scan", sp->signature);
+		                 sp->grad ? "grad" : "scan", sp->signature);
 		if (w < 0 || (size_t)w >= sizeof list - len)
 			break;
 		len += (size_t)w;
 	}
 	request_fail_code(req, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
-			  "adapter %s holds recompile_budget=%lld specializations already: %s",
-			  a->def.name, (long long)a->def.budget, list);
+	                  "adapter %s holds recompile_budget=%lld specializations already: %s",
+	                  a->def.name, (long long)a->def.budget, list);
 	return -1;
 }
 
 void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
-		   struct request *req, ready_fn ready)
+                   struct request *req, ready_fn ready)
 {
 	char sig[SPEC_SIG_MAX];
 	struct specialization *sp;
 	struct load_job *j;
 
-	if (spec_signature(args->carry, args->inputs, args->dtype, args->steps, sig, sizeof sig) != 0) {
-		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, NULL, "request signature too long");
+	if (spec_signature(args->carry, args->inputs, args->dtype, args->steps, sig, sizeof sig) !=
+	    0) {
+		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, NULL,
+		                  "request signature too long");
 		return;
 	}
 	for (sp = a->specs; sp; sp = sp->next)
@@ -567,9 +612,174 @@ void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *
 		return;
 	}
 	add_waiter(d, sp, req, ready);
+	start_lookup(d, sp, j);
+}
+
+static void start_lookup(struct daemon *d, struct specialization *sp, struct load_job *j)
+{
 	j->d = d;
 	j->sp = sp;
 	j->work.data = j;
 	spec_ref(sp);
 	uv_queue_work(d->loop, &j->work, lookup_work, after_load);
+}
+
+/* ---- the warm-start index -------------------------------------------------- */
+
+/*
+ * index/<identity>.idx lists, one msgpack record per line of history, the
+ * specializations compiled for one adapter identity (name, body, bounds,
+ * strategy).  At start-up, a preloaded adapter's graphs are loaded from the
+ * cache before the daemon declares itself ready.
+ */
+static void index_path(const struct daemon *d, const struct adapter *a, char *out, size_t size)
+{
+	char bounds[128], id[CACHE_KEY_HEX];
+	const char *parts[4];
+
+	snprintf(bounds, sizeof bounds, "%lld;%lld;%s", (long long)a->def.max_steps,
+	         (long long)a->def.max_elements, a->def.strategy);
+	parts[0] = a->def.name;
+	parts[1] = a->body_sha;
+	parts[2] = bounds;
+	parts[3] = TORCHLOOPD_VERSION_STR;
+	cache_key(parts, 4, id);
+	snprintf(out, size, "%s/index/%s.idx", d->cache.dir, id);
+}
+
+/* Pool: appends one record (a length-prefixed msgpack map). */
+static void index_append(struct daemon *d, struct specialization *sp)
+{
+	char path[PATH_MAX];
+	struct writer w;
+	struct proto_err err;
+	uint8_t *bytes;
+	size_t len;
+	FILE *f;
+
+	index_path(d, sp->adapter, path, sizeof path);
+	if (writer_init(&w) != 0)
+		return;
+	msgpack_pack_map(&w.pk, 4);
+	writer_key_bool(&w, "grad", sp->grad);
+	writer_key_str(&w, "dtype", proto_dtype_name(sp->dtype));
+	writer_str(&w, "carry");
+	shapes_write(&w, &sp->carry);
+	writer_str(&w, "inputs");
+	shapes_write(&w, &sp->inputs);
+	bytes = writer_flatten(&w, &len, PROTO_FRAME_MAX, &err);
+	writer_destroy(&w);
+	f = bytes ? fopen(path, "ae") : NULL;
+	if (f) {
+		fwrite(bytes, 1, len, f); /* the frame header is the record's length */
+		fclose(f);
+	}
+	free(bytes);
+}
+
+struct prewarm_rec {
+	bool grad;
+	enum proto_dtype dtype;
+	struct tree_node carry, inputs;
+};
+
+/* Reads the index (at start-up, before the loop serves requests). */
+static int index_read(struct daemon *d, struct adapter *a, msgpack_zone *zone,
+                      struct prewarm_rec *recs, int max)
+{
+	char path[PATH_MAX];
+	struct frame_reader r;
+	struct proto_err err;
+	uint8_t buf[65536];
+	size_t n, off, used;
+	int count = 0;
+	FILE *f;
+
+	index_path(d, a, path, sizeof path);
+	f = fopen(path, "re");
+	if (f == NULL)
+		return 0;
+	frame_reader_init(&r, 1 << 20);
+	while (count < max && (n = fread(buf, 1, sizeof buf, f)) > 0) {
+		for (off = 0; off < n && count < max; off += used) {
+			enum frame_status st =
+			    frame_reader_feed(&r, buf + off, n - off, &used, &err);
+			uint32_t len;
+			uint8_t *body;
+			struct msg m;
+			if (st == FRAME_ERROR)
+				goto done;
+			if (st != FRAME_READY)
+				continue;
+			body = frame_reader_take(&r, &len);
+			if (msg_parse(&m, body, len, MSG_ANY, &err) != 0 ||
+			    index_record(&m, zone, &recs[count]) == 0)
+				count++;
+			msg_destroy(&m);
+			frame_free(body);
+		}
+	}
+done:
+	frame_reader_free(&r);
+	fclose(f);
+	return count;
+}
+
+static int index_record(const struct msg *m, msgpack_zone *zone, struct prewarm_rec *rec)
+{
+	const char *s;
+	uint32_t n;
+	struct proto_err err;
+
+	rec->grad = false;
+	msg_get_bool(&m->up.data, "grad", &rec->grad, NULL);
+	if (msg_get_str(&m->up.data, "dtype", &s, &n, NULL) != 0)
+		return -1;
+	rec->dtype = n == 7 && memcmp(s, "float32", 7) == 0 ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
+	if (msg_field(m, "carry") == NULL || msg_field(m, "inputs") == NULL ||
+	    shapes_read(msg_field(m, "carry"), zone, rec->dtype, &rec->carry, &err) != 0 ||
+	    shapes_read(msg_field(m, "inputs"), zone, rec->dtype, &rec->inputs, &err) != 0)
+		return -1;
+	return 0;
+}
+
+/*
+ * Starts loading every indexed specialization of a from the cache; calls
+ * done(d) once per started load when it finishes.  Returns how many started.
+ */
+unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d))
+{
+	struct prewarm_rec recs[ADAPTER_MAX_BUDGET * 4];
+	msgpack_zone *zone = msgpack_zone_new(4096);
+	unsigned started = 0;
+	int n = zone ? index_read(d, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
+
+	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
+		struct scan_args args = {&recs[i].carry, &recs[i].inputs, recs[i].dtype, 0,
+		                         recs[i].grad};
+		char sig[SPEC_SIG_MAX];
+		struct specialization *sp;
+		struct load_job *j;
+		if (recs[i].inputs.kind == TREE_NONE)
+			continue;
+		args.steps = first_steps(&recs[i].inputs);
+		if (args.steps <= 0 || spec_signature(args.carry, args.inputs, args.dtype,
+		                                      args.steps, sig, sizeof sig) != 0)
+			continue;
+		for (sp = a->specs; sp; sp = sp->next)
+			if (sp->grad == args.grad && strcmp(sp->signature, sig) == 0)
+				break;
+		if (sp != NULL)
+			continue; /* listed twice */
+		sp = spec_new(d, a, &args, sig);
+		j = sp ? calloc(1, sizeof *j) : NULL;
+		if (j == NULL)
+			break;
+		j->prewarm = true;
+		j->prewarmed = done;
+		start_lookup(d, sp, j);
+		started++;
+	}
+	msgpack_zone_free(zone);
+	return started;
 }

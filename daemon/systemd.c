@@ -19,8 +19,9 @@ static void on_watchdog(uv_timer_t *t)
 	struct daemon *d = t->data;
 	char status[160];
 
-	snprintf(status, sizeof status, "WATCHDOG=1\nSTATUS=%s: %u adapters, %u graphs, %u in flight",
-		 d->ready ? "ready" : "starting", d->reg.count, specs_loaded(d), d->inflight);
+	snprintf(status, sizeof status,
+	         "WATCHDOG=1\nSTATUS=%s: %u adapters, %u graphs, %u in flight",
+	         d->ready ? "ready" : "starting", d->reg.count, specs_loaded(d), d->inflight);
 	sd_notify(0, status);
 }
 

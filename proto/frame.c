@@ -44,13 +44,13 @@ void frame_put_header(uint8_t out[PROTO_FRAME_HEADER], uint32_t len)
 static enum frame_status header_done(struct frame_reader *r, struct proto_err *err)
 {
 	uint32_t len = ((uint32_t)r->header[0] << 24) | ((uint32_t)r->header[1] << 16) |
-		       ((uint32_t)r->header[2] << 8) | r->header[3];
+	               ((uint32_t)r->header[2] << 8) | r->header[3];
 
 	if (len > r->max_body) {
 		r->failed = 1;
 		proto_fail(err, PROTO_E_FRAME_TOO_LARGE, NULL,
-			   "frame of %u bytes exceeds the frame limit of %u bytes", len,
-			   r->max_body);
+		           "frame of %u bytes exceeds the frame limit of %u bytes", len,
+		           r->max_body);
 		return FRAME_ERROR;
 	}
 	r->body = frame_alloc(len);
@@ -65,7 +65,7 @@ static enum frame_status header_done(struct frame_reader *r, struct proto_err *e
 }
 
 enum frame_status frame_reader_want(struct frame_reader *r, uint8_t **ptr, size_t *len,
-				    struct proto_err *err)
+                                    struct proto_err *err)
 {
 	if (r->failed) {
 		proto_fail(err, PROTO_E_FRAME_TOO_LARGE, NULL, "framing is broken");
@@ -94,13 +94,12 @@ enum frame_status frame_reader_commit(struct frame_reader *r, size_t n, struct p
 }
 
 enum frame_status frame_reader_feed(struct frame_reader *r, const uint8_t *data, size_t len,
-				    size_t *used, struct proto_err *err)
+                                    size_t *used, struct proto_err *err)
 {
 	enum frame_status st = FRAME_NEED_MORE;
 
 	*used = 0;
-	if (r->body != NULL && r->header_have == PROTO_FRAME_HEADER &&
-	    r->body_have == r->body_len)
+	if (r->body != NULL && r->header_have == PROTO_FRAME_HEADER && r->body_have == r->body_len)
 		return FRAME_READY; /* previous frame not taken yet */
 	while (*used < len) {
 		uint8_t *dst;
@@ -136,6 +135,6 @@ int frame_reader_eof(const struct frame_reader *r, struct proto_err *err)
 	if (r->header_have == 0)
 		return 0;
 	return proto_fail(err, PROTO_E_FRAME_TRUNCATED, NULL,
-			  "stream ended after %zu of %zu header bytes and %zu of %u body bytes",
-			  r->header_have, (size_t)PROTO_FRAME_HEADER, r->body_have, r->body_len);
+	                  "stream ended after %zu of %zu header bytes and %zu of %u body bytes",
+	                  r->header_have, (size_t)PROTO_FRAME_HEADER, r->body_have, r->body_len);
 }

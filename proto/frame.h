@@ -16,7 +16,7 @@
 enum frame_status { FRAME_NEED_MORE = 0, FRAME_READY = 1, FRAME_ERROR = -1 };
 
 struct frame_reader {
-	uint32_t max_body;  /* frame limit, checked against each prefix */
+	uint32_t max_body; /* frame limit, checked against each prefix */
 	uint8_t header[PROTO_FRAME_HEADER];
 	size_t header_have;
 	uint8_t *body; /* owned; aligned */
@@ -34,20 +34,18 @@ void frame_reader_free(struct frame_reader *r);
  * frame).  Returns FRAME_READY when a body can be taken, FRAME_NEED_MORE, or
  * FRAME_ERROR with err filled (FRAME_TOO_LARGE); an error is sticky.
  */
-enum frame_status frame_reader_feed(struct frame_reader *r, const uint8_t *data,
-				    size_t len, size_t *used,
-				    struct proto_err *err);
+enum frame_status frame_reader_feed(struct frame_reader *r, const uint8_t *data, size_t len,
+                                    size_t *used, struct proto_err *err);
 
 /*
  * Where the next bytes should be read to: the rest of the header or of the
  * body.  Lets a socket read land straight in the body buffer (no copy).
  * Returns FRAME_ERROR when the prefix just completed is over the limit.
  */
-enum frame_status frame_reader_want(struct frame_reader *r, uint8_t **ptr,
-				    size_t *len, struct proto_err *err);
+enum frame_status frame_reader_want(struct frame_reader *r, uint8_t **ptr, size_t *len,
+                                    struct proto_err *err);
 /* Records that n bytes were written at the pointer frame_reader_want gave. */
-enum frame_status frame_reader_commit(struct frame_reader *r, size_t n,
-				      struct proto_err *err);
+enum frame_status frame_reader_commit(struct frame_reader *r, size_t n, struct proto_err *err);
 
 /*
  * After FRAME_READY: hands over the body (caller frees with frame_free) and

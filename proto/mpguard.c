@@ -15,7 +15,7 @@ struct walk {
 static int truncated(struct walk *w)
 {
 	return proto_fail(w->err, PROTO_E_MSGPACK_INVALID, NULL,
-			  "msgpack value truncated at byte %zu of %zu", w->pos, w->len);
+	                  "msgpack value truncated at byte %zu of %zu", w->pos, w->len);
 }
 
 /* Reads an n-byte big-endian unsigned integer at pos. */
@@ -57,28 +57,56 @@ static int object(struct walk *w, uint8_t b, uint64_t *count)
 	if (b >= 0x80 && b <= 0x8f)
 		return *count = 2u * (b & 0x0f), 0;
 	switch (b) {
-	case 0xc4: case 0xd9: return read_be(w, 1, &n) || skip(w, n);
-	case 0xc5: case 0xda: return read_be(w, 2, &n) || skip(w, n);
-	case 0xc6: case 0xdb: return read_be(w, 4, &n) || skip(w, n);
-	case 0xc7: return read_be(w, 1, &n) || skip(w, n + 1);
-	case 0xc8: return read_be(w, 2, &n) || skip(w, n + 1);
-	case 0xc9: return read_be(w, 4, &n) || skip(w, n + 1);
-	case 0xcc: case 0xd0: return skip(w, 1);
-	case 0xcd: case 0xd1: return skip(w, 2);
-	case 0xca: case 0xce: case 0xd2: return skip(w, 4);
-	case 0xcb: case 0xcf: case 0xd3: return skip(w, 8);
-	case 0xd4: return skip(w, 2);
-	case 0xd5: return skip(w, 3);
-	case 0xd6: return skip(w, 5);
-	case 0xd7: return skip(w, 9);
-	case 0xd8: return skip(w, 17);
-	case 0xdc: return read_be(w, 2, count);
-	case 0xdd: return read_be(w, 4, count);
-	case 0xde: return read_be(w, 2, &n) || (*count = 2 * n, 0);
-	case 0xdf: return read_be(w, 4, &n) || (*count = 2 * n, 0);
+	case 0xc4:
+	case 0xd9:
+		return read_be(w, 1, &n) || skip(w, n);
+	case 0xc5:
+	case 0xda:
+		return read_be(w, 2, &n) || skip(w, n);
+	case 0xc6:
+	case 0xdb:
+		return read_be(w, 4, &n) || skip(w, n);
+	case 0xc7:
+		return read_be(w, 1, &n) || skip(w, n + 1);
+	case 0xc8:
+		return read_be(w, 2, &n) || skip(w, n + 1);
+	case 0xc9:
+		return read_be(w, 4, &n) || skip(w, n + 1);
+	case 0xcc:
+	case 0xd0:
+		return skip(w, 1);
+	case 0xcd:
+	case 0xd1:
+		return skip(w, 2);
+	case 0xca:
+	case 0xce:
+	case 0xd2:
+		return skip(w, 4);
+	case 0xcb:
+	case 0xcf:
+	case 0xd3:
+		return skip(w, 8);
+	case 0xd4:
+		return skip(w, 2);
+	case 0xd5:
+		return skip(w, 3);
+	case 0xd6:
+		return skip(w, 5);
+	case 0xd7:
+		return skip(w, 9);
+	case 0xd8:
+		return skip(w, 17);
+	case 0xdc:
+		return read_be(w, 2, count);
+	case 0xdd:
+		return read_be(w, 4, count);
+	case 0xde:
+		return read_be(w, 2, &n) || (*count = 2 * n, 0);
+	case 0xdf:
+		return read_be(w, 4, &n) || (*count = 2 * n, 0);
 	}
 	return proto_fail(w->err, PROTO_E_MSGPACK_INVALID, NULL,
-			  "reserved msgpack type byte 0x%02x at byte %zu", b, w->pos - 1);
+	                  "reserved msgpack type byte 0x%02x at byte %zu", b, w->pos - 1);
 }
 
 int mpguard_check(const uint8_t *data, size_t len, struct proto_err *err)
@@ -99,23 +127,25 @@ int mpguard_check(const uint8_t *data, size_t len, struct proto_err *err)
 			return truncated(&w);
 		if (++objects > PROTO_MAX_OBJECTS)
 			return proto_fail(err, PROTO_E_OBJECT_LIMIT, NULL,
-					  "frame holds more than %d msgpack objects",
-					  PROTO_MAX_OBJECTS);
+			                  "frame holds more than %d msgpack objects",
+			                  PROTO_MAX_OBJECTS);
 		if (object(&w, w.p[w.pos++], &count) != 0)
 			return -1;
 		if (count == 0)
 			continue;
 		if (count > w.len - w.pos)
-			return proto_fail(err, PROTO_E_MSGPACK_COUNT_TOO_LARGE, NULL,
-					  "container of %llu items at byte %zu, but only %zu bytes are left",
-					  (unsigned long long)count, w.pos, w.len - w.pos);
+			return proto_fail(
+			    err, PROTO_E_MSGPACK_COUNT_TOO_LARGE, NULL,
+			    "container of %llu items at byte %zu, but only %zu bytes are left",
+			    (unsigned long long)count, w.pos, w.len - w.pos);
 		if (depth + 1 > PROTO_MAX_MSGPACK_DEPTH)
 			return proto_fail(err, PROTO_E_DEPTH_EXCEEDED, NULL,
-					  "msgpack nesting exceeds %d levels", PROTO_MAX_MSGPACK_DEPTH);
+			                  "msgpack nesting exceeds %d levels",
+			                  PROTO_MAX_MSGPACK_DEPTH);
 		left[++depth] = count;
 	}
 	if (w.pos != w.len)
 		return proto_fail(err, PROTO_E_MSGPACK_INVALID, NULL,
-				  "%zu trailing bytes after the msgpack value", w.len - w.pos);
+		                  "%zu trailing bytes after the msgpack value", w.len - w.pos);
 	return 0;
 }

@@ -42,7 +42,7 @@ static int parse_id(struct msg *m, enum msg_kind kind, struct proto_err *err)
 	if (kind == MSG_REPLY && id != NULL && id->type == MSGPACK_OBJECT_NIL)
 		return 0; /* an error about a frame whose id could not be read */
 	return proto_fail(err, PROTO_E_BAD_ENVELOPE, NULL,
-			  id ? "id must be an unsigned integer" : "request has no id");
+	                  id ? "id must be an unsigned integer" : "request has no id");
 }
 
 static int parse_op(struct msg *m, struct proto_err *err)
@@ -54,7 +54,7 @@ static int parse_op(struct msg *m, struct proto_err *err)
 	if (op->type != MSGPACK_OBJECT_STR || op->via.str.size == 0 ||
 	    op->via.str.size > MSG_OP_MAX)
 		return proto_fail(err, PROTO_E_BAD_ENVELOPE, NULL,
-				  "op must be a non-empty string of at most %d bytes", MSG_OP_MAX);
+		                  "op must be a non-empty string of at most %d bytes", MSG_OP_MAX);
 	m->op_name = op->via.str.ptr;
 	m->op_len = op->via.str.size;
 	m->op = proto_op_from_name(m->op_name, m->op_len);
@@ -62,7 +62,7 @@ static int parse_op(struct msg *m, struct proto_err *err)
 }
 
 int msg_parse(struct msg *m, const uint8_t *body, size_t len, enum msg_kind kind,
-	      struct proto_err *err)
+              struct proto_err *err)
 {
 	size_t off = 0;
 	msgpack_unpack_return rc;
@@ -76,10 +76,13 @@ int msg_parse(struct msg *m, const uint8_t *body, size_t len, enum msg_kind kind
 	if (rc == MSGPACK_UNPACK_NOMEM_ERROR)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory unpacking");
 	if (rc != MSGPACK_UNPACK_SUCCESS || off != len)
-		return proto_fail(err, PROTO_E_MSGPACK_INVALID, NULL, "body is not one msgpack value");
+		return proto_fail(err, PROTO_E_MSGPACK_INVALID, NULL,
+		                  "body is not one msgpack value");
 	if (m->up.data.type != MSGPACK_OBJECT_MAP)
 		return proto_fail(err, PROTO_E_NOT_A_MAP, NULL, "frame body must be a msgpack map");
 	m->map = &m->up.data.via.map;
+	if (kind == MSG_ANY)
+		return 0;
 	if (parse_id(m, kind, err) != 0)
 		return -1;
 	if (kind == MSG_REQUEST)
@@ -95,7 +98,7 @@ void msg_destroy(struct msg *m)
 }
 
 int msg_get_str(const msgpack_object *map, const char *key, const char **s, uint32_t *len,
-		struct proto_err *err)
+                struct proto_err *err)
 {
 	const msgpack_object *o = msg_obj_field(map, key);
 
@@ -138,14 +141,15 @@ int msg_get_bool(const msgpack_object *map, const char *key, bool *v, struct pro
 }
 
 int msg_get_tree(const struct msg *m, const char *key, bool required, struct tree_node *out,
-		 struct proto_err *err)
+                 struct proto_err *err)
 {
 	const msgpack_object *o = msg_field(m, key);
 
 	if (o == NULL) {
 		if (!required)
 			return 1;
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "request has no %s tree", key);
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "request has no %s tree",
+		                  key);
 	}
 	return tree_decode(o, m->up.zone, key, out, err);
 }

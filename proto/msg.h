@@ -18,7 +18,8 @@
 #include <msgpack.h>
 #include <stdbool.h>
 
-enum msg_kind { MSG_REQUEST, MSG_REPLY };
+/* MSG_ANY: any guarded map (records on disk), no envelope fields required. */
+enum msg_kind { MSG_REQUEST, MSG_REPLY, MSG_ANY };
 
 struct msg {
 	msgpack_unpacked up;
@@ -28,8 +29,8 @@ struct msg {
 	int op; /* enum proto_op, or -1 when the name is unknown */
 	const char *op_name;
 	uint32_t op_len;
-	bool is_error;     /* replies: has an error map */
-	bool is_event;     /* replies: a notification, not the final answer */
+	bool is_error; /* replies: has an error map */
+	bool is_event; /* replies: a notification, not the final answer */
 };
 
 /*
@@ -40,7 +41,7 @@ struct msg {
  * caller can address its error reply.  msg_destroy is always safe after.
  */
 int msg_parse(struct msg *m, const uint8_t *body, size_t len, enum msg_kind kind,
-	      struct proto_err *err);
+              struct proto_err *err);
 void msg_destroy(struct msg *m);
 
 const msgpack_object *msg_field(const struct msg *m, const char *key);
@@ -49,13 +50,13 @@ const msgpack_object *msg_obj_field(const msgpack_object *map, const char *key);
 /* Typed getters: 0 on success, 1 when absent (out untouched), -1 with err
  * (INVALID_ARGUMENT naming the field) when present with the wrong type. */
 int msg_get_str(const msgpack_object *map, const char *key, const char **s, uint32_t *len,
-		struct proto_err *err);
+                struct proto_err *err);
 /* Integers only: a bool or a float is not an integer (as in the reference). */
 int msg_get_i64(const msgpack_object *map, const char *key, int64_t *v, struct proto_err *err);
 int msg_get_bool(const msgpack_object *map, const char *key, bool *v, struct proto_err *err);
 /* Decodes a tree field; absent gives 1 unless required (then INVALID_ARGUMENT). */
 int msg_get_tree(const struct msg *m, const char *key, bool required, struct tree_node *out,
-		 struct proto_err *err);
+                 struct proto_err *err);
 
 /* Reads error {code, message, path} of a reply into err.  Returns 0. */
 int msg_reply_error(const struct msg *m, struct proto_err *err);

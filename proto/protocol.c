@@ -11,13 +11,13 @@
 
 static const char *const code_names[] = {
 #define PROTO_X_NAME(e, s, d) s,
-	PROTO_ERRORS(PROTO_X_NAME)
+    PROTO_ERRORS(PROTO_X_NAME)
 #undef PROTO_X_NAME
 };
 
 static const char *const op_names[] = {
 #define PROTO_X_OPNAME(e, s) s,
-	PROTO_OPS(PROTO_X_OPNAME)
+    PROTO_OPS(PROTO_X_OPNAME)
 #undef PROTO_X_OPNAME
 };
 
@@ -75,8 +75,7 @@ const char *proto_dtype_name(enum proto_dtype dtype)
 	return "?";
 }
 
-int proto_fail(struct proto_err *err, enum proto_code code, const char *path,
-	       const char *fmt, ...)
+int proto_fail(struct proto_err *err, enum proto_code code, const char *path, const char *fmt, ...)
 {
 	va_list ap;
 

@@ -16,16 +16,16 @@
 #define PROTO_VERSION 1
 
 /* Framing: 4-byte big-endian body length, then one msgpack map. */
-#define PROTO_FRAME_HEADER 4
+#define PROTO_FRAME_HEADER  4
 #define PROTO_FRAME_DEFAULT (64u << 20)
-#define PROTO_FRAME_MIN 1024u
-#define PROTO_FRAME_MAX (1u << 30)
+#define PROTO_FRAME_MIN     1024u
+#define PROTO_FRAME_MAX     (1u << 30)
 
 /* Tensor-tree limits (min/default/max are the same: they are the contract). */
 #define PROTO_MAX_TREE_DEPTH 16   /* nested containers in one tree */
-#define PROTO_MAX_LEAVES 4096     /* tensor + None leaves in one tree */
-#define PROTO_MAX_KEY_BYTES 256   /* dict key length in bytes */
-#define PROTO_MAX_NDIM 8          /* tensor rank */
+#define PROTO_MAX_LEAVES     4096 /* tensor + None leaves in one tree */
+#define PROTO_MAX_KEY_BYTES  256  /* dict key length in bytes */
+#define PROTO_MAX_NDIM       8    /* tensor rank */
 /*
  * msgpack-level guards, checked on the raw bytes before msgpack-c unpacks
  * anything: nesting (its C unpacker fails past 32), and objects per frame
@@ -33,107 +33,109 @@
  * arrays would otherwise amplify 24x).
  */
 #define PROTO_MAX_MSGPACK_DEPTH 24
-#define PROTO_MAX_OBJECTS 65536
+#define PROTO_MAX_OBJECTS       65536
 
 /* Tensors ride in ext types; tuples are arrays whose first item is a marker. */
-#define PROTO_EXT_TENSOR 1
-#define PROTO_EXT_TUPLE 2
+#define PROTO_EXT_TENSOR   1
+#define PROTO_EXT_TUPLE    2
 #define PROTO_TENSOR_ALIGN 64 /* encoders pad so tensor bytes land aligned */
 
 enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 
 /* Op names, as sent in the `op` field. */
-#define PROTO_OPS(X)                                                        \
-	X(HELLO, "hello")                                                   \
-	X(HEALTH, "health")                                                 \
-	X(REGISTER, "register")                                             \
-	X(UNREGISTER, "unregister")                                         \
-	X(LIST, "list")                                                     \
-	X(DESCRIBE, "describe")                                             \
-	X(SCAN, "scan")                                                     \
-	X(GRAD, "grad")                                                     \
-	X(COMPILE, "compile")                                               \
-	X(STATS, "stats")                                                   \
+#define PROTO_OPS(X)                                                                               \
+	X(HELLO, "hello")                                                                          \
+	X(HEALTH, "health")                                                                        \
+	X(REGISTER, "register")                                                                    \
+	X(UNREGISTER, "unregister")                                                                \
+	X(LIST, "list")                                                                            \
+	X(DESCRIBE, "describe")                                                                    \
+	X(SCAN, "scan")                                                                            \
+	X(GRAD, "grad")                                                                            \
+	X(COMPILE, "compile")                                                                      \
+	X(STATS, "stats")                                                                          \
 	X(SHUTDOWN, "shutdown")
 
 /*
  * Error codes: enum name, wire string, one-line meaning.  The wire string
  * is the stable identity; never renumber-dependent, never reused.
  */
-#define PROTO_ERRORS(X)                                                              \
-	X(OK, "OK", "no error")                                                      \
-	/* framing and msgpack (frame-level; some close the connection) */           \
-	X(FRAME_TOO_LARGE, "FRAME_TOO_LARGE", "length prefix exceeds frame limit")   \
-	X(FRAME_TRUNCATED, "FRAME_TRUNCATED", "stream ended inside a frame")         \
-	X(MSGPACK_INVALID, "MSGPACK_INVALID", "body is not exactly one msgpack value") \
-	X(MSGPACK_COUNT_TOO_LARGE, "MSGPACK_COUNT_TOO_LARGE",                        \
-	  "container count exceeds the bytes left in the frame")                     \
-	X(OBJECT_LIMIT, "OBJECT_LIMIT", "too many msgpack objects in one frame")     \
-	X(NOT_A_MAP, "NOT_A_MAP", "frame body is not a msgpack map")                 \
-	X(BAD_ENVELOPE, "BAD_ENVELOPE", "missing or mistyped id or op")              \
-	X(UNKNOWN_OP, "UNKNOWN_OP", "op is not known to this daemon")                \
-	X(VERSION_MISMATCH, "VERSION_MISMATCH", "protocol versions differ")          \
-	/* tensor trees */                                                            \
-	X(DEPTH_EXCEEDED, "DEPTH_EXCEEDED", "tree nested deeper than the limit")     \
-	X(TOO_MANY_LEAVES, "TOO_MANY_LEAVES", "tree has more leaves than the limit") \
-	X(KEY_TOO_LONG, "KEY_TOO_LONG", "dict key longer than the limit")            \
-	X(DUPLICATE_KEY, "DUPLICATE_KEY", "dict key appears twice")                  \
-	X(NON_STRING_KEY, "NON_STRING_KEY", "dict key is not a string")              \
-	X(UNKNOWN_TYPE, "UNKNOWN_TYPE", "tree node of an unknown type or ext tag")   \
-	X(BAD_DTYPE, "BAD_DTYPE", "tensor dtype is not float32 or float64")          \
-	X(BAD_SHAPE, "BAD_SHAPE", "tensor rank or dimension out of range")           \
-	X(SHAPE_OVERFLOW, "SHAPE_OVERFLOW", "element count overflows int64")         \
-	X(BYTE_LENGTH_MISMATCH, "BYTE_LENGTH_MISMATCH",                              \
-	  "tensor byte length differs from its shape and dtype")                     \
-	/* request validation */                                                      \
-	X(INVALID_ARGUMENT, "INVALID_ARGUMENT", "a request field is missing or wrong") \
-	X(INVALID_NAME, "INVALID_NAME", "adapter name is empty or malformed")        \
-	X(INVALID_BOUNDS, "INVALID_BOUNDS", "max_steps/max_elements/budget out of range") \
-	X(NOT_FOUND, "NOT_FOUND", "no adapter of that name")                         \
-	X(DTYPE_MISMATCH, "DTYPE_MISMATCH", "leaves of one request differ in dtype") \
-	X(NO_INPUTS, "NO_INPUTS", "the inputs tree has no tensor leaf")              \
-	X(BAD_RANK, "BAD_RANK", "an input leaf is 0-d")                              \
-	X(LENGTH_MISMATCH, "LENGTH_MISMATCH", "input leaves differ in leading length") \
-	X(TOO_MANY_STEPS, "TOO_MANY_STEPS", "T is 0 or exceeds max_steps")           \
-	X(TOO_MANY_ELEMENTS, "TOO_MANY_ELEMENTS", "a leaf exceeds max_elements")     \
-	X(SPEC_MISMATCH, "SPEC_MISMATCH", "tensors differ from the compiled signature") \
-	X(COTANGENT_MISMATCH, "COTANGENT_MISMATCH", "cotangent tree does not match") \
-	/* compile path */                                                            \
-	X(RECOMPILE_BUDGET_EXHAUSTED, "RECOMPILE_BUDGET_EXHAUSTED",                  \
-	  "adapter holds recompile_budget specializations already")                  \
-	X(BODY_ERROR, "BODY_ERROR", "the body raised while being traced")            \
-	X(GRAPH_BREAK, "GRAPH_BREAK", "the body cannot be captured as one graph")    \
-	X(UNSUPPORTED_OP, "UNSUPPORTED_OP", "the body uses an op Inductor cannot compile") \
-	X(CARRY_MISMATCH, "CARRY_MISMATCH", "the body changed the carry's structure, shape or dtype") \
-	X(PROXY_EXECUTOR_REQUIRED, "PROXY_EXECUTOR_REQUIRED",                        \
-	  "artifact needs AOTI's C++ proxy executor")                                \
-	X(UNSAFE_ARTIFACT, "UNSAFE_ARTIFACT", "artifact has an executable stack or text relocations") \
-	X(COMPILE_FAILED, "COMPILE_FAILED", "the compile failed for another reason") \
-	X(COMPILE_TIMEOUT, "COMPILE_TIMEOUT", "the compile exceeded its timeout")    \
-	X(WORKER_CRASHED, "WORKER_CRASHED", "the compile worker died")               \
-	X(ARTIFACT_CORRUPT, "ARTIFACT_CORRUPT", "a cached artifact failed verification") \
-	X(ENGINE_ERROR, "ENGINE_ERROR", "the compiled graph failed to load or run")  \
-	/* daemon state */                                                            \
-	X(PERMISSION_DENIED, "PERMISSION_DENIED", "peer may not perform this op")   \
-	X(BUSY, "BUSY", "too many requests in flight on this connection")           \
-	X(SHUTTING_DOWN, "SHUTTING_DOWN", "the daemon is stopping")                  \
+#define PROTO_ERRORS(X)                                                                            \
+	X(OK, "OK", "no error")                                                                    \
+	/* framing and msgpack (frame-level; some close the connection) */                         \
+	X(FRAME_TOO_LARGE, "FRAME_TOO_LARGE", "length prefix exceeds frame limit")                 \
+	X(FRAME_TRUNCATED, "FRAME_TRUNCATED", "stream ended inside a frame")                       \
+	X(MSGPACK_INVALID, "MSGPACK_INVALID", "body is not exactly one msgpack value")             \
+	X(MSGPACK_COUNT_TOO_LARGE, "MSGPACK_COUNT_TOO_LARGE",                                      \
+	  "container count exceeds the bytes left in the frame")                                   \
+	X(OBJECT_LIMIT, "OBJECT_LIMIT", "too many msgpack objects in one frame")                   \
+	X(NOT_A_MAP, "NOT_A_MAP", "frame body is not a msgpack map")                               \
+	X(BAD_ENVELOPE, "BAD_ENVELOPE", "missing or mistyped id or op")                            \
+	X(UNKNOWN_OP, "UNKNOWN_OP", "op is not known to this daemon")                              \
+	X(VERSION_MISMATCH, "VERSION_MISMATCH", "protocol versions differ")                        \
+	/* tensor trees */                                                                         \
+	X(DEPTH_EXCEEDED, "DEPTH_EXCEEDED", "tree nested deeper than the limit")                   \
+	X(TOO_MANY_LEAVES, "TOO_MANY_LEAVES", "tree has more leaves than the limit")               \
+	X(KEY_TOO_LONG, "KEY_TOO_LONG", "dict key longer than the limit")                          \
+	X(DUPLICATE_KEY, "DUPLICATE_KEY", "dict key appears twice")                                \
+	X(NON_STRING_KEY, "NON_STRING_KEY", "dict key is not a string")                            \
+	X(UNKNOWN_TYPE, "UNKNOWN_TYPE", "tree node of an unknown type or ext tag")                 \
+	X(BAD_DTYPE, "BAD_DTYPE", "tensor dtype is not float32 or float64")                        \
+	X(BAD_SHAPE, "BAD_SHAPE", "tensor rank or dimension out of range")                         \
+	X(SHAPE_OVERFLOW, "SHAPE_OVERFLOW", "element count overflows int64")                       \
+	X(BYTE_LENGTH_MISMATCH, "BYTE_LENGTH_MISMATCH",                                            \
+	  "tensor byte length differs from its shape and dtype")                                   \
+	/* request validation */                                                                   \
+	X(INVALID_ARGUMENT, "INVALID_ARGUMENT", "a request field is missing or wrong")             \
+	X(INVALID_NAME, "INVALID_NAME", "adapter name is empty or malformed")                      \
+	X(INVALID_BOUNDS, "INVALID_BOUNDS", "max_steps/max_elements/budget out of range")          \
+	X(NOT_FOUND, "NOT_FOUND", "no adapter of that name")                                       \
+	X(DTYPE_MISMATCH, "DTYPE_MISMATCH", "leaves of one request differ in dtype")               \
+	X(NO_INPUTS, "NO_INPUTS", "the inputs tree has no tensor leaf")                            \
+	X(BAD_RANK, "BAD_RANK", "an input leaf is 0-d")                                            \
+	X(LENGTH_MISMATCH, "LENGTH_MISMATCH", "input leaves differ in leading length")             \
+	X(TOO_MANY_STEPS, "TOO_MANY_STEPS", "T is 0 or exceeds max_steps")                         \
+	X(TOO_MANY_ELEMENTS, "TOO_MANY_ELEMENTS", "a leaf exceeds max_elements")                   \
+	X(SPEC_MISMATCH, "SPEC_MISMATCH", "tensors differ from the compiled signature")            \
+	X(COTANGENT_MISMATCH, "COTANGENT_MISMATCH", "cotangent tree does not match")               \
+	/* compile path */                                                                         \
+	X(RECOMPILE_BUDGET_EXHAUSTED, "RECOMPILE_BUDGET_EXHAUSTED",                                \
+	  "adapter holds recompile_budget specializations already")                                \
+	X(BODY_ERROR, "BODY_ERROR", "the body raised while being traced")                          \
+	X(GRAPH_BREAK, "GRAPH_BREAK", "the body cannot be captured as one graph")                  \
+	X(UNSUPPORTED_OP, "UNSUPPORTED_OP", "the body uses an op Inductor cannot compile")         \
+	X(CARRY_MISMATCH, "CARRY_MISMATCH",                                                        \
+	  "the body changed the carry's structure, shape or dtype")                                \
+	X(PROXY_EXECUTOR_REQUIRED, "PROXY_EXECUTOR_REQUIRED",                                      \
+	  "artifact needs AOTI's C++ proxy executor")                                              \
+	X(UNSAFE_ARTIFACT, "UNSAFE_ARTIFACT",                                                      \
+	  "artifact has an executable stack or text relocations")                                  \
+	X(COMPILE_FAILED, "COMPILE_FAILED", "the compile failed for another reason")               \
+	X(COMPILE_TIMEOUT, "COMPILE_TIMEOUT", "the compile exceeded its timeout")                  \
+	X(WORKER_CRASHED, "WORKER_CRASHED", "the compile worker died")                             \
+	X(ARTIFACT_CORRUPT, "ARTIFACT_CORRUPT", "a cached artifact failed verification")           \
+	X(ENGINE_ERROR, "ENGINE_ERROR", "the compiled graph failed to load or run")                \
+	/* daemon state */                                                                         \
+	X(PERMISSION_DENIED, "PERMISSION_DENIED", "peer may not perform this op")                  \
+	X(BUSY, "BUSY", "too many requests in flight on this connection")                          \
+	X(SHUTTING_DOWN, "SHUTTING_DOWN", "the daemon is stopping")                                \
 	X(INTERNAL, "INTERNAL", "a bug or resource failure inside the daemon")
 
 enum proto_code {
 #define PROTO_X_ENUM(e, s, d) PROTO_E_##e,
 	PROTO_ERRORS(PROTO_X_ENUM)
 #undef PROTO_X_ENUM
-	PROTO_E__COUNT
+	    PROTO_E__COUNT
 };
 
 enum proto_op {
 #define PROTO_X_OP(e, s) PROTO_OP_##e,
 	PROTO_OPS(PROTO_X_OP)
 #undef PROTO_X_OP
-	PROTO_OP__COUNT
+	    PROTO_OP__COUNT
 };
 
-#define PROTO_PATH_MAX 512
+#define PROTO_PATH_MAX    512
 #define PROTO_MESSAGE_MAX 1024
 
 /*
@@ -157,8 +159,8 @@ size_t proto_dtype_size(enum proto_dtype dtype);
 const char *proto_dtype_name(enum proto_dtype dtype);
 
 /* Fills err (code, path, printf-style message) and returns -1. */
-int proto_fail(struct proto_err *err, enum proto_code code, const char *path,
-	       const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+int proto_fail(struct proto_err *err, enum proto_code code, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 void proto_err_clear(struct proto_err *err);
 
 #endif

@@ -7,8 +7,8 @@
 
 void shapes_write(struct writer *w, const struct tree_node *n)
 {
-	static const char *const kinds[] = {[TREE_TUPLE] = "tuple", [TREE_LIST] = "list",
-					    [TREE_DICT] = "dict"};
+	static const char *const kinds[] = {
+	    [TREE_TUPLE] = "tuple", [TREE_LIST] = "list", [TREE_DICT] = "dict"};
 
 	if (n->kind == TREE_NONE) {
 		msgpack_pack_nil(&w->pk);
@@ -43,7 +43,7 @@ static int bad_spec(struct proto_err *err, const char *what)
 }
 
 static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, struct tree_node *out,
-			    struct proto_err *err)
+                            struct proto_err *err)
 {
 	if (s == NULL || s->type != MSGPACK_OBJECT_ARRAY || s->via.array.size > PROTO_MAX_NDIM)
 		return bad_spec(err, "tensor shape");
@@ -60,9 +60,10 @@ static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, str
 }
 
 static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree_node *out,
-		     struct proto_err *err)
+                     struct proto_err *err)
 {
-	if (keys == NULL || keys->type != MSGPACK_OBJECT_ARRAY || keys->via.array.size != out->count)
+	if (keys == NULL || keys->type != MSGPACK_OBJECT_ARRAY ||
+	    keys->via.array.size != out->count)
 		return bad_spec(err, "dict keys");
 	out->keys = msgpack_zone_malloc(zone, (out->count ? out->count : 1) * sizeof *out->keys);
 	if (out->keys == NULL)
@@ -84,7 +85,7 @@ static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree
 }
 
 int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dtype,
-		     struct tree_node *out, struct proto_err *err)
+                struct tree_node *out, struct proto_err *err)
 {
 	const char *k;
 	uint32_t klen;
@@ -119,4 +120,3 @@ int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dt
 			return -1;
 	return 0;
 }
-

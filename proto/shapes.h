@@ -21,6 +21,6 @@ void shapes_write(struct writer *w, const struct tree_node *n);
  * have passed mpguard (nesting is bounded by it).
  */
 int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dtype,
-		struct tree_node *out, struct proto_err *err);
+                struct tree_node *out, struct proto_err *err);
 
 #endif

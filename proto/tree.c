@@ -92,11 +92,11 @@ static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tr
 
 	if (ext->size < 4)
 		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
-				"%s: tensor payload shorter than its 4-byte header%s", NULL);
+		                "%s: tensor payload shorter than its 4-byte header%s", NULL);
 	if (p[0] != PROTO_DTYPE_F32 && p[0] != PROTO_DTYPE_F64) {
 		snprintf(detail, sizeof detail, " (dtype code %u)", p[0]);
-		return dec_fail(d, PROTO_E_BAD_DTYPE,
-				"%s: dtype must be float32 or float64%s", detail);
+		return dec_fail(d, PROTO_E_BAD_DTYPE, "%s: dtype must be float32 or float64%s",
+		                detail);
 	}
 	if (p[1] > PROTO_MAX_NDIM) {
 		snprintf(detail, sizeof detail, "%u > %d", p[1], PROTO_MAX_NDIM);
@@ -109,7 +109,7 @@ static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tr
 	head = 4 + 8ull * t->ndim + p[2];
 	if (ext->size < head)
 		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
-				"%s: tensor payload shorter than its header%s", NULL);
+		                "%s: tensor payload shorter than its header%s", NULL);
 	for (uint32_t i = 0; i < t->ndim; i++) {
 		t->shape[i] = (int64_t)get_le64(p + 4 + 8 * i);
 		if (t->shape[i] < 0) {
@@ -118,13 +118,13 @@ static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tr
 		}
 	}
 	if (tree_tensor_sizes(t) != 0)
-		return dec_fail(d, PROTO_E_SHAPE_OVERFLOW,
-				"%s: element count overflows int64%s", NULL);
+		return dec_fail(d, PROTO_E_SHAPE_OVERFLOW, "%s: element count overflows int64%s",
+		                NULL);
 	if (ext->size - head != t->nbytes) {
 		snprintf(detail, sizeof detail, " (%llu bytes, shape and dtype need %llu)",
-			 (unsigned long long)(ext->size - head), (unsigned long long)t->nbytes);
+		         (unsigned long long)(ext->size - head), (unsigned long long)t->nbytes);
 		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
-				"%s: tensor byte length mismatch%s", detail);
+		                "%s: tensor byte length mismatch%s", detail);
 	}
 	t->data = p + head;
 	out->kind = TREE_TENSOR;
@@ -160,7 +160,7 @@ static int check_duplicates(struct dec *d, const struct tree_key *keys, uint32_t
 			snprintf(detail, sizeof detail, " \"%.*s\"", (int)tmp[i].len, tmp[i].ptr);
 			free(tmp);
 			return dec_fail(d, PROTO_E_DUPLICATE_KEY, "%s: duplicate dict key%s",
-					detail);
+			                detail);
 		}
 	}
 	free(tmp);
@@ -168,7 +168,7 @@ static int check_duplicates(struct dec *d, const struct tree_key *keys, uint32_t
 }
 
 static int decode_children(struct dec *d, const msgpack_object *objs, uint32_t n, int depth,
-			   struct tree_node *out)
+                           struct tree_node *out)
 {
 	size_t saved = d->path_len;
 
@@ -187,7 +187,7 @@ static int decode_children(struct dec *d, const msgpack_object *objs, uint32_t n
 }
 
 static int decode_dict(struct dec *d, const msgpack_object_map *map, int depth,
-		       struct tree_node *out)
+                       struct tree_node *out)
 {
 	msgpack_object *vals;
 	char detail[32];
@@ -202,11 +202,11 @@ static int decode_dict(struct dec *d, const msgpack_object_map *map, int depth,
 		if (k->type != MSGPACK_OBJECT_STR) {
 			snprintf(detail, sizeof detail, " (key %u)", i);
 			return dec_fail(d, PROTO_E_NON_STRING_KEY,
-					"%s: dict keys must be strings%s", detail);
+			                "%s: dict keys must be strings%s", detail);
 		}
 		if (k->via.str.size > PROTO_MAX_KEY_BYTES) {
 			snprintf(detail, sizeof detail, " (%u > %d bytes)", k->via.str.size,
-				 PROTO_MAX_KEY_BYTES);
+			         PROTO_MAX_KEY_BYTES);
 			return dec_fail(d, PROTO_E_KEY_TOO_LONG, "%s: dict key too long%s", detail);
 		}
 		out->keys[i].ptr = k->via.str.ptr;
@@ -227,8 +227,8 @@ static int is_tuple_marker(const msgpack_object *o)
 static int count_leaf(struct dec *d)
 {
 	if (++d->leaves > PROTO_MAX_LEAVES)
-		return dec_fail(d, PROTO_E_TOO_MANY_LEAVES,
-				"%s: tree has more than 4096 leaves%s", NULL);
+		return dec_fail(d, PROTO_E_TOO_MANY_LEAVES, "%s: tree has more than 4096 leaves%s",
+		                NULL);
 	return 0;
 }
 
@@ -242,7 +242,7 @@ static int decode_node(struct dec *d, const msgpack_object *o, int depth, struct
 	case MSGPACK_OBJECT_EXT:
 		if (o->via.ext.type != PROTO_EXT_TENSOR)
 			return dec_fail(d, PROTO_E_UNKNOWN_TYPE,
-					"%s: unknown ext type tag in a tree%s", NULL);
+			                "%s: unknown ext type tag in a tree%s", NULL);
 		if (count_leaf(d) != 0)
 			return -1;
 		return decode_tensor(d, &o->via.ext, out);
@@ -251,12 +251,11 @@ static int decode_node(struct dec *d, const msgpack_object *o, int depth, struct
 		break;
 	default:
 		return dec_fail(d, PROTO_E_UNKNOWN_TYPE,
-				"%s: tree nodes are tensors, None, tuples, lists or dicts%s",
-				NULL);
+		                "%s: tree nodes are tensors, None, tuples, lists or dicts%s", NULL);
 	}
 	if (depth >= PROTO_MAX_TREE_DEPTH)
 		return dec_fail(d, PROTO_E_DEPTH_EXCEEDED,
-				"%s: tree nested deeper than 16 containers%s", NULL);
+		                "%s: tree nested deeper than 16 containers%s", NULL);
 	if (o->type == MSGPACK_OBJECT_MAP)
 		return decode_dict(d, &o->via.map, depth, out);
 	if (o->via.array.size > 0 && is_tuple_marker(&o->via.array.ptr[0])) {
@@ -268,7 +267,7 @@ static int decode_node(struct dec *d, const msgpack_object *o, int depth, struct
 }
 
 int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
-		struct tree_node *out, struct proto_err *err)
+                struct tree_node *out, struct proto_err *err)
 {
 	struct dec d = {.zone = zone, .err = err};
 
@@ -288,8 +287,8 @@ static void encode_tensor(struct writer *w, const struct tree_tensor *t)
 {
 	uint8_t head[6 + 4 + 8 * PROTO_MAX_NDIM + PROTO_TENSOR_ALIGN] = {0};
 	size_t meta = 4 + 8 * (size_t)t->ndim;
-	size_t pad = (PROTO_TENSOR_ALIGN - (w->pos + 6 + meta) % PROTO_TENSOR_ALIGN) %
-		     PROTO_TENSOR_ALIGN;
+	size_t pad =
+	    (PROTO_TENSOR_ALIGN - (w->pos + 6 + meta) % PROTO_TENSOR_ALIGN) % PROTO_TENSOR_ALIGN;
 	uint64_t len = meta + pad + t->nbytes;
 
 	/* Always ext32, so the header size (and the padding) is known upfront. */
@@ -353,15 +352,15 @@ uint32_t tree_count_leaves(const struct tree_node *n)
 	return c;
 }
 
-static int same_node(const struct tree_node *a, const struct tree_node *b, char *path,
-		     size_t size, size_t len)
+static int same_node(const struct tree_node *a, const struct tree_node *b, char *path, size_t size,
+                     size_t len)
 {
 	if (a->kind != b->kind || a->count != b->count)
 		return 0;
 	if (a->kind == TREE_TENSOR)
 		return a->tensor.dtype == b->tensor.dtype && a->tensor.ndim == b->tensor.ndim &&
 		       memcmp(a->tensor.shape, b->tensor.shape,
-			      a->tensor.ndim * sizeof a->tensor.shape[0]) == 0;
+		              a->tensor.ndim * sizeof a->tensor.shape[0]) == 0;
 	for (uint32_t i = 0; i < a->count; i++) {
 		size_t l = len;
 		if (a->kind == TREE_DICT && key_cmp(&a->keys[i], &b->keys[i]) != 0)
@@ -375,7 +374,7 @@ static int same_node(const struct tree_node *a, const struct tree_node *b, char 
 }
 
 int tree_same_structure(const struct tree_node *a, const struct tree_node *b, const char *root,
-			char *path, size_t path_size)
+                        char *path, size_t path_size)
 {
 	int n = snprintf(path, path_size, "%s", root);
 	size_t len = n < 0 ? 0 : ((size_t)n < path_size ? (size_t)n : path_size - 1);
@@ -384,7 +383,7 @@ int tree_same_structure(const struct tree_node *a, const struct tree_node *b, co
 }
 
 static int visit(const struct tree_node *n, char *path, size_t size, size_t len, int with_none,
-		 tree_visit_fn fn, void *ctx)
+                 tree_visit_fn fn, void *ctx)
 {
 	if (n->kind == TREE_TENSOR || (with_none && n->kind == TREE_NONE))
 		return fn(n, path, ctx);
@@ -401,7 +400,7 @@ static int visit(const struct tree_node *n, char *path, size_t size, size_t len,
 }
 
 int tree_visit(const struct tree_node *n, const char *root, int with_none, tree_visit_fn fn,
-	       void *ctx)
+               void *ctx)
 {
 	char path[PROTO_PATH_MAX];
 	int w = snprintf(path, sizeof path, "%s", root);

@@ -43,9 +43,9 @@ struct tree_key {
 
 struct tree_node {
 	enum tree_kind kind;
-	uint32_t count;		/* children of a tuple, list or dict */
-	struct tree_node *items; /* count children */
-	struct tree_key *keys;	/* count keys, dicts only */
+	uint32_t count;            /* children of a tuple, list or dict */
+	struct tree_node *items;   /* count children */
+	struct tree_key *keys;     /* count keys, dicts only */
 	struct tree_tensor tensor; /* tensors only */
 };
 
@@ -55,7 +55,7 @@ struct tree_node {
  * key, dtype, shape and byte-length limits.  Returns 0 or -1 with err.
  */
 int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
-		struct tree_node *out, struct proto_err *err);
+                struct tree_node *out, struct proto_err *err);
 
 /* Encodes a tree; tensor bytes are padded to align in the receiver. */
 void tree_encode(struct writer *w, const struct tree_node *n);
@@ -71,15 +71,13 @@ uint32_t tree_count_leaves(const struct tree_node *n);
  * path below root into path.
  */
 int tree_same_structure(const struct tree_node *a, const struct tree_node *b, const char *root,
-			char *path, size_t path_size);
+                        char *path, size_t path_size);
 
 /* Bytes of path text for child i of n appended to buf at *len (bounded). */
 void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node *n, uint32_t i);
 
 /* Fills a tensor's numel and nbytes from dtype and shape; -1 on overflow. */
 int tree_tensor_sizes(struct tree_tensor *t);
-
-
 
 /*
  * Calls fn for every tensor leaf (and, when with_none, every None leaf) in
@@ -88,5 +86,5 @@ int tree_tensor_sizes(struct tree_tensor *t);
  */
 typedef int (*tree_visit_fn)(const struct tree_node *leaf, const char *path, void *ctx);
 int tree_visit(const struct tree_node *n, const char *root, int with_none, tree_visit_fn fn,
-	       void *ctx);
+               void *ctx);
 #endif

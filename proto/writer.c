@@ -9,7 +9,7 @@
 #include <string.h>
 
 /* Chunks at least this large are referenced rather than copied. */
-#define WRITER_REF_SIZE 1024
+#define WRITER_REF_SIZE   1024
 #define WRITER_CHUNK_SIZE 8192
 
 static int writer_cb(void *data, const char *buf, size_t len)
@@ -108,8 +108,8 @@ static int writer_seal(struct writer *w, uint32_t max_frame, struct proto_err *e
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory building a frame");
 	if (w->pos > max_frame)
 		return proto_fail(err, PROTO_E_FRAME_TOO_LARGE, NULL,
-				  "reply of %llu bytes exceeds the frame limit of %u bytes",
-				  (unsigned long long)w->pos, max_frame);
+		                  "reply of %llu bytes exceeds the frame limit of %u bytes",
+		                  (unsigned long long)w->pos, max_frame);
 	w->header[0] = (uint8_t)(w->pos >> 24);
 	w->header[1] = (uint8_t)(w->pos >> 16);
 	w->header[2] = (uint8_t)(w->pos >> 8);
@@ -118,7 +118,7 @@ static int writer_seal(struct writer *w, uint32_t max_frame, struct proto_err *e
 }
 
 int writer_finish(struct writer *w, struct iovec *iov, size_t cap, uint32_t max_frame,
-		  struct proto_err *err)
+                  struct proto_err *err)
 {
 	const msgpack_iovec *vec = msgpack_vrefbuffer_vec(&w->vbuf);
 	size_t n = msgpack_vrefbuffer_veclen(&w->vbuf);
@@ -134,8 +134,7 @@ int writer_finish(struct writer *w, struct iovec *iov, size_t cap, uint32_t max_
 	return (int)(n + 1);
 }
 
-uint8_t *writer_flatten(struct writer *w, size_t *len, uint32_t max_frame,
-			struct proto_err *err)
+uint8_t *writer_flatten(struct writer *w, size_t *len, uint32_t max_frame, struct proto_err *err)
 {
 	const msgpack_iovec *vec = msgpack_vrefbuffer_vec(&w->vbuf);
 	size_t n = msgpack_vrefbuffer_veclen(&w->vbuf);

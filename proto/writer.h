@@ -49,9 +49,8 @@ size_t writer_iovcnt(const struct writer *w);
  * Returns the iovec count, or -1 with err filled.
  */
 int writer_finish(struct writer *w, struct iovec *iov, size_t cap, uint32_t max_frame,
-		  struct proto_err *err);
+                  struct proto_err *err);
 /* Seals and copies header + body into one malloc'ed buffer (*len bytes). */
-uint8_t *writer_flatten(struct writer *w, size_t *len, uint32_t max_frame,
-			struct proto_err *err);
+uint8_t *writer_flatten(struct writer *w, size_t *len, uint32_t max_frame, struct proto_err *err);
 
 #endif

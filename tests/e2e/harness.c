@@ -64,7 +64,7 @@ void hd_start(struct hd *d, const char *cache, const char *const *extra)
 	snprintf(d->log, sizeof d->log, "%s/log", d->dir);
 	snprintf(d->cache, sizeof d->cache, "%s", cache ? cache : h_shared_cache());
 	snprintf(bin, sizeof bin, "%s/%s/torchloopd", h_root(),
-		 getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
+	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
 	argv[n++] = bin;
 	argv[n++] = "--socket";
 	argv[n++] = d->sock;
@@ -94,7 +94,8 @@ void hd_wait_ready(struct hd *d, int timeout_s)
 		int ready = 0, status;
 
 		if (waitpid(d->pid, &status, WNOHANG) == d->pid)
-			cr_assert_fail("torchloopd exited during start-up (status %d); log %s", status, d->log);
+			cr_assert_fail("torchloopd exited during start-up (status %d); log %s",
+			               status, d->log);
 		if (tl_connect(d->sock, 1000, &c, &err) == 0) {
 			int rc = tl_health(c, &ready, &err);
 			tl_close(c);
@@ -116,7 +117,7 @@ int hd_stop(struct hd *d)
 	cr_assert_eq(waitpid(d->pid, &status, 0), d->pid);
 	d->pid = 0;
 	cr_assert(WIFEXITED(status), "torchloopd died of signal %d; log %s",
-		  WIFSIGNALED(status) ? WTERMSIG(status) : 0, d->log);
+	          WIFSIGNALED(status) ? WTERMSIG(status) : 0, d->log);
 	return WEXITSTATUS(status);
 }
 
@@ -147,7 +148,7 @@ static char *slurp(const char *path)
 }
 
 void hd_register(struct tl_client *c, const char *name, const char *body_file, const char *entry,
-		 int64_t max_steps, int64_t max_elements, int64_t budget)
+                 int64_t max_steps, int64_t max_elements, int64_t budget)
 {
 	char path[2048];
 	char *src;
@@ -156,8 +157,10 @@ void hd_register(struct tl_client *c, const char *name, const char *body_file, c
 
 	snprintf(path, sizeof path, "%s/%s", h_root(), body_file);
 	src = slurp(path);
-	def = (struct tl_adapter_def){name, src, path, entry, NULL, max_steps, max_elements, budget};
-	cr_assert_eq(tl_register(c, &def, &err), 0, "register %s: %s %s", name, err.code, err.message);
+	def =
+	    (struct tl_adapter_def){name, src, path, entry, NULL, max_steps, max_elements, budget};
+	cr_assert_eq(tl_register(c, &def, &err), 0, "register %s: %s %s", name, err.code,
+	             err.message);
 	free(src);
 }
 
@@ -212,8 +215,9 @@ int h_run(const char *const *argv, const char *log)
 }
 
 void h_reference(const char *dir, const char *body_file, const char *entry,
-		 const struct tl_tree *carry, const struct tl_tree *inputs,
-		 const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs, bool grad, bool fd)
+                 const struct tl_tree *carry, const struct tl_tree *inputs,
+                 const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs, bool grad,
+                 bool fd)
 {
 	json_t *doc = json_object();
 	char msg[512], path[1024], py[1100], script[1100], body[1100], log[1100];
@@ -221,12 +225,15 @@ void h_reference(const char *dir, const char *body_file, const char *entry,
 	int n = 0;
 
 	json_object_set_new(doc, "carry", treejson_save(carry, dir, "in_carry", msg, sizeof msg));
-	json_object_set_new(doc, "inputs", treejson_save(inputs, dir, "in_inputs", msg, sizeof msg));
+	json_object_set_new(doc, "inputs",
+	                    treejson_save(inputs, dir, "in_inputs", msg, sizeof msg));
 	if (cot_carry)
-		json_object_set_new(doc, "cot_carry", treejson_save(cot_carry, dir, "cot_carry", msg, sizeof msg));
+		json_object_set_new(doc, "cot_carry",
+		                    treejson_save(cot_carry, dir, "cot_carry", msg, sizeof msg));
 	if (cot_outputs)
-		json_object_set_new(doc, "cot_outputs",
-				    treejson_save(cot_outputs, dir, "cot_outputs", msg, sizeof msg));
+		json_object_set_new(
+		    doc, "cot_outputs",
+		    treejson_save(cot_outputs, dir, "cot_outputs", msg, sizeof msg));
 	snprintf(path, sizeof path, "%s/in.json", dir);
 	cr_assert_eq(json_dump_file(doc, path, JSON_PRESERVE_ORDER), 0);
 	json_decref(doc);
@@ -270,11 +277,11 @@ const struct tl_tree *h_load_ref(struct treejson *tj, const char *dir, const cha
 static double value(const struct tl_tree *t, size_t i)
 {
 	return tl_tree_dtype(t) == TL_FLOAT32 ? ((const float *)tl_tree_data(t))[i]
-					      : ((const double *)tl_tree_data(t))[i];
+	                                      : ((const double *)tl_tree_data(t))[i];
 }
 
 static void walk(const struct tl_tree *got, const struct tl_tree *want, double rtol, double atol,
-		 double floor, double *max_rel, const char *what, bool assert_close)
+                 double floor, double *max_rel, const char *what, bool assert_close)
 {
 	cr_assert_eq(tl_tree_kind(got), tl_tree_kind(want), "%s: node kinds differ", what);
 	if (tl_tree_kind(want) == TL_TENSOR) {
@@ -282,7 +289,8 @@ static void walk(const struct tl_tree *got, const struct tl_tree *want, double r
 		cr_assert_eq(tl_tree_dtype(got), tl_tree_dtype(want), "%s: dtype", what);
 		cr_assert_eq(tl_tree_ndim(got), tl_tree_ndim(want), "%s: rank", what);
 		for (int k = 0; k < tl_tree_ndim(want); k++)
-			cr_assert_eq(tl_tree_shape(got)[k], tl_tree_shape(want)[k], "%s: dim %d", what, k);
+			cr_assert_eq(tl_tree_shape(got)[k], tl_tree_shape(want)[k], "%s: dim %d",
+			             what, k);
 		n = tl_tree_nbytes(want) / (tl_tree_dtype(want) == TL_FLOAT32 ? 4 : 8);
 		for (size_t i = 0; i < n; i++) {
 			double g = value(got, i), w = value(want, i);
@@ -291,7 +299,8 @@ static void walk(const struct tl_tree *got, const struct tl_tree *want, double r
 				*max_rel = rel;
 			if (assert_close)
 				cr_assert(fabs(g - w) <= atol + rtol * fabs(w),
-					  "%s: element %zu is %.17g, reference %.17g", what, i, g, w);
+				          "%s: element %zu is %.17g, reference %.17g", what, i, g,
+				          w);
 		}
 		return;
 	}
@@ -300,22 +309,24 @@ static void walk(const struct tl_tree *got, const struct tl_tree *want, double r
 		if (tl_tree_kind(want) == TL_DICT) {
 			size_t a, b;
 			const char *ka = tl_tree_key(got, i, &a), *kb = tl_tree_key(want, i, &b);
-			cr_assert(a == b && memcmp(ka, kb, a) == 0, "%s: dict keys or order differ", what);
+			cr_assert(a == b && memcmp(ka, kb, a) == 0, "%s: dict keys or order differ",
+			          what);
 		}
 		walk(tl_tree_item(got, i), tl_tree_item(want, i), rtol, atol, floor, max_rel, what,
 		     assert_close);
 	}
 }
 
-void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol,
-		    double atol, const char *what)
+void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol, double atol,
+                    const char *what)
 {
 	double m = 0;
 
 	walk(got, want, rtol, atol, 1e-300, &m, what, true);
 }
 
-static void norms(const struct tl_tree *got, const struct tl_tree *want, double *diff, double *scale)
+static void norms(const struct tl_tree *got, const struct tl_tree *want, double *diff,
+                  double *scale)
 {
 	if (tl_tree_kind(want) == TL_TENSOR) {
 		size_t n = tl_tree_nbytes(want) / (tl_tree_dtype(want) == TL_FLOAT32 ? 4 : 8);
@@ -360,7 +371,8 @@ int raw_connect(const char *sock)
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 
 	snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
-	cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect: %s", strerror(errno));
+	cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect: %s",
+	             strerror(errno));
 	return fd;
 }
 
@@ -400,10 +412,12 @@ int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message,
 	do {
 		if (read_n(fd, head, 4) != 0)
 			return -1;
-		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 | head[3];
+		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 |
+		      head[3];
 		body = frame_alloc(len);
 		cr_assert_eq(read_n(fd, body, len), 0, "truncated reply frame");
-		cr_assert_eq(msg_parse(&m, body, len, MSG_REPLY, &err), 0, "bad reply: %s", err.message);
+		cr_assert_eq(msg_parse(&m, body, len, MSG_REPLY, &err), 0, "bad reply: %s",
+		             err.message);
 		if (m.is_event) {
 			msg_destroy(&m);
 			frame_free(body);

@@ -38,8 +38,8 @@ void hd_wait_ready(struct hd *d, int timeout_s);
 int hd_stop(struct hd *d);
 struct tl_client *hd_connect(struct hd *d);
 /* Registers examples/bodies/FILE's ENTRY under NAME; asserts success. */
-void hd_register(struct tl_client *c, const char *name, const char *body_file,
-		 const char *entry, int64_t max_steps, int64_t max_elements, int64_t budget);
+void hd_register(struct tl_client *c, const char *name, const char *body_file, const char *entry,
+                 int64_t max_steps, int64_t max_elements, int64_t budget);
 /* A counter of the adapter's describe output (e.g. "compiles"). */
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
 
@@ -51,14 +51,14 @@ void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed);
  * runs the eager reference; returns the reference trees loaded in tj.
  */
 void h_reference(const char *dir, const char *body_file, const char *entry,
-		 const struct tl_tree *carry, const struct tl_tree *inputs,
-		 const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs, bool grad,
-		 bool fd);
+                 const struct tl_tree *carry, const struct tl_tree *inputs,
+                 const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs, bool grad,
+                 bool fd);
 const struct tl_tree *h_load_ref(struct treejson *tj, const char *dir, const char *key);
 
 /* Same structure, shapes and dtypes, values within rtol/atol. */
-void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol,
-		    double atol, const char *what);
+void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol, double atol,
+                    const char *what);
 /* Largest |got-want| / max(|want|, floor) over all leaves. */
 double h_max_rel_error(const struct tl_tree *got, const struct tl_tree *want, double floor);
 

@@ -21,7 +21,7 @@ static const char *cli_bin(void)
 	static char p[1100];
 
 	snprintf(p, sizeof p, "%s/%s/torchloop", h_root(),
-		 getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
+	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
 	return p;
 }
 
@@ -96,16 +96,23 @@ Test(cli, a_scan_from_npy_files_matches_eager_pytorch)
 	save(dir, "y.npy", 1, c, 2);
 	save(dir, "z.npy", 1, c, 3);
 	save(dir, "f.npy", 2, x, 4);
-	cr_assert_eq(cli(d.sock, dir, (const char *[]){"register", "t5.lorenz", "--body", "examples/bodies/lorenz.py",
-						  "--entry", "rk4", "--max-steps", "12", NULL}), 0);
+	cr_assert_eq(
+	    cli(d.sock, dir,
+	        (const char *[]){"register", "t5.lorenz", "--body", "examples/bodies/lorenz.py",
+	                         "--entry", "rk4", "--max-steps", "12", NULL}),
+	    0);
 	snprintf(out, sizeof out, "%s/out", dir);
-	snprintf(carry, sizeof carry, "{\"x\": \"%s/x.npy\", \"y\": \"%s/y.npy\", \"z\": \"%s/z.npy\"}", dir, dir, dir);
+	snprintf(carry, sizeof carry,
+	         "{\"x\": \"%s/x.npy\", \"y\": \"%s/y.npy\", \"z\": \"%s/z.npy\"}", dir, dir, dir);
 	snprintf(ref, sizeof ref, "{\"forcing\": \"%s/f.npy\"}", dir);
-	cr_assert_eq(cli(d.sock, dir, (const char *[]){"scan", "t5.lorenz", "--carry", carry, "--inputs", ref, "--out", out, NULL}), 0);
+	cr_assert_eq(cli(d.sock, dir,
+	                 (const char *[]){"scan", "t5.lorenz", "--carry", carry, "--inputs", ref,
+	                                  "--out", out, NULL}),
+	             0);
 	treejson_init(&tj, b, NULL);
 	treejson_init(&rj, b, NULL);
-	h_reference(dir, "examples/bodies/lorenz.py", "rk4", load_tree(&tj, "/", carry), load_tree(&tj, "/", ref),
-		    NULL, NULL, false, false);
+	h_reference(dir, "examples/bodies/lorenz.py", "rk4", load_tree(&tj, "/", carry),
+	            load_tree(&tj, "/", ref), NULL, NULL, false, false);
 	{
 		char path[700], msg[256];
 		json_t *doc;
@@ -114,9 +121,9 @@ Test(cli, a_scan_from_npy_files_matches_eager_pytorch)
 		cr_assert_not_null(doc);
 		tj.base = out;
 		h_assert_close(treejson_load(&tj, json_object_get(doc, "carry"), msg, sizeof msg),
-			       h_load_ref(&rj, dir, "carry"), 1e-6, 1e-12, "carry");
+		               h_load_ref(&rj, dir, "carry"), 1e-6, 1e-12, "carry");
 		h_assert_close(treejson_load(&tj, json_object_get(doc, "outputs"), msg, sizeof msg),
-			       h_load_ref(&rj, dir, "outputs"), 1e-6, 1e-12, "outputs");
+		               h_load_ref(&rj, dir, "outputs"), 1e-6, 1e-12, "outputs");
 		json_decref(doc);
 	}
 	treejson_free(&tj);
@@ -128,7 +135,8 @@ Test(cli, a_scan_from_npy_files_matches_eager_pytorch)
 Test(cli, a_grad_writes_gradients_that_match_autograd)
 {
 	struct hd d;
-	char dir[512], out[600], carry[700], inputs[600], cot_c[700], cot_y[600], path[700], msg[256];
+	char dir[512], out[600], carry[700], inputs[600], cot_c[700], cot_y[600], path[700],
+	    msg[256];
 	struct tl_builder *b = tl_builder_new();
 	struct treejson tj, rj;
 	int64_t h[] = {2, 8}, x[] = {3, 2, 3}, y[] = {3, 2, 8};
@@ -141,19 +149,25 @@ Test(cli, a_grad_writes_gradients_that_match_autograd)
 	save(dir, "x.npy", 3, x, 6);
 	save(dir, "ch.npy", 2, h, 7);
 	save(dir, "cy.npy", 3, y, 8);
-	cr_assert_eq(cli(d.sock, dir, (const char *[]){"register", "t5.rnn", "--body", "examples/bodies/rnn.py",
-						  "--entry", "cell", "--max-steps", "6", NULL}), 0);
+	cr_assert_eq(cli(d.sock, dir,
+	                 (const char *[]){"register", "t5.rnn", "--body", "examples/bodies/rnn.py",
+	                                  "--entry", "cell", "--max-steps", "6", NULL}),
+	             0);
 	snprintf(carry, sizeof carry, "{\"__tuple__\": [\"%s/h.npy\", null]}", dir);
 	snprintf(inputs, sizeof inputs, "%s/x.npy", dir);
 	snprintf(cot_c, sizeof cot_c, "{\"__tuple__\": [\"%s/ch.npy\", null]}", dir);
 	snprintf(cot_y, sizeof cot_y, "%s/cy.npy", dir);
 	snprintf(out, sizeof out, "%s/out", dir);
-	cr_assert_eq(cli(d.sock, dir, (const char *[]){"grad", "t5.rnn", "--carry", carry, "--inputs", inputs,
-						  "--cot-carry", cot_c, "--cot-outputs", cot_y, "--out", out, NULL}), 0);
+	cr_assert_eq(
+	    cli(d.sock, dir,
+	        (const char *[]){"grad", "t5.rnn", "--carry", carry, "--inputs", inputs,
+	                         "--cot-carry", cot_c, "--cot-outputs", cot_y, "--out", out, NULL}),
+	    0);
 	treejson_init(&tj, b, NULL);
 	treejson_init(&rj, b, NULL);
-	h_reference(dir, "examples/bodies/rnn.py", "cell", load_tree(&tj, "/", carry), load_tree(&tj, "/", inputs),
-		    load_tree(&tj, "/", cot_c), load_tree(&tj, "/", cot_y), true, false);
+	h_reference(dir, "examples/bodies/rnn.py", "cell", load_tree(&tj, "/", carry),
+	            load_tree(&tj, "/", inputs), load_tree(&tj, "/", cot_c),
+	            load_tree(&tj, "/", cot_y), true, false);
 	snprintf(path, sizeof path, "%s/tree.json", out);
 	doc = json_load_file(path, JSON_PRESERVE_ORDER, NULL);
 	cr_assert_not_null(doc);
@@ -161,7 +175,7 @@ Test(cli, a_grad_writes_gradients_that_match_autograd)
 	for (int k = 0; k < 4; k++) {
 		static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
 		h_assert_close(treejson_load(&tj, json_object_get(doc, keys[k]), msg, sizeof msg),
-			       h_load_ref(&rj, dir, keys[k]), 1e-10, 1e-12, keys[k]);
+		               h_load_ref(&rj, dir, keys[k]), 1e-10, 1e-12, keys[k]);
 	}
 	json_decref(doc);
 	treejson_free(&tj);
@@ -178,20 +192,24 @@ struct usage_case {
 };
 
 static const struct usage_case USAGE[] = {
-	{{NULL}, "no command"},
-	{{"frobnicate", NULL}, "unknown command"},
-	{{"scan", NULL}, "needs an ADAPTER"},
-	{{"scan", "t5.x", "--carry", "c.npy", NULL}, "required"},
-	{{"scan", "t5.x", "--carry", "c.npy", "--inputs", "fortran.npy", "--out", "o", NULL}, "Fortran"},
-	{{"scan", "t5.x", "--carry", "c.npy", "--inputs", "int.npy", "--out", "o", NULL}, "not float32"},
-	{{"scan", "t5.x", "--carry", "c.npy", "--inputs", "damaged.npy", "--out", "o", NULL}, "damaged"},
-	{{"scan", "t5.x", "--carry", "c.npy", "--inputs", "missing.npy", "--out", "o", NULL}, "No such file"},
-	{{"scan", "t5.x", "--carry", "{\"a\": 5}", "--inputs", "c.npy", "--out", "o", NULL}, "leaves"},
-	{{"scan", "t5.x", "--bogus", NULL}, "unknown option"},
-	{{"register", "t5.x", NULL}, "--body"},
-	{{"register", "t5.x", "--body", "b.py", "--max-steps", "many", NULL}, "integer"},
-	{{"describe", NULL}, "needs a NAME"},
-	{{"list", "extra", NULL}, "unexpected argument"},
+    {{NULL}, "no command"},
+    {{"frobnicate", NULL}, "unknown command"},
+    {{"scan", NULL}, "needs an ADAPTER"},
+    {{"scan", "t5.x", "--carry", "c.npy", NULL}, "required"},
+    {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "fortran.npy", "--out", "o", NULL},
+     "Fortran"},
+    {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "int.npy", "--out", "o", NULL},
+     "not float32"},
+    {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "damaged.npy", "--out", "o", NULL},
+     "damaged"},
+    {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "missing.npy", "--out", "o", NULL},
+     "No such file"},
+    {{"scan", "t5.x", "--carry", "{\"a\": 5}", "--inputs", "c.npy", "--out", "o", NULL}, "leaves"},
+    {{"scan", "t5.x", "--bogus", NULL}, "unknown option"},
+    {{"register", "t5.x", NULL}, "--body"},
+    {{"register", "t5.x", "--body", "b.py", "--max-steps", "many", NULL}, "integer"},
+    {{"describe", NULL}, "needs a NAME"},
+    {{"list", "extra", NULL}, "unexpected argument"},
 };
 
 #define N_USAGE (sizeof USAGE / sizeof USAGE[0])
@@ -239,7 +257,8 @@ ParameterizedTest(int *i, cli, each_usage_error_exits_2_with_a_message)
 	(void)cli_bin(); /* resolve the paths before the chdir below */
 	h_tmpdir(dir, sizeof dir, "usage");
 	save(dir, "c.npy", 1, s4, 1);
-	write_npy(dir, "fortran.npy", "{'descr': '<f8', 'fortran_order': True, 'shape': (2,), }", 16);
+	write_npy(dir, "fortran.npy", "{'descr': '<f8', 'fortran_order': True, 'shape': (2,), }",
+	          16);
 	write_npy(dir, "damaged.npy", "{'descr': '<f8', 'fortran_", 0);
 	write_npy(dir, "int.npy", "{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", 16);
 	write_bytes(dir, "b.py", "def body(c, x):\n    return c, c\n", 32);
@@ -276,7 +295,10 @@ Test(cli, no_daemon_exits_3_and_a_daemon_error_exits_1)
 		snprintf(c, sizeof c, "%s/c.npy", dir);
 		snprintf(x, sizeof x, "%s/x.npy", dir);
 		snprintf(out, sizeof out, "%s/out", dir);
-		cr_assert_eq(cli(d.sock, dir, (const char *[]){"scan", "no.such", "--carry", c, "--inputs", x, "--out", out, NULL}), 1);
+		cr_assert_eq(cli(d.sock, dir,
+		                 (const char *[]){"scan", "no.such", "--carry", c, "--inputs", x,
+		                                  "--out", out, NULL}),
+		             1);
 		cr_assert(log_has(dir, "NOT_FOUND"));
 	}
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"health", NULL}), 0);
@@ -299,10 +321,12 @@ Test(cli, a_c_program_builds_against_libtorchloop_through_pkg_config)
 	snprintf(exe, sizeof exe, "%s/example", dir);
 	snprintf(src, sizeof src, "%s/examples/client_example.c", h_root());
 	snprintf(pc, sizeof pc, "%s/%s", h_root(),
-		 getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
+	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
 	snprintf(log, sizeof log, "%s/cli.log", dir);
-	snprintf(cmd, sizeof cmd, "PKG_CONFIG_PATH=%s cc -std=c11 -Wall -Werror -o %s %s $(PKG_CONFIG_PATH=%s pkg-config --cflags --libs torchloop) -Wl,-rpath,%s",
-		 pc, exe, src, pc, pc);
+	snprintf(cmd, sizeof cmd,
+	         "PKG_CONFIG_PATH=%s cc -std=c11 -Wall -Werror -o %s %s $(PKG_CONFIG_PATH=%s "
+	         "pkg-config --cflags --libs torchloop) -Wl,-rpath,%s",
+	         pc, exe, src, pc, pc);
 	rc = h_run((const char *[]){"sh", "-c", cmd, NULL}, log);
 	cr_assert_eq(rc, 0, "build failed; see %s", log);
 	hd_start(&d, NULL, ARGS);

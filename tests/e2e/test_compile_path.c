@@ -35,11 +35,11 @@ enum body { CUMSUM, EMA, LORENZ, RNN, DICT_OUT, N_BODIES };
 static const struct body_info {
 	const char *adapter, *file, *entry;
 } BODIES[N_BODIES] = {
-	[CUMSUM] = {"t3.cumsum", "examples/bodies/cumsum.py", "body"},
-	[EMA] = {"t3.ema", "examples/bodies/ema.py", "body"},
-	[LORENZ] = {"t3.lorenz", "examples/bodies/lorenz.py", "rk4"},
-	[RNN] = {"t3.rnn", "examples/bodies/rnn.py", "cell"},
-	[DICT_OUT] = {"t3.dict_out", "examples/bodies/dict_out.py", "body"},
+    [CUMSUM] = {"t3.cumsum", "examples/bodies/cumsum.py", "body"},
+    [EMA] = {"t3.ema", "examples/bodies/ema.py", "body"},
+    [LORENZ] = {"t3.lorenz", "examples/bodies/lorenz.py", "rk4"},
+    [RNN] = {"t3.rnn", "examples/bodies/rnn.py", "cell"},
+    [DICT_OUT] = {"t3.dict_out", "examples/bodies/dict_out.py", "body"},
 };
 
 struct trees {
@@ -49,8 +49,8 @@ struct trees {
 	int n;
 };
 
-static struct tl_tree *rand_tensor(struct trees *t, enum tl_dtype dt, int ndim, const int64_t *shape,
-				   uint64_t seed)
+static struct tl_tree *rand_tensor(struct trees *t, enum tl_dtype dt, int ndim,
+                                   const int64_t *shape, uint64_t seed)
 {
 	size_t n = 1, item = dt == TL_FLOAT32 ? 4 : 8;
 	void *buf;
@@ -86,7 +86,7 @@ static void build(struct trees *t, enum body body, enum tl_dtype dt, int64_t ste
 		int64_t c[] = {5}, x[] = {steps, 5};
 		const char *keys[] = {"x", "y", "z"}, *fk[] = {"forcing"};
 		struct tl_tree *xyz[3] = {rand_tensor(t, dt, 1, c, 5), rand_tensor(t, dt, 1, c, 6),
-					  rand_tensor(t, dt, 1, c, 7)};
+		                          rand_tensor(t, dt, 1, c, 7)};
 		struct tl_tree *f = rand_tensor(t, dt, 2, x, 8);
 		t->carry = tl_dict(t->b, 3, keys, xyz);
 		t->inputs = tl_dict(t->b, 1, fk, &f);
@@ -120,9 +120,12 @@ struct run_case {
 };
 
 static const struct run_case RUNS[] = {
-#define CASES(b)                                                                              \
-	{b, TL_FLOAT64, 1}, {b, TL_FLOAT64, MAX_STEPS}, {b, TL_FLOAT32, 1}, {b, TL_FLOAT32, MAX_STEPS}
-	CASES(CUMSUM), CASES(EMA), CASES(LORENZ), CASES(RNN), CASES(DICT_OUT),
+#define CASES(b)                                                                                   \
+	{b, TL_FLOAT64, 1}, {b, TL_FLOAT64, MAX_STEPS}, {b, TL_FLOAT32, 1},                        \
+	{                                                                                          \
+		b, TL_FLOAT32, MAX_STEPS                                                           \
+	}
+    CASES(CUMSUM), CASES(EMA), CASES(LORENZ), CASES(RNN), CASES(DICT_OUT),
 #undef CASES
 };
 
@@ -155,17 +158,18 @@ ParameterizedTest(int *i, compile_path, every_example_body_matches_an_eager_loop
 	c = hd_connect(&d);
 	hd_register(c, bi->adapter, bi->file, bi->entry, MAX_STEPS, 65536, 8);
 	build(&t, rc->body, rc->dtype, rc->steps);
-	cr_assert_eq(tl_scan(c, bi->adapter, t.carry, t.inputs, &r, &err), 0, "%s: %s %s", bi->adapter,
-		     err.code, err.message);
+	cr_assert_eq(tl_scan(c, bi->adapter, t.carry, t.inputs, &r, &err), 0, "%s: %s %s",
+	             bi->adapter, err.code, err.message);
 	h_tmpdir(dir, sizeof dir, "ref");
 	h_reference(dir, bi->file, bi->entry, t.carry, t.inputs, NULL, NULL, false, false);
 	treejson_init(&tj, t.b, NULL);
 	snprintf(what, sizeof what, "%s %s T=%lld carry", bi->adapter,
-		 rc->dtype == TL_FLOAT32 ? "f32" : "f64", (long long)rc->steps);
+	         rc->dtype == TL_FLOAT32 ? "f32" : "f64", (long long)rc->steps);
 	h_assert_close(tl_reply_tree(r, "carry"), h_load_ref(&tj, dir, "carry"), rtol, atol, what);
 	snprintf(what, sizeof what, "%s %s T=%lld outputs", bi->adapter,
-		 rc->dtype == TL_FLOAT32 ? "f32" : "f64", (long long)rc->steps);
-	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), rtol, atol, what);
+	         rc->dtype == TL_FLOAT32 ? "f32" : "f64", (long long)rc->steps);
+	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), rtol, atol,
+	               what);
 	tl_reply_free(r);
 	treejson_free(&tj);
 	free_trees(&t);
@@ -181,13 +185,13 @@ struct error_case {
 };
 
 static const struct error_case ERRORS[] = {
-	{"raises", "BODY_ERROR"},
-	{"reshapes_carry", "CARRY_MISMATCH"},
-	{"changes_dtype", "CARRY_MISMATCH"},
-	{"returns_one_value", "BODY_ERROR"},
-	{"branches_on_data", "GRAPH_BREAK"},
-	{"unsupported", "GRAPH_BREAK"},
-	{"uses_numpy", "UNSUPPORTED_OP"},
+    {"raises", "BODY_ERROR"},
+    {"reshapes_carry", "CARRY_MISMATCH"},
+    {"changes_dtype", "CARRY_MISMATCH"},
+    {"returns_one_value", "BODY_ERROR"},
+    {"branches_on_data", "GRAPH_BREAK"},
+    {"unsupported", "GRAPH_BREAK"},
+    {"uses_numpy", "UNSUPPORTED_OP"},
 };
 
 #define N_ERRORS (sizeof ERRORS / sizeof ERRORS[0])
@@ -227,7 +231,8 @@ ParameterizedTest(int *i, compile_path, a_failing_body_gets_its_code_and_the_dae
 	cr_assert_eq(hd_counter(c, name, "compiles"), 1, "a deterministic failure is not retried");
 	/* and the daemon still serves the next request */
 	hd_register(c, BODIES[CUMSUM].adapter, BODIES[CUMSUM].file, "body", MAX_STEPS, 65536, 8);
-	cr_assert_eq(tl_scan(c, BODIES[CUMSUM].adapter, t.carry, t.inputs, &r, &err), 0, "%s", err.message);
+	cr_assert_eq(tl_scan(c, BODIES[CUMSUM].adapter, t.carry, t.inputs, &r, &err), 0, "%s",
+	             err.message);
 	tl_reply_free(r);
 	free_trees(&t);
 	tl_close(c);
@@ -324,7 +329,11 @@ Test(compile_path, a_truncated_or_flipped_artifact_is_quarantined_and_rebuilt)
 		long cut;
 		bool flip;
 		bool half;
-	} modes[] = {{0, false, false}, {1, false, false}, {0, false, true}, {-1, false, false}, {0, true, false}};
+	} modes[] = {{0, false, false},
+	             {1, false, false},
+	             {0, false, true},
+	             {-1, false, false},
+	             {0, true, false}};
 	char cache[512], so[1024], quarantine[600];
 	struct trees t;
 	double compiles;
@@ -340,9 +349,11 @@ Test(compile_path, a_truncated_or_flipped_artifact_is_quarantined_and_rebuilt)
 		find_artifact(cache, so, sizeof so);
 		stat(so, &st);
 		corrupt(so, modes[m].half ? st.st_size / 2 : modes[m].cut, modes[m].flip);
-		cr_assert_not(scan_once(cache, &t, &compiles), "mode %zu: the corrupt artifact was loaded", m);
+		cr_assert_not(scan_once(cache, &t, &compiles),
+		              "mode %zu: the corrupt artifact was loaded", m);
 		cr_assert_eq(compiles, 1, "mode %zu: rebuilt once", m);
-		cr_assert_eq(count_files(quarantine), 2 * (int)(m + 1), "mode %zu: .so and .meta quarantined", m);
+		cr_assert_eq(count_files(quarantine), 2 * (int)(m + 1),
+		             "mode %zu: .so and .meta quarantined", m);
 	}
 	free_trees(&t);
 }
@@ -417,7 +428,8 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 		hd_wait_ready(&d, 120);
 		c = hd_connect(&d);
 		hd_register(c, "t3.nopy", BODIES[CUMSUM].file, "body", MAX_STEPS, 65536, 8);
-		cr_assert_eq(tl_scan(c, "t3.nopy", t.carry, t.inputs, &r, &err), 0, "%s", err.message);
+		cr_assert_eq(tl_scan(c, "t3.nopy", t.carry, t.inputs, &r, &err), 0, "%s",
+		             err.message);
 		tl_reply_free(r);
 		tl_close(c);
 		cr_assert_eq(hd_stop(&d), 0);
@@ -427,8 +439,10 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 	find_artifact(cache, so, sizeof so);
 	cr_assert_eq(engine_load(so, 1, &g, &perr), 0, "%s", perr.message);
 	cr_assert_eq(engine_count_openmp_runtimes(), 1, "one OpenMP runtime mapped");
-	in[0] = (struct engine_tensor){PROTO_DTYPE_F64, 1, {4096}, (void *)tl_tree_data(t.carry), 4096 * 8};
-	in[1] = (struct engine_tensor){PROTO_DTYPE_F64, 2, {3, 4096}, (void *)tl_tree_data(t.inputs), 3 * 4096 * 8};
+	in[0] = (struct engine_tensor){
+	    PROTO_DTYPE_F64, 1, {4096}, (void *)tl_tree_data(t.carry), 4096 * 8};
+	in[1] = (struct engine_tensor){
+	    PROTO_DTYPE_F64, 2, {3, 4096}, (void *)tl_tree_data(t.inputs), 3 * 4096 * 8};
 	cr_assert_eq(engine_run(g, in, 2, in, &res, &perr), 0, "%s", perr.message);
 	for (int k = 0; k < 4096; k++) {
 		const double *c0 = tl_tree_data(t.carry), *x = tl_tree_data(t.inputs);

@@ -67,8 +67,8 @@ static void scan_ok(struct fixture *f, struct tl_client *c)
 	struct tl_error err;
 	const double *y, *fin;
 
-	cr_assert_eq(tl_scan(c, "t4.cumsum", f->carry_t, f->inputs_t, &r, &err), 0, "%s %s", err.code,
-		     err.message);
+	cr_assert_eq(tl_scan(c, "t4.cumsum", f->carry_t, f->inputs_t, &r, &err), 0, "%s %s",
+	             err.code, err.message);
 	y = tl_tree_data(tl_reply_tree(r, "outputs"));
 	fin = tl_tree_data(tl_reply_tree(r, "carry"));
 	for (int k = 0; k < 4; k++) {
@@ -95,6 +95,18 @@ static json_t *call_json(struct tl_client *c, const char *op, const char *name)
 	return j;
 }
 
+static void write_adapter(const char *dir, const char *name)
+{
+	char path[600];
+	FILE *fp;
+
+	snprintf(path, sizeof path, "%s/%s.adapter", dir, name);
+	fp = fopen(path, "w");
+	fprintf(fp, "# test\nname = %s\nbody = %s/%s\nentry = body\nmax_steps = 12\n", name,
+	        h_root(), CUMSUM);
+	fclose(fp);
+}
+
 /* ---- every op ------------------------------------------------------------------ */
 
 Test(daemon, every_op_answers)
@@ -115,10 +127,13 @@ Test(daemon, every_op_answers)
 	j = call_json(f.c, "describe", "t4.cumsum");
 	cr_assert_eq(json_integer_value(json_object_get(j, "max_steps")), 12);
 	cr_assert_eq(json_integer_value(json_object_get(j, "budget_used")), 1);
-	cr_assert_str_eq(json_string_value(json_object_get(json_array_get(json_object_get(j, "specializations"), 0), "signature")),
-			 "float64 T=3 carry=[4] inputs=[3,4]");
+	cr_assert_str_eq(
+	    json_string_value(json_object_get(
+	        json_array_get(json_object_get(j, "specializations"), 0), "signature")),
+	    "float64 T=3 carry=[4] inputs=[3,4]");
 	json_decref(j);
-	cr_assert_eq(tl_compile(f.c, "t4.cumsum", f.carry_t, f.inputs_t, TL_FLOAT64, 0, &r, &err), 0, "%s", err.message);
+	cr_assert_eq(tl_compile(f.c, "t4.cumsum", f.carry_t, f.inputs_t, TL_FLOAT64, 0, &r, &err),
+	             0, "%s", err.message);
 	tl_reply_free(r);
 	j = call_json(f.c, "stats", NULL);
 	cr_assert_geq(json_integer_value(json_object_get(j, "requests")), 5);
@@ -156,22 +171,33 @@ Test(daemon, a_protocol_mismatch_is_refused_naming_both_versions)
 
 /* ---- validation: code, leaf path, and the next request is served ------------------ */
 
-enum bad { B_NOT_FOUND, B_DTYPE, B_NO_INPUTS, B_RANK0, B_LENGTHS, B_TOO_MANY_STEPS, B_ZERO_STEPS,
-	   B_INPUT_ELEMENTS, B_CARRY_ELEMENTS, B_OUTPUT_ELEMENTS, N_BAD };
+enum bad {
+	B_NOT_FOUND,
+	B_DTYPE,
+	B_NO_INPUTS,
+	B_RANK0,
+	B_LENGTHS,
+	B_TOO_MANY_STEPS,
+	B_ZERO_STEPS,
+	B_INPUT_ELEMENTS,
+	B_CARRY_ELEMENTS,
+	B_OUTPUT_ELEMENTS,
+	N_BAD
+};
 
 static const struct bad_case {
 	const char *code, *path;
 } BAD[N_BAD] = {
-	[B_NOT_FOUND] = {"NOT_FOUND", "adapter"},
-	[B_DTYPE] = {"DTYPE_MISMATCH", "inputs"},
-	[B_NO_INPUTS] = {"NO_INPUTS", "inputs"},
-	[B_RANK0] = {"BAD_RANK", "inputs[\"b\"]"},
-	[B_LENGTHS] = {"LENGTH_MISMATCH", "inputs[\"b\"]"},
-	[B_TOO_MANY_STEPS] = {"TOO_MANY_STEPS", "inputs"},
-	[B_ZERO_STEPS] = {"TOO_MANY_STEPS", "inputs"},
-	[B_INPUT_ELEMENTS] = {"TOO_MANY_ELEMENTS", "inputs"},
-	[B_CARRY_ELEMENTS] = {"TOO_MANY_ELEMENTS", "carry[1]"},
-	[B_OUTPUT_ELEMENTS] = {"TOO_MANY_ELEMENTS", "outputs"},
+    [B_NOT_FOUND] = {"NOT_FOUND", "adapter"},
+    [B_DTYPE] = {"DTYPE_MISMATCH", "inputs"},
+    [B_NO_INPUTS] = {"NO_INPUTS", "inputs"},
+    [B_RANK0] = {"BAD_RANK", "inputs[\"b\"]"},
+    [B_LENGTHS] = {"LENGTH_MISMATCH", "inputs[\"b\"]"},
+    [B_TOO_MANY_STEPS] = {"TOO_MANY_STEPS", "inputs"},
+    [B_ZERO_STEPS] = {"TOO_MANY_STEPS", "inputs"},
+    [B_INPUT_ELEMENTS] = {"TOO_MANY_ELEMENTS", "inputs"},
+    [B_CARRY_ELEMENTS] = {"TOO_MANY_ELEMENTS", "carry[1]"},
+    [B_OUTPUT_ELEMENTS] = {"TOO_MANY_ELEMENTS", "outputs"},
 };
 
 ParameterizedTestParameters(daemon, each_bad_scan_gets_its_code_and_leaf_path)
@@ -192,16 +218,22 @@ ParameterizedTest(int *i, daemon, each_bad_scan_gets_its_code_and_leaf_path)
 	struct tl_tree *carry, *inputs, *items[2];
 	const char *ab[] = {"a", "b"};
 	const char *adapter = "t4.cumsum";
-	int64_t s4[] = {4}, s34[] = {3, 4}, s24[] = {2, 4}, s0[] = {0, 4}, s13[] = {13, 4}, s20[] = {12, 6},
-		s100[] = {100}, s121[] = {12, 1};
+	int64_t s4[] = {4}, s34[] = {3, 4}, s24[] = {2, 4}, s0[] = {0, 4}, s13[] = {13, 4},
+	        s20[] = {12, 6}, s100[] = {100}, s121[] = {12, 1};
 
 	setup(&f, NULL);
 	carry = f.carry_t;
 	inputs = f.inputs_t;
 	switch (*i) {
-	case B_NOT_FOUND: adapter = "no.such"; break;
-	case B_DTYPE: carry = tl_tensor(f.b, TL_FLOAT32, 1, s4, f32); break;
-	case B_NO_INPUTS: inputs = tl_none(f.b); break;
+	case B_NOT_FOUND:
+		adapter = "no.such";
+		break;
+	case B_DTYPE:
+		carry = tl_tensor(f.b, TL_FLOAT32, 1, s4, f32);
+		break;
+	case B_NO_INPUTS:
+		inputs = tl_none(f.b);
+		break;
 	case B_RANK0:
 		items[0] = f.inputs_t;
 		items[1] = tl_tensor(f.b, TL_FLOAT64, 0, NULL, big);
@@ -212,9 +244,15 @@ ParameterizedTest(int *i, daemon, each_bad_scan_gets_its_code_and_leaf_path)
 		items[1] = tl_tensor(f.b, TL_FLOAT64, 2, s24, big);
 		inputs = tl_dict(f.b, 2, ab, items);
 		break;
-	case B_TOO_MANY_STEPS: inputs = tl_tensor(f.b, TL_FLOAT64, 2, s13, big); break;
-	case B_ZERO_STEPS: inputs = tl_tensor(f.b, TL_FLOAT64, 2, s0, big); break;
-	case B_INPUT_ELEMENTS: inputs = tl_tensor(f.b, TL_FLOAT64, 2, s20, big); break;
+	case B_TOO_MANY_STEPS:
+		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s13, big);
+		break;
+	case B_ZERO_STEPS:
+		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s0, big);
+		break;
+	case B_INPUT_ELEMENTS:
+		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s20, big);
+		break;
 	case B_CARRY_ELEMENTS:
 		items[0] = f.carry_t;
 		items[1] = tl_tensor(f.b, TL_FLOAT64, 1, s100, big);
@@ -230,7 +268,8 @@ ParameterizedTest(int *i, daemon, each_bad_scan_gets_its_code_and_leaf_path)
 	cr_assert_eq(tl_scan(f.c, adapter, carry, inputs, &r, &err), -1, "accepted");
 	cr_assert_str_eq(err.code, BAD[*i].code, "got %s: %s", err.code, err.message);
 	cr_assert_str_eq(err.path, BAD[*i].path, "path of %s: %s", err.code, err.message);
-	cr_assert(strstr(err.message, BAD[*i].path) != NULL, "the message names the leaf: %s", err.message);
+	cr_assert(strstr(err.message, BAD[*i].path) != NULL, "the message names the leaf: %s",
+	          err.message);
 	scan_ok(&f, f.c); /* the same connection still serves */
 	teardown(&f);
 }
@@ -244,20 +283,25 @@ struct reg_case {
 };
 
 static const struct reg_case REGS[] = {
-	{"max_steps", 0, 0, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
-	{"max_steps", 0, 129, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
-	{"max_steps", 1, 1, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
-	{"max_steps", 2, 16, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
-	{"max_elements", 0, 0, NULL, "INVALID_BOUNDS", "max_elements must be an integer in [1, 1048576]"},
-	{"max_elements", 0, 1048577, NULL, "INVALID_BOUNDS", "max_elements must be an integer in [1, 1048576]"},
-	{"max_elements", 1, 0, NULL, "INVALID_BOUNDS", "max_elements must be an integer in [1, 1048576]"},
-	{"recompile_budget", 0, 0, NULL, "INVALID_BOUNDS", "recompile_budget must be an integer in [1, 64]"},
-	{"recompile_budget", 0, 65, NULL, "INVALID_BOUNDS", "recompile_budget must be an integer in [1, 64]"},
-	{"name", 3, 0, "", "INVALID_NAME", "Loop adapter namespace must not be empty"},
-	{"name", 3, 0, "has space", "INVALID_NAME", "adapter name must match [A-Za-z0-9._-]{1,64}"},
-	{"name", 3, 0, "x/../y", "INVALID_NAME", "adapter name must match [A-Za-z0-9._-]{1,64}"},
-	{"name", 3, 0, "a1234567890123456789012345678901234567890123456789012345678901234", "INVALID_NAME",
-	 "adapter name must match [A-Za-z0-9._-]{1,64}"},
+    {"max_steps", 0, 0, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
+    {"max_steps", 0, 129, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
+    {"max_steps", 1, 1, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
+    {"max_steps", 2, 16, NULL, "INVALID_BOUNDS", "max_steps must be an integer in [1, 128]"},
+    {"max_elements", 0, 0, NULL, "INVALID_BOUNDS",
+     "max_elements must be an integer in [1, 1048576]"},
+    {"max_elements", 0, 1048577, NULL, "INVALID_BOUNDS",
+     "max_elements must be an integer in [1, 1048576]"},
+    {"max_elements", 1, 0, NULL, "INVALID_BOUNDS",
+     "max_elements must be an integer in [1, 1048576]"},
+    {"recompile_budget", 0, 0, NULL, "INVALID_BOUNDS",
+     "recompile_budget must be an integer in [1, 64]"},
+    {"recompile_budget", 0, 65, NULL, "INVALID_BOUNDS",
+     "recompile_budget must be an integer in [1, 64]"},
+    {"name", 3, 0, "", "INVALID_NAME", "Loop adapter namespace must not be empty"},
+    {"name", 3, 0, "has space", "INVALID_NAME", "adapter name must match [A-Za-z0-9._-]{1,64}"},
+    {"name", 3, 0, "x/../y", "INVALID_NAME", "adapter name must match [A-Za-z0-9._-]{1,64}"},
+    {"name", 3, 0, "a1234567890123456789012345678901234567890123456789012345678901234",
+     "INVALID_NAME", "adapter name must match [A-Za-z0-9._-]{1,64}"},
 };
 
 #define N_REGS (sizeof REGS / sizeof REGS[0])
@@ -324,15 +368,22 @@ struct frame_case {
 	bool closes;
 };
 
-#define FR(lit, code, closes) {lit, sizeof(lit) - 1, code, closes}
+#define FR(lit, code, closes)                                                                      \
+	{                                                                                          \
+		lit, sizeof(lit) - 1, code, closes                                                 \
+	}
 
 static const struct frame_case FRAMES[] = {
-	FR("\x7f\xff\xff\xff", "FRAME_TOO_LARGE", true),
-	FR("\x00\x00\x00\x01\xc1", "MSGPACK_INVALID", false),
-	FR("\x00\x00\x00\x05\xdd\xff\xff\xff\xff", "MSGPACK_COUNT_TOO_LARGE", false),
-	FR("\x00\x00\x00\x04\x93\x01\x02\x03", "NOT_A_MAP", false),
-	FR("\x00\x00\x00\x08\x81\xa2op\xa3" "abc", "BAD_ENVELOPE", false),
-	FR("\x00\x00\x00\x0d\x82\xa2id\x07\xa2op\xa4" "frob", "UNKNOWN_OP", false),
+    FR("\x7f\xff\xff\xff", "FRAME_TOO_LARGE", true),
+    FR("\x00\x00\x00\x01\xc1", "MSGPACK_INVALID", false),
+    FR("\x00\x00\x00\x05\xdd\xff\xff\xff\xff", "MSGPACK_COUNT_TOO_LARGE", false),
+    FR("\x00\x00\x00\x04\x93\x01\x02\x03", "NOT_A_MAP", false),
+    FR("\x00\x00\x00\x08\x81\xa2op\xa3"
+       "abc",
+       "BAD_ENVELOPE", false),
+    FR("\x00\x00\x00\x0d\x82\xa2id\x07\xa2op\xa4"
+       "frob",
+       "UNKNOWN_OP", false),
 };
 
 #define N_FRAMES (sizeof FRAMES / sizeof FRAMES[0])
@@ -348,7 +399,8 @@ ParameterizedTestParameters(daemon, hostile_frames_get_their_code_and_only_broke
 ParameterizedTest(int *i, daemon, hostile_frames_get_their_code_and_only_broken_framing_closes)
 {
 	const struct frame_case *fc = &FRAMES[*i];
-	static const char health[] = "\x82\xa2id\x09\xa2op\xa6" "health";
+	static const char health[] = "\x82\xa2id\x09\xa2op\xa6"
+	                             "health";
 	struct fixture f;
 	char code[64], msg[1024];
 	long long id;
@@ -360,7 +412,8 @@ ParameterizedTest(int *i, daemon, hostile_frames_get_their_code_and_only_broken_
 	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
 	cr_assert_str_eq(code, fc->code, "%s", msg);
 	if (fc->closes) {
-		cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1, "closed after");
+		cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1,
+		             "closed after");
 	} else {
 		raw_send_frame(fd, health, sizeof health - 1);
 		cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
@@ -380,7 +433,7 @@ static int scan_shape(struct fixture *f, const char *adapter, int64_t n, struct 
 	int64_t cs[] = {n}, xs[] = {1, n};
 	struct tl_reply *r;
 	int rc = tl_scan(f->c, adapter, tl_tensor(f->b, TL_FLOAT64, 1, cs, buf),
-			 tl_tensor(f->b, TL_FLOAT64, 2, xs, buf), &r, err);
+	                 tl_tensor(f->b, TL_FLOAT64, 2, xs, buf), &r, err);
 
 	if (rc == 0)
 		tl_reply_free(r);
@@ -407,7 +460,7 @@ Test(daemon, the_budget_is_per_adapter_and_replacement_resets_it)
 	cr_assert_eq(scan_shape(&f, "t4.budget", 3, &err), -1);
 	cr_assert_str_eq(err.code, "RECOMPILE_BUDGET_EXHAUSTED");
 	cr_assert(strstr(err.message, "carry=[1]") && strstr(err.message, "carry=[2]"),
-		  "lists what it holds: %s", err.message);
+	          "lists what it holds: %s", err.message);
 	cr_assert_eq(scan_shape(&f, "t4.budget", 1, &err), 0, "held graphs still serve");
 	/* another adapter with the same body has its own budget and graphs */
 	def.name = "t4.budget2";
@@ -421,13 +474,15 @@ Test(daemon, the_budget_is_per_adapter_and_replacement_resets_it)
 	def.max_steps = 5;
 	cr_assert_eq(tl_register(f.c, &def, &err), 0);
 	cr_assert_eq(hd_counter(f.c, "t4.budget", "graphs"), 0, "graphs dropped on replace");
-	cr_assert_eq(scan_shape(&f, "t4.budget", 3, &err), 0, "budget starts again: %s", err.message);
+	cr_assert_eq(scan_shape(&f, "t4.budget", 3, &err), 0, "budget starts again: %s",
+	             err.message);
 	teardown(&f);
 }
 
 /* ---- concurrency ---------------------------------------------------------------------- */
 
-static void child_scans(struct fixture *f, int n, const void *want_carry, const void *want_y, int out_fd)
+static void child_scans(struct fixture *f, int n, const void *want_carry, const void *want_y,
+                        int out_fd)
 {
 	struct tl_client *c;
 	struct tl_error err;
@@ -492,7 +547,8 @@ static void child_one_scan(const char *sock, int64_t n, int out_fd)
 	int ok = 0;
 
 	if (tl_connect(sock, 5000, &c, &err) == 0 &&
-	    tl_scan(c, "t4.flight", tl_tensor(b, TL_FLOAT64, 1, cs, buf), tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &err) == 0) {
+	    tl_scan(c, "t4.flight", tl_tensor(b, TL_FLOAT64, 1, cs, buf),
+	            tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &err) == 0) {
 		ok = 1;
 		tl_reply_free(r);
 	}
@@ -554,7 +610,8 @@ Test(daemon, clients_that_vanish_mid_frame_or_mid_compile_harm_no_one)
 		struct tl_reply *r;
 		tl_connect(f.d.sock, 5000, &c, &err);
 		alarm(1);
-		tl_scan(c, "t4.cumsum", tl_tensor(b, TL_FLOAT64, 1, cs, buf), tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &err);
+		tl_scan(c, "t4.cumsum", tl_tensor(b, TL_FLOAT64, 1, cs, buf),
+		        tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &err);
 		_exit(0);
 	}
 	wait(NULL);
@@ -564,8 +621,9 @@ Test(daemon, clients_that_vanish_mid_frame_or_mid_compile_harm_no_one)
 		int64_t cs[] = {6}, xs[] = {2, 6};
 		struct tl_reply *r;
 		struct tl_error err;
-		cr_assert_eq(tl_scan(f.c, "t4.cumsum", tl_tensor(b, TL_FLOAT64, 1, cs, buf), tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &err), 0,
-			     "the abandoned compile still completes: %s", err.message);
+		cr_assert_eq(tl_scan(f.c, "t4.cumsum", tl_tensor(b, TL_FLOAT64, 1, cs, buf),
+		                     tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &err),
+		             0, "the abandoned compile still completes: %s", err.message);
 		tl_reply_free(r);
 	}
 	tl_builder_free(b);
@@ -619,7 +677,8 @@ static void *bg_scan_thread(void *arg)
 
 	s->rc = tl_connect(s->sock, 5000, &c, &s->err);
 	if (s->rc == 0) {
-		s->rc = tl_scan(c, "t4.kill", tl_tensor(b, TL_FLOAT64, 1, cs, buf), tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &s->err);
+		s->rc = tl_scan(c, "t4.kill", tl_tensor(b, TL_FLOAT64, 1, cs, buf),
+		                tl_tensor(b, TL_FLOAT64, 2, xs, buf), &r, &s->err);
 		tl_reply_free(r);
 		tl_close(c);
 	}
@@ -666,7 +725,8 @@ Test(daemon, sigterm_with_requests_in_flight_sends_no_truncated_reply)
 	setup(&f, NULL);
 	scan_ok(&f, f.c);
 	for (int k = 0; k < 8; k++) {
-		static const char health[] = "\x82\xa2id\x01\xa2op\xa6" "health";
+		static const char health[] = "\x82\xa2id\x01\xa2op\xa6"
+		                             "health";
 		fds[k] = raw_connect(f.d.sock);
 		for (int m = 0; m < 50; m++)
 			raw_send_frame(fds[k], health, sizeof health - 1);
@@ -677,7 +737,8 @@ Test(daemon, sigterm_with_requests_in_flight_sends_no_truncated_reply)
 		long long id;
 		int n = 0;
 		while (raw_recv(fds[k], code, sizeof code, &id, msg, sizeof msg) == 0) {
-			cr_assert(code[0] == '\0' || strcmp(code, "SHUTTING_DOWN") == 0, "%s", code);
+			cr_assert(code[0] == '\0' || strcmp(code, "SHUTTING_DOWN") == 0, "%s",
+			          code);
 			n++;
 		}
 		cr_assert_leq(n, 50); /* every frame read was whole (raw_recv asserts) */
@@ -703,6 +764,41 @@ Test(daemon, a_restart_on_a_warm_cache_scans_without_compiling)
 	teardown(&f);
 }
 
+Test(daemon, preloaded_adapters_have_their_cached_graphs_loaded_before_ready)
+{
+	char cache[512], dir[512];
+	const char *args[] = {"--no-probe", "--adapters", dir, NULL};
+	struct fixture f;
+	json_t *j, *sp;
+
+	h_tmpdir(cache, sizeof cache, "warm");
+	h_tmpdir(dir, sizeof dir, "warmdir");
+	write_adapter(dir, "t4.cumsum");
+	hd_start(&f.d, cache, args);
+	hd_wait_ready(&f.d, 120);
+	f.c = hd_connect(&f.d);
+	f.b = tl_builder_new();
+	h_fill(f.carry, TL_FLOAT64, 4, 11);
+	h_fill(f.xs, TL_FLOAT64, 12, 12);
+	f.carry_t = tl_tensor(f.b, TL_FLOAT64, 1, (int64_t[]){4}, f.carry);
+	f.inputs_t = tl_tensor(f.b, TL_FLOAT64, 2, (int64_t[]){3, 4}, f.xs);
+	scan_ok(&f, f.c); /* compiles into the private cache */
+	tl_close(f.c);
+	cr_assert_eq(hd_stop(&f.d), 0);
+	hd_start(&f.d, cache, args);
+	hd_wait_ready(&f.d, 120);
+	f.c = hd_connect(&f.d);
+	j = call_json(f.c, "describe", "t4.cumsum"); /* before any scan */
+	sp = json_array_get(json_object_get(j, "specializations"), 0);
+	cr_assert_not_null(sp, "the graph was loaded at start");
+	cr_assert_str_eq(json_string_value(json_object_get(sp, "state")), "ready");
+	cr_assert(json_is_true(json_object_get(sp, "from_cache")));
+	json_decref(j);
+	scan_ok(&f, f.c);
+	cr_assert_eq(hd_counter(f.c, "t4.cumsum", "compiles"), 0);
+	teardown(&f);
+}
+
 Test(daemon, a_compile_request_warms_a_specialization_from_shapes_alone)
 {
 	struct fixture f;
@@ -712,7 +808,8 @@ Test(daemon, a_compile_request_warms_a_specialization_from_shapes_alone)
 
 	setup(&f, NULL);
 	cr_assert_eq(tl_compile(f.c, "t4.cumsum", tl_tensor(f.b, TL_FLOAT64, 1, cs, NULL),
-				tl_tensor(f.b, TL_FLOAT64, 2, xs, NULL), TL_FLOAT64, 0, &r, &err), 0, "%s", err.message);
+	                        tl_tensor(f.b, TL_FLOAT64, 2, xs, NULL), TL_FLOAT64, 0, &r, &err),
+	             0, "%s", err.message);
 	tl_reply_free(r);
 	scan_ok(&f, f.c);
 	cr_assert_eq(hd_counter(f.c, "t4.cumsum", "graphs"), 1, "the scan used the warmed graph");
@@ -807,7 +904,8 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 		struct tl_client *c;
 		struct tl_error err;
 		struct tl_reply *r;
-		struct tl_adapter_def def = {"t4.evil", "def body(c, x):\n    return c, c\n", NULL, NULL, NULL, 0, 0, 0};
+		struct tl_adapter_def def = {
+		    "t4.evil", "def body(c, x):\n    return c, c\n", NULL, NULL, NULL, 0, 0, 0};
 		char out[3][48] = {"", "", ""};
 		if (setgid(65534) != 0 || setuid(65534) != 0)
 			_exit(2);
@@ -815,7 +913,9 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 			_exit(3);
 		snprintf(out[0], 48, "%s", tl_register(c, &def, &err) ? err.code : "OK");
 		snprintf(out[1], 48, "%s", tl_unregister(c, "t4.cumsum", &err) ? err.code : "OK");
-		snprintf(out[2], 48, "%s", tl_scan(c, "t4.cumsum", f.carry_t, f.inputs_t, &r, &err) ? err.code : "OK");
+		snprintf(out[2], 48, "%s",
+		         tl_scan(c, "t4.cumsum", f.carry_t, f.inputs_t, &r, &err) ? err.code
+		                                                                  : "OK");
 		if (write(fds[1], out, sizeof out) != sizeof out)
 			_exit(4);
 		_exit(0);
@@ -830,17 +930,6 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 }
 
 /* ---- the adapters directory -------------------------------------------------------------- */
-
-static void write_adapter(const char *dir, const char *name)
-{
-	char path[600];
-	FILE *fp;
-
-	snprintf(path, sizeof path, "%s/%s.adapter", dir, name);
-	fp = fopen(path, "w");
-	fprintf(fp, "# test\nname = %s\nbody = %s/%s\nentry = body\nmax_steps = 12\n", name, h_root(), CUMSUM);
-	fclose(fp);
-}
 
 Test(daemon, the_adapters_directory_is_registered_at_start_and_reloaded_on_sighup)
 {
@@ -865,7 +954,9 @@ Test(daemon, the_adapters_directory_is_registered_at_start_and_reloaded_on_sighu
 	for (int k = 0; k < 50; k++) {
 		j = call_json(c, "list", NULL);
 		if (json_array_size(json_object_get(j, "adapters")) == 1 &&
-		    strcmp(json_string_value(json_object_get(json_array_get(json_object_get(j, "adapters"), 0), "name")), "dir.two") == 0) {
+		    strcmp(json_string_value(json_object_get(
+		               json_array_get(json_object_get(j, "adapters"), 0), "name")),
+		           "dir.two") == 0) {
 			json_decref(j);
 			break;
 		}

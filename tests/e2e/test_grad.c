@@ -25,13 +25,13 @@ struct gcase {
 };
 
 static const struct gcase CASES[] = {
-	{"t6.ema", "examples/bodies/ema.py", "body", 0, 1},
-	{"t6.ema", "examples/bodies/ema.py", "body", 0, MAX_STEPS},
-	{"t6.lorenz", "examples/bodies/lorenz.py", "rk4", 1, 1},
-	{"t6.lorenz", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS},
-	{"t6.rnn", "examples/bodies/rnn.py", "cell", 2, 1},
-	{"t6.rnn", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS},
-	{"t6.dict_out", "examples/bodies/dict_out.py", "body", 0, MAX_STEPS},
+    {"t6.ema", "examples/bodies/ema.py", "body", 0, 1},
+    {"t6.ema", "examples/bodies/ema.py", "body", 0, MAX_STEPS},
+    {"t6.lorenz", "examples/bodies/lorenz.py", "rk4", 1, 1},
+    {"t6.lorenz", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS},
+    {"t6.rnn", "examples/bodies/rnn.py", "cell", 2, 1},
+    {"t6.rnn", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS},
+    {"t6.dict_out", "examples/bodies/dict_out.py", "body", 0, MAX_STEPS},
 };
 
 #define N_CASES (sizeof CASES / sizeof CASES[0])
@@ -42,7 +42,7 @@ struct bufs {
 };
 
 static struct tl_tree *rnd(struct tl_builder *b, struct bufs *bb, int ndim, const int64_t *shape,
-			   uint64_t seed)
+                           uint64_t seed)
 {
 	size_t n = 1;
 	double *buf;
@@ -56,8 +56,9 @@ static struct tl_tree *rnd(struct tl_builder *b, struct bufs *bb, int ndim, cons
 }
 
 /* carry, inputs and cotangents (None for the carry's None leaves). */
-static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb, struct tl_tree **carry,
-		  struct tl_tree **inputs, struct tl_tree **cot_c, struct tl_tree **cot_y)
+static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb,
+                  struct tl_tree **carry, struct tl_tree **inputs, struct tl_tree **cot_c,
+                  struct tl_tree **cot_y)
 {
 	int64_t T = gc->steps;
 
@@ -81,7 +82,8 @@ static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb,
 	} else if (gc->kind == 1) {
 		int64_t c[] = {3}, x[] = {T, 3};
 		const char *keys[] = {"x", "y", "z"}, *fk[] = {"forcing"};
-		struct tl_tree *xyz[3] = {rnd(b, bb, 1, c, 5), rnd(b, bb, 1, c, 6), rnd(b, bb, 1, c, 7)};
+		struct tl_tree *xyz[3] = {rnd(b, bb, 1, c, 5), rnd(b, bb, 1, c, 6),
+		                          rnd(b, bb, 1, c, 7)};
 		struct tl_tree *cxyz[3] = {rnd(b, bb, 1, c, 8), tl_none(b), rnd(b, bb, 1, c, 9)};
 		struct tl_tree *f = rnd(b, bb, 2, x, 10);
 		*carry = tl_dict(b, 3, keys, xyz);
@@ -126,21 +128,26 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 	c = hd_connect(&d);
 	hd_register(c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
 	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c, cot_y, &r, &err), 0, "%s: %s %s",
-		     gc->adapter, err.code, err.message);
+	             gc->adapter, err.code, err.message);
 	h_tmpdir(dir, sizeof dir, "gref");
 	h_reference(dir, gc->file, gc->entry, carry, inputs, cot_c, cot_y, true, true);
 	treejson_init(&tj, b, NULL);
-	h_assert_close(tl_reply_tree(r, "carry"), h_load_ref(&tj, dir, "carry"), 1e-10, 1e-12, "carry");
-	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), 1e-10, 1e-12, "outputs");
-	h_assert_close(tl_reply_tree(r, "grad_carry"), h_load_ref(&tj, dir, "grad_carry"), 1e-10, 1e-12,
-		       "grad_carry vs autograd");
-	h_assert_close(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "grad_inputs"), 1e-10, 1e-12,
-		       "grad_inputs vs autograd");
-	cr_assert_leq(h_normwise_error(tl_reply_tree(r, "grad_carry"), h_load_ref(&tj, dir, "fd_carry")), 1e-6,
-		      "grad_carry vs finite differences");
-	cr_assert_leq(h_normwise_error(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "fd_inputs")), 1e-6,
-		      "grad_inputs vs finite differences");
-	cr_assert_eq(hd_counter(c, gc->adapter, "graphs"), 1, "the vjp graph counts against the budget");
+	h_assert_close(tl_reply_tree(r, "carry"), h_load_ref(&tj, dir, "carry"), 1e-10, 1e-12,
+	               "carry");
+	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), 1e-10, 1e-12,
+	               "outputs");
+	h_assert_close(tl_reply_tree(r, "grad_carry"), h_load_ref(&tj, dir, "grad_carry"), 1e-10,
+	               1e-12, "grad_carry vs autograd");
+	h_assert_close(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "grad_inputs"), 1e-10,
+	               1e-12, "grad_inputs vs autograd");
+	cr_assert_leq(
+	    h_normwise_error(tl_reply_tree(r, "grad_carry"), h_load_ref(&tj, dir, "fd_carry")),
+	    1e-6, "grad_carry vs finite differences");
+	cr_assert_leq(
+	    h_normwise_error(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "fd_inputs")),
+	    1e-6, "grad_inputs vs finite differences");
+	cr_assert_eq(hd_counter(c, gc->adapter, "graphs"), 1,
+	             "the vjp graph counts against the budget");
 	tl_reply_free(r);
 	treejson_free(&tj);
 	for (int k = 0; k < bb.n; k++)
@@ -175,30 +182,37 @@ Test(grad, mismatched_cotangents_get_their_code_and_leaf_path)
 	/* a list where the carry is a tuple */
 	items[0] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
 	items[1] = tl_none(b);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_list(b, 2, items), cot_y, &r, &err), -1);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_list(b, 2, items), cot_y, &r, &err),
+	             -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH", "%s", err.message);
 	cr_assert_str_eq(err.path, "cot_carry");
 	/* a wrong shape */
 	items[0] = tl_tensor(b, TL_FLOAT64, 2, bad_h, buf);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err), -1);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err),
+	             -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
 	cr_assert_str_eq(err.path, "cot_carry[0]");
 	/* a tensor where the carry holds None */
 	items[0] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
 	items[1] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err), -1);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err),
+	             -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
 	cr_assert_str_eq(err.path, "cot_carry[1]");
 	/* a wrong dtype */
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c, tl_tensor(b, TL_FLOAT32, 1, (int64_t[]){16}, f32), &r, &err), -1);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c,
+	                     tl_tensor(b, TL_FLOAT32, 1, (int64_t[]){16}, f32), &r, &err),
+	             -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
 	cr_assert_str_eq(err.path, "cot_outputs");
 	/* absent cotangents are zeros: zero gradients, and the daemon still serves */
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, NULL, NULL, &r, &err), 0, "%s", err.message);
+	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, NULL, NULL, &r, &err), 0, "%s",
+	             err.message);
 	{
 		const struct tl_tree *g = tl_tree_item(tl_reply_tree(r, "grad_carry"), 0);
 		const double *gd = tl_tree_data(g);
-		cr_assert_eq(tl_tree_kind(tl_tree_item(tl_reply_tree(r, "grad_carry"), 1)), TL_NONE);
+		cr_assert_eq(tl_tree_kind(tl_tree_item(tl_reply_tree(r, "grad_carry"), 1)),
+		             TL_NONE);
 		for (int k = 0; k < 16; k++)
 			cr_assert_eq(gd[k], 0.0);
 	}

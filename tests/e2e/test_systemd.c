@@ -38,9 +38,10 @@ static void staged_units(char *dir, size_t size)
 
 	h_tmpdir(dir, size, "units");
 	snprintf(cmd, sizeof cmd,
-		 "sed 's|/usr/local/bin/torchloopd|%s/build/torchloopd|' %s/systemd/torchloopd.service > %s/torchloopd.service && "
-		 "cp %s/systemd/torchloopd.socket %s/",
-		 h_root(), h_root(), dir, h_root(), dir);
+	         "sed 's|/usr/local/bin/torchloopd|%s/build/torchloopd|' "
+	         "%s/systemd/torchloopd.service > %s/torchloopd.service && "
+	         "cp %s/systemd/torchloopd.socket %s/",
+	         h_root(), h_root(), dir, h_root(), dir);
 	cr_assert_eq(h_run((const char *[]){"sh", "-c", cmd, NULL}, NULL), 0);
 }
 
@@ -52,7 +53,8 @@ Test(systemd, systemd_analyze_verify_accepts_the_units)
 	snprintf(svc, sizeof svc, "%s/torchloopd.service", dir);
 	snprintf(sock, sizeof sock, "%s/torchloopd.socket", dir);
 	snprintf(log, sizeof log, "%s/verify.log", dir);
-	cr_assert_eq(h_run((const char *[]){"systemd-analyze", "verify", sock, svc, NULL}, log), 0, "see %s", log);
+	cr_assert_eq(h_run((const char *[]){"systemd-analyze", "verify", sock, svc, NULL}, log), 0,
+	             "see %s", log);
 }
 
 Test(systemd, the_service_scores_at_most_2_0_in_systemd_analyze_security)
@@ -69,7 +71,8 @@ Test(systemd, the_service_scores_at_most_2_0_in_systemd_analyze_security)
 	while (f && fgets(line, sizeof line, f)) {
 		char *p = strstr(line, "Overall exposure level for torchloopd.service:");
 		if (p)
-			score = strtod(p + strlen("Overall exposure level for torchloopd.service:"), NULL);
+			score = strtod(p + strlen("Overall exposure level for torchloopd.service:"),
+			               NULL);
 	}
 	if (f)
 		fclose(f);
@@ -148,7 +151,8 @@ static int pings(const struct receiver *r, double from, double to, double *max_g
 
 	*max_gap = 0;
 	for (int i = 0; i < r->n; i++) {
-		if (!strstr(r->notes[i].text, "WATCHDOG=1") || r->notes[i].t < from || r->notes[i].t > to)
+		if (!strstr(r->notes[i].text, "WATCHDOG=1") || r->notes[i].t < from ||
+		    r->notes[i].t > to)
 			continue;
 		if (last >= 0 && r->notes[i].t - last > *max_gap)
 			*max_gap = r->notes[i].t - last;
@@ -269,8 +273,9 @@ Test(systemd, a_socket_activated_daemon_serves_on_the_inherited_socket_and_leave
 		int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
 		dup2(fd, 1);
 		dup2(fd, 2);
-		execlp("systemd-socket-activate", "systemd-socket-activate", "-l", path, bin, "--no-probe",
-		       "--cache-dir", h_shared_cache(), "--socket", "/nonexistent/ignored.sock", (char *)NULL);
+		execlp("systemd-socket-activate", "systemd-socket-activate", "-l", path, bin,
+		       "--no-probe", "--cache-dir", h_shared_cache(), "--socket",
+		       "/nonexistent/ignored.sock", (char *)NULL);
 		_exit(127);
 	}
 	for (int k = 0; k < 100 && stat(path, &st) != 0; k++)
@@ -290,8 +295,10 @@ Test(systemd, a_socket_activated_daemon_serves_on_the_inherited_socket_and_leave
 		struct tl_error err;
 		hd_register(c, "t7.cumsum", "examples/bodies/cumsum.py", "body", 12, 64, 3);
 		cr_assert_eq(tl_scan(c, "t7.cumsum", tl_tensor(b, TL_FLOAT64, 1, cs, carry),
-				     tl_tensor(b, TL_FLOAT64, 2, xsh, xs), &r, &err), 0, "%s", err.message);
-		cr_assert_float_eq(((const double *)tl_tree_data(tl_reply_tree(r, "carry")))[3], 4.0, 0);
+		                     tl_tensor(b, TL_FLOAT64, 2, xsh, xs), &r, &err),
+		             0, "%s", err.message);
+		cr_assert_float_eq(((const double *)tl_tree_data(tl_reply_tree(r, "carry")))[3],
+		                   4.0, 0);
 		tl_reply_free(r);
 		tl_builder_free(b);
 		tl_close(c);

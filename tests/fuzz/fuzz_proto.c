@@ -15,11 +15,12 @@ static void decode_body(const uint8_t *body, size_t len)
 	struct proto_err err;
 	struct msg m;
 
-	for (int kind = MSG_REQUEST; kind <= MSG_REPLY; kind++) {
+	for (int kind = MSG_REQUEST; kind <= MSG_ANY; kind++) {
 		if (msg_parse(&m, body, len, kind, &err) == 0) {
 			for (uint32_t i = 0; i < m.map->size; i++) {
 				struct tree_node n;
-				if (tree_decode(&m.map->ptr[i].val, m.up.zone, "f", &n, &err) == 0) {
+				if (tree_decode(&m.map->ptr[i].val, m.up.zone, "f", &n, &err) ==
+				    0) {
 					(void)tree_count_leaves(&n);
 				}
 			}

@@ -27,11 +27,12 @@ void tbuf_str(struct tbuf *b, const char *s)
 }
 
 void tbuf_tensor(struct tbuf *b, uint8_t dtype, uint8_t ndim, const int64_t *shape, uint8_t pad,
-		 size_t data_bytes)
+                 size_t data_bytes)
 {
 	size_t len = 4 + 8 * (size_t)ndim + pad + data_bytes;
-	uint8_t head[6] = {0xc9, (uint8_t)(len >> 24), (uint8_t)(len >> 16), (uint8_t)(len >> 8),
-			   (uint8_t)len, PROTO_EXT_TENSOR};
+	uint8_t head[6] = {
+	    0xc9,         (uint8_t)(len >> 24), (uint8_t)(len >> 16), (uint8_t)(len >> 8),
+	    (uint8_t)len, PROTO_EXT_TENSOR};
 	uint8_t meta[4] = {dtype, ndim, pad, 0};
 
 	tbuf_raw(b, head, sizeof head);

@@ -24,8 +24,8 @@ void tbuf_destroy(struct tbuf *b);
 void tbuf_raw(struct tbuf *b, const void *p, size_t n);
 void tbuf_str(struct tbuf *b, const char *s);
 /* Raw tensor ext (ext32), with full control for hostile cases. */
-void tbuf_tensor(struct tbuf *b, uint8_t dtype, uint8_t ndim, const int64_t *shape,
-		 uint8_t pad, size_t data_bytes);
+void tbuf_tensor(struct tbuf *b, uint8_t dtype, uint8_t ndim, const int64_t *shape, uint8_t pad,
+                 size_t data_bytes);
 /* Begins {id: 7, op: "scan", <key>: ...} ; the caller writes the value. */
 void tbuf_request(struct tbuf *b, const char *key);
 

@@ -14,9 +14,9 @@ TestSuite(frame, .timeout = 30);
 static uint8_t *sample_frame(size_t *len)
 {
 	static double data[6] = {1, 2, 3, 4, 5, 6};
-	struct tree_node leaf = {.kind = TREE_TENSOR,
-				 .tensor = {.dtype = PROTO_DTYPE_F64, .ndim = 2, .shape = {2, 3},
-					    .data = data}};
+	struct tree_node leaf = {
+	    .kind = TREE_TENSOR,
+	    .tensor = {.dtype = PROTO_DTYPE_F64, .ndim = 2, .shape = {2, 3}, .data = data}};
 	struct writer w;
 	uint8_t *out;
 
@@ -97,15 +97,16 @@ Test(frame, two_frames_split_at_every_offset_both_arrive_intact)
 		frame_reader_init(&r, PROTO_FRAME_DEFAULT);
 		while (off < 2 * len) {
 			size_t end = off < split ? split : 2 * len;
-			enum frame_status st = frame_reader_feed(&r, two + off, end - off, &used, &err);
+			enum frame_status st =
+			    frame_reader_feed(&r, two + off, end - off, &used, &err);
 			cr_assert_neq(st, FRAME_ERROR);
 			off += used;
 			if (st == FRAME_READY) {
 				uint32_t blen;
 				{
-		uint8_t *body = frame_reader_take(&r, &blen);
-		expect_body(body, blen, f, len);
-	}
+					uint8_t *body = frame_reader_take(&r, &blen);
+					expect_body(body, blen, f, len);
+				}
 				frames++;
 			}
 		}

@@ -19,28 +19,54 @@ struct raw_case {
 	enum proto_code code;
 };
 
-#define RAW(name, lit, code) {name, lit, sizeof(lit) - 1, PROTO_E_##code}
+#define RAW(name, lit, code)                                                                       \
+	{                                                                                          \
+		name, lit, sizeof(lit) - 1, PROTO_E_##code                                         \
+	}
 
 /* Criterion re-executes the binary per test, so parameters carry indices. */
 static const struct raw_case RAWS[] = {
-		RAW("array top level", "\x93\x01\x02\x03", NOT_A_MAP),
-		RAW("string top level", "\xa2" "hi", NOT_A_MAP),
-		RAW("reserved byte", "\xc1", MSGPACK_INVALID),
-		RAW("truncated map", "\x81\xa2" "id", MSGPACK_INVALID),
-		RAW("truncated str", "\x82\xa2" "id\x07\xa2o", MSGPACK_INVALID),
-		RAW("trailing bytes", "\x80\x00", MSGPACK_INVALID),
-		RAW("5-byte array32 bomb", "\xdd\xff\xff\xff\xff", MSGPACK_COUNT_TOO_LARGE),
-		RAW("map16 over the bytes", "\xde\x00\x10" "\xc0\xc0", MSGPACK_COUNT_TOO_LARGE),
-		RAW("bin32 over the bytes", "\x81\xa1x\xc6\x7f\xff\xff\xff", MSGPACK_INVALID),
-		RAW("missing id", "\x81\xa2op\xa4" "scan", BAD_ENVELOPE),
-		RAW("string id", "\x82\xa2id\xa1x\xa2op\xa4" "scan", BAD_ENVELOPE),
-		RAW("negative id", "\x82\xa2id\xff\xa2op\xa4" "scan", BAD_ENVELOPE),
-		RAW("float id", "\x82\xa2id\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\xa2op\xa4scan",
-		    BAD_ENVELOPE),
-		RAW("bool id", "\x82\xa2id\xc3\xa2op\xa4" "scan", BAD_ENVELOPE),
-		RAW("missing op", "\x81\xa2id\x07", BAD_ENVELOPE),
-		RAW("integer op", "\x82\xa2id\x07\xa2op\x05", BAD_ENVELOPE),
-		RAW("empty op", "\x82\xa2id\x07\xa2op\xa0", BAD_ENVELOPE),
+    RAW("array top level", "\x93\x01\x02\x03", NOT_A_MAP),
+    RAW("string top level",
+        "\xa2"
+        "hi",
+        NOT_A_MAP),
+    RAW("reserved byte", "\xc1", MSGPACK_INVALID),
+    RAW("truncated map",
+        "\x81\xa2"
+        "id",
+        MSGPACK_INVALID),
+    RAW("truncated str",
+        "\x82\xa2"
+        "id\x07\xa2o",
+        MSGPACK_INVALID),
+    RAW("trailing bytes", "\x80\x00", MSGPACK_INVALID),
+    RAW("5-byte array32 bomb", "\xdd\xff\xff\xff\xff", MSGPACK_COUNT_TOO_LARGE),
+    RAW("map16 over the bytes",
+        "\xde\x00\x10"
+        "\xc0\xc0",
+        MSGPACK_COUNT_TOO_LARGE),
+    RAW("bin32 over the bytes", "\x81\xa1x\xc6\x7f\xff\xff\xff", MSGPACK_INVALID),
+    RAW("missing id",
+        "\x81\xa2op\xa4"
+        "scan",
+        BAD_ENVELOPE),
+    RAW("string id",
+        "\x82\xa2id\xa1x\xa2op\xa4"
+        "scan",
+        BAD_ENVELOPE),
+    RAW("negative id",
+        "\x82\xa2id\xff\xa2op\xa4"
+        "scan",
+        BAD_ENVELOPE),
+    RAW("float id", "\x82\xa2id\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\xa2op\xa4scan", BAD_ENVELOPE),
+    RAW("bool id",
+        "\x82\xa2id\xc3\xa2op\xa4"
+        "scan",
+        BAD_ENVELOPE),
+    RAW("missing op", "\x81\xa2id\x07", BAD_ENVELOPE),
+    RAW("integer op", "\x82\xa2id\x07\xa2op\x05", BAD_ENVELOPE),
+    RAW("empty op", "\x82\xa2id\x07\xa2op\xa0", BAD_ENVELOPE),
 };
 
 #define N_RAWS (sizeof RAWS / sizeof RAWS[0])
@@ -63,7 +89,7 @@ ParameterizedTest(int *i, msg, malformed_envelopes_get_their_own_code)
 	memcpy(body, c->bytes, c->len);
 	cr_assert_eq(msg_parse(&m, body, c->len, MSG_REQUEST, &err), -1, "%s: accepted", c->name);
 	cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(err.code),
-		     err.message);
+	             err.message);
 	msg_destroy(&m);
 	frame_free(body);
 }
@@ -90,7 +116,8 @@ Test(msg, a_frame_of_many_tiny_objects_hits_the_object_limit)
 
 Test(msg, an_unknown_op_parses_so_the_reply_can_carry_the_id)
 {
-	static const char raw[] = "\x82\xa2id\x0b\xa2op\xa5" "frobn";
+	static const char raw[] = "\x82\xa2id\x0b\xa2op\xa5"
+	                          "frobn";
 	struct msg m;
 	struct proto_err err;
 	uint8_t *body = frame_alloc(sizeof raw - 1);
@@ -152,7 +179,7 @@ Test(msg, an_error_reply_round_trips_code_message_and_path)
 	uint8_t *bytes, *body;
 
 	proto_fail(&sent, PROTO_E_TOO_MANY_STEPS, "inputs[\"f\"][1]",
-		   "inputs[\"f\"][1]: T=200 exceeds max_steps=128");
+	           "inputs[\"f\"][1]: T=200 exceeds max_steps=128");
 	cr_assert_eq(writer_init(&w), 0);
 	msg_write_error(&w, true, 77, &sent);
 	bytes = writer_to_bytes(&w, &len);
@@ -199,7 +226,8 @@ Test(msg, an_error_without_an_id_carries_nil)
 Test(msg, a_stream_stays_usable_after_a_malformed_but_framed_message)
 {
 	static const char bad[] = "\x00\x00\x00\x01\xc1";
-	static const char good[] = "\x00\x00\x00\x0f\x82\xa2id\x05\xa2op\xa6" "health";
+	static const char good[] = "\x00\x00\x00\x0f\x82\xa2id\x05\xa2op\xa6"
+	                           "health";
 	uint8_t stream[sizeof bad - 1 + sizeof good - 1];
 	struct frame_reader r;
 	struct proto_err err;
@@ -211,7 +239,8 @@ Test(msg, a_stream_stays_usable_after_a_malformed_but_framed_message)
 	memcpy(stream + sizeof bad - 1, good, sizeof good - 1);
 	frame_reader_init(&r, PROTO_FRAME_DEFAULT);
 	while (off < sizeof stream) {
-		enum frame_status st = frame_reader_feed(&r, stream + off, sizeof stream - off, &used, &err);
+		enum frame_status st =
+		    frame_reader_feed(&r, stream + off, sizeof stream - off, &used, &err);
 		off += used;
 		if (st == FRAME_READY) {
 			uint32_t len;

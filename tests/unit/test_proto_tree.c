@@ -18,9 +18,10 @@ static const double F64[4] = {3.141592653589793, -1e300, 2.5e-310, 42.0};
 static const double SCALAR = 0.125;
 
 static struct tree_node tensor(enum proto_dtype dt, uint32_t ndim, const int64_t *shape,
-			       const void *data)
+                               const void *data)
 {
-	struct tree_node n = {.kind = TREE_TENSOR, .tensor = {.dtype = dt, .ndim = ndim, .data = data}};
+	struct tree_node n = {.kind = TREE_TENSOR,
+	                      .tensor = {.dtype = dt, .ndim = ndim, .data = data}};
 
 	memcpy(n.tensor.shape, shape, ndim * sizeof *shape);
 	tree_tensor_sizes(&n.tensor);
@@ -29,7 +30,7 @@ static struct tree_node tensor(enum proto_dtype dt, uint32_t ndim, const int64_t
 
 /* Encodes root as the `carry` field of a request and decodes it back. */
 static void round_trip(const struct tree_node *root, struct msg *m, uint8_t **body,
-		       struct tree_node *out)
+                       struct tree_node *out)
 {
 	struct writer w;
 	struct proto_err err;
@@ -68,7 +69,7 @@ static void assert_same(const struct tree_node *a, const struct tree_node *b)
 		if (a->kind == TREE_DICT) {
 			cr_assert_eq(a->keys[i].len, b->keys[i].len);
 			cr_assert_eq(memcmp(a->keys[i].ptr, b->keys[i].ptr, a->keys[i].len), 0,
-				     "key %u in order", i);
+			             "key %u in order", i);
 		}
 		assert_same(&a->items[i], &b->items[i]);
 	}
@@ -78,13 +79,13 @@ Test(tree, every_node_kind_round_trips_with_order_and_bytes_kept)
 {
 	static const int64_t s23[] = {2, 3}, s4[] = {4}, s0[] = {3, 0, 2};
 	struct tree_node empty_tuple = {.kind = TREE_TUPLE}, empty_list = {.kind = TREE_LIST},
-			 empty_dict = {.kind = TREE_DICT}, none = {.kind = TREE_NONE};
+	                 empty_dict = {.kind = TREE_DICT}, none = {.kind = TREE_NONE};
 	struct tree_node tuple_items[] = {tensor(PROTO_DTYPE_F64, 1, s4, F64), none, empty_tuple};
 	struct tree_node list_items[] = {tensor(PROTO_DTYPE_F32, 2, s23, F32), empty_list,
-					 tensor(PROTO_DTYPE_F64, 3, s0, NULL)};
+	                                 tensor(PROTO_DTYPE_F64, 3, s0, NULL)};
 	struct tree_node dict_items[6];
-	struct tree_key keys[6] = {{"zeta", 4}, {"alpha", 5}, {"t", 1},
-				   {"l", 1},    {"scalar", 6}, {"", 0}};
+	struct tree_key keys[6] = {{"zeta", 4}, {"alpha", 5},  {"t", 1},
+	                           {"l", 1},    {"scalar", 6}, {"", 0}};
 	struct tree_node root, out;
 	struct msg m;
 	uint8_t *body;
@@ -171,9 +172,18 @@ static void nest(struct tbuf *b, int depth)
 		msgpack_pack_array(&b->pk, 1);
 	msgpack_pack_nil(&b->pk);
 }
-static void depth_16(struct tbuf *b) { nest(b, 16); }
-static void depth_17(struct tbuf *b) { nest(b, 17); }
-static void depth_33(struct tbuf *b) { nest(b, 33); }
+static void depth_16(struct tbuf *b)
+{
+	nest(b, 16);
+}
+static void depth_17(struct tbuf *b)
+{
+	nest(b, 17);
+}
+static void depth_33(struct tbuf *b)
+{
+	nest(b, 33);
+}
 static void leaves_4096(struct tbuf *b)
 {
 	msgpack_pack_array(&b->pk, 4096);
@@ -194,7 +204,10 @@ static void byte_length_short(struct tbuf *b)
 	msgpack_pack_nil(&b->pk);
 	tbuf_tensor(b, PROTO_DTYPE_F64, 1, S4, 0, 31);
 }
-static void byte_length_long(struct tbuf *b) { tbuf_tensor(b, PROTO_DTYPE_F32, 1, S4, 0, 17); }
+static void byte_length_long(struct tbuf *b)
+{
+	tbuf_tensor(b, PROTO_DTYPE_F32, 1, S4, 0, 17);
+}
 static void shape_overflow(struct tbuf *b)
 {
 	static const int64_t s[] = {INT64_C(1) << 32, INT64_C(1) << 32};
@@ -205,7 +218,10 @@ static void nbytes_overflow(struct tbuf *b)
 	static const int64_t s[] = {INT64_C(1) << 62};
 	tbuf_tensor(b, PROTO_DTYPE_F64, 1, s, 0, 0);
 }
-static void bad_dtype(struct tbuf *b) { tbuf_tensor(b, 3, 1, S4, 0, 32); }
+static void bad_dtype(struct tbuf *b)
+{
+	tbuf_tensor(b, 3, 1, S4, 0, 32);
+}
 static void rank_9(struct tbuf *b)
 {
 	static const int64_t s[9] = {1, 1, 1, 1, 1, 1, 1, 1, 1};
@@ -216,7 +232,10 @@ static void negative_dim(struct tbuf *b)
 	static const int64_t s[] = {-1};
 	tbuf_tensor(b, PROTO_DTYPE_F64, 1, s, 0, 0);
 }
-static void short_header(struct tbuf *b) { tbuf_raw(b, "\xc7\x02\x01\x02\x01", 5); }
+static void short_header(struct tbuf *b)
+{
+	tbuf_raw(b, "\xc7\x02\x01\x02\x01", 5);
+}
 static void duplicate_key(struct tbuf *b)
 {
 	msgpack_pack_map(&b->pk, 3);
@@ -274,41 +293,49 @@ static void int_leaf(struct tbuf *b)
 	msgpack_pack_nil(&b->pk);
 	msgpack_pack_int(&b->pk, 3);
 }
-static void string_leaf(struct tbuf *b) { tbuf_str(b, "x0.npy"); }
+static void string_leaf(struct tbuf *b)
+{
+	tbuf_str(b, "x0.npy");
+}
 static void tuple_marker_late(struct tbuf *b)
 {
 	msgpack_pack_array(&b->pk, 2);
 	msgpack_pack_nil(&b->pk);
 	msgpack_pack_ext(&b->pk, 0, PROTO_EXT_TUPLE);
 }
-static void array32_bomb(struct tbuf *b) { tbuf_raw(b, "\xdd\xff\xff\xff\xff", 5); }
-static void map32_bomb(struct tbuf *b) { tbuf_raw(b, "\xdf\x7f\xff\xff\xff", 5); }
+static void array32_bomb(struct tbuf *b)
+{
+	tbuf_raw(b, "\xdd\xff\xff\xff\xff", 5);
+}
+static void map32_bomb(struct tbuf *b)
+{
+	tbuf_raw(b, "\xdf\x7f\xff\xff\xff", 5);
+}
 
 /* Criterion re-executes the binary per test, so parameters carry indices. */
 static const struct bad_case BAD[] = {
-		{"depth 17", depth_17, PROTO_E_DEPTH_EXCEEDED,
-		 "carry[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]"},
-		{"depth 33", depth_33, PROTO_E_DEPTH_EXCEEDED, ""},
-		{"4097 leaves", leaves_4097, PROTO_E_TOO_MANY_LEAVES, "carry[4096]"},
-		{"byte length short", byte_length_short, PROTO_E_BYTE_LENGTH_MISMATCH,
-		 "carry[\"f\"][1]"},
-		{"byte length long", byte_length_long, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
-		{"shape overflow", shape_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
-		{"nbytes overflow", nbytes_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
-		{"bad dtype", bad_dtype, PROTO_E_BAD_DTYPE, "carry"},
-		{"rank 9", rank_9, PROTO_E_BAD_SHAPE, "carry"},
-		{"negative dim", negative_dim, PROTO_E_BAD_SHAPE, "carry"},
-		{"short tensor header", short_header, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
-		{"duplicate key", duplicate_key, PROTO_E_DUPLICATE_KEY, "carry"},
-		{"duplicate among many", many_keys_one_duplicate, PROTO_E_DUPLICATE_KEY, "carry"},
-		{"non-string key", int_key, PROTO_E_NON_STRING_KEY, "carry"},
-		{"257-byte key", long_key, PROTO_E_KEY_TOO_LONG, "carry"},
-		{"unknown ext tag", unknown_ext, PROTO_E_UNKNOWN_TYPE, "carry[0]"},
-		{"integer leaf", int_leaf, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
-		{"string leaf", string_leaf, PROTO_E_UNKNOWN_TYPE, "carry"},
-		{"tuple marker not first", tuple_marker_late, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
-		{"array32 header of 5 bytes", array32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
-		{"map32 header of 5 bytes", map32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
+    {"depth 17", depth_17, PROTO_E_DEPTH_EXCEEDED,
+     "carry[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]"},
+    {"depth 33", depth_33, PROTO_E_DEPTH_EXCEEDED, ""},
+    {"4097 leaves", leaves_4097, PROTO_E_TOO_MANY_LEAVES, "carry[4096]"},
+    {"byte length short", byte_length_short, PROTO_E_BYTE_LENGTH_MISMATCH, "carry[\"f\"][1]"},
+    {"byte length long", byte_length_long, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
+    {"shape overflow", shape_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
+    {"nbytes overflow", nbytes_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
+    {"bad dtype", bad_dtype, PROTO_E_BAD_DTYPE, "carry"},
+    {"rank 9", rank_9, PROTO_E_BAD_SHAPE, "carry"},
+    {"negative dim", negative_dim, PROTO_E_BAD_SHAPE, "carry"},
+    {"short tensor header", short_header, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
+    {"duplicate key", duplicate_key, PROTO_E_DUPLICATE_KEY, "carry"},
+    {"duplicate among many", many_keys_one_duplicate, PROTO_E_DUPLICATE_KEY, "carry"},
+    {"non-string key", int_key, PROTO_E_NON_STRING_KEY, "carry"},
+    {"257-byte key", long_key, PROTO_E_KEY_TOO_LONG, "carry"},
+    {"unknown ext tag", unknown_ext, PROTO_E_UNKNOWN_TYPE, "carry[0]"},
+    {"integer leaf", int_leaf, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
+    {"string leaf", string_leaf, PROTO_E_UNKNOWN_TYPE, "carry"},
+    {"tuple marker not first", tuple_marker_late, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
+    {"array32 header of 5 bytes", array32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
+    {"map32 header of 5 bytes", map32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
 };
 
 #define N_BAD (sizeof BAD / sizeof BAD[0])
@@ -340,11 +367,11 @@ ParameterizedTest(int *i, tree, malformed_trees_get_their_own_code_and_path)
 		rc = msg_get_tree(&m, "carry", true, &out, &err);
 	cr_assert_eq(rc, -1, "%s: accepted", c->name);
 	cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(err.code),
-		     err.message);
+	             err.message);
 	cr_assert_str_eq(err.path, c->path, "%s: path", c->name);
 	if (c->path[0])
 		cr_assert(strstr(err.message, c->path) != NULL, "%s: message names the path: %s",
-			  c->name, err.message);
+		          c->name, err.message);
 	msg_destroy(&m);
 	frame_free(body);
 	tbuf_destroy(&b);
@@ -356,7 +383,7 @@ struct good_case {
 };
 
 static const struct good_case GOOD[] = {
-	{"depth 16", depth_16}, {"4096 leaves", leaves_4096}, {"256-byte key", key_256}};
+    {"depth 16", depth_16}, {"4096 leaves", leaves_4096}, {"256-byte key", key_256}};
 
 ParameterizedTestParameters(tree, trees_at_the_limits_are_accepted)
 {
@@ -379,7 +406,7 @@ ParameterizedTest(int *i, tree, trees_at_the_limits_are_accepted)
 	body = tbuf_body(&b);
 	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), 0, "%s", err.message);
 	cr_assert_eq(msg_get_tree(&m, "carry", true, &out, &err), 0, "%s: %s", c->name,
-		     err.message);
+	             err.message);
 	msg_destroy(&m);
 	frame_free(body);
 	tbuf_destroy(&b);
