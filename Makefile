@@ -89,10 +89,10 @@ $(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)
 	$(CC) $(CPPFLAGS) -Itests/unit $(CFLAGS) -o $@ $< $(wildcard tests/unit/helpers.c) $(DAEMON_LIB) $(BUILD)/libproto.a \
 		$(CRIT_LIBS) $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
-E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h client/treejson.c $(BUILD)/libtorchloop.a
+E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h tests/unit/params.h client/treejson.c $(BUILD)/libtorchloop.a
 $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMON_LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) -Itests/e2e $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c client/treejson.c \
+	$(CC) $(CPPFLAGS) -Itests/e2e -Itests/unit $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c client/treejson.c \
 		$(DAEMON_LIB) $(BUILD)/libtorchloop.a $(CRIT_LIBS) $(shell pkg-config --libs jansson) \
 		$(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 

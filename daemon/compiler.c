@@ -7,6 +7,7 @@
 
 #include "frame.h"
 #include "log.h"
+#include "uvframe.h"
 #include "msg.h"
 #include "spec.h"
 #include "writer.h"
@@ -350,16 +351,9 @@ static void on_reply(struct compiler *c, const uint8_t *body, uint32_t len)
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
 	struct wproc *wp = h->data;
-	uint8_t *p;
-	size_t n;
-	struct proto_err err;
 
 	(void)suggested;
-	if (frame_reader_want(&wp->reader, &p, &n, &err) == FRAME_ERROR) {
-		*buf = uv_buf_init(NULL, 0);
-		return;
-	}
-	*buf = uv_buf_init((char *)p, (unsigned)n);
+	uvframe_alloc(&wp->reader, buf);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)

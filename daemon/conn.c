@@ -14,6 +14,7 @@
 #include "daemon.h"
 
 #include "log.h"
+#include "uvframe.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -173,14 +174,9 @@ void request_dispatch(struct conn *c, uint8_t *body, uint32_t len);
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
 	struct conn *c = h->data;
-	struct proto_err err;
-	uint8_t *p = NULL;
-	size_t n = 0;
 
 	(void)suggested;
-	if (frame_reader_want(&c->reader, &p, &n, &err) == FRAME_ERROR)
-		n = 0;
-	*buf = uv_buf_init((char *)p, (unsigned)n);
+	uvframe_alloc(&c->reader, buf);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)

@@ -6,7 +6,7 @@
  */
 #include "harness.h"
 
-#include <criterion/parameterized.h>
+#include "params.h"
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -214,13 +214,7 @@ static const struct usage_case USAGE[] = {
 
 #define N_USAGE (sizeof USAGE / sizeof USAGE[0])
 
-ParameterizedTestParameters(cli, each_usage_error_exits_2_with_a_message)
-{
-	static int idx[N_USAGE];
-	for (size_t i = 0; i < N_USAGE; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_USAGE);
-}
+INDEX_PARAMS(cli, each_usage_error_exits_2_with_a_message, N_USAGE)
 
 static void write_bytes(const char *dir, const char *name, const void *p, size_t n)
 {

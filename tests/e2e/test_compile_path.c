@@ -13,7 +13,7 @@
 #include "cache.h"
 #include "engine.h"
 
-#include <criterion/parameterized.h>
+#include "params.h"
 #include <dirent.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -131,13 +131,7 @@ static const struct run_case RUNS[] = {
 
 #define N_RUNS (sizeof RUNS / sizeof RUNS[0])
 
-ParameterizedTestParameters(compile_path, every_example_body_matches_an_eager_loop)
-{
-	static int idx[N_RUNS];
-	for (size_t i = 0; i < N_RUNS; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_RUNS);
-}
+INDEX_PARAMS(compile_path, every_example_body_matches_an_eager_loop, N_RUNS)
 
 ParameterizedTest(int *i, compile_path, every_example_body_matches_an_eager_loop)
 {
@@ -196,13 +190,7 @@ static const struct error_case ERRORS[] = {
 
 #define N_ERRORS (sizeof ERRORS / sizeof ERRORS[0])
 
-ParameterizedTestParameters(compile_path, a_failing_body_gets_its_code_and_the_daemon_serves_on)
-{
-	static int idx[N_ERRORS];
-	for (size_t i = 0; i < N_ERRORS; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_ERRORS);
-}
+INDEX_PARAMS(compile_path, a_failing_body_gets_its_code_and_the_daemon_serves_on, N_ERRORS)
 
 ParameterizedTest(int *i, compile_path, a_failing_body_gets_its_code_and_the_daemon_serves_on)
 {

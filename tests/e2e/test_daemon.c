@@ -10,7 +10,7 @@
  */
 #include "harness.h"
 
-#include <criterion/parameterized.h>
+#include "params.h"
 #include <dirent.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -200,13 +200,7 @@ static const struct bad_case {
     [B_OUTPUT_ELEMENTS] = {"TOO_MANY_ELEMENTS", "outputs"},
 };
 
-ParameterizedTestParameters(daemon, each_bad_scan_gets_its_code_and_leaf_path)
-{
-	static int idx[N_BAD];
-	for (int i = 0; i < N_BAD; i++)
-		idx[i] = i;
-	return cr_make_param_array(int, idx, N_BAD);
-}
+INDEX_PARAMS(daemon, each_bad_scan_gets_its_code_and_leaf_path, N_BAD)
 
 ParameterizedTest(int *i, daemon, each_bad_scan_gets_its_code_and_leaf_path)
 {
@@ -306,13 +300,7 @@ static const struct reg_case REGS[] = {
 
 #define N_REGS (sizeof REGS / sizeof REGS[0])
 
-ParameterizedTestParameters(daemon, register_validation_uses_the_reference_messages)
-{
-	static int idx[N_REGS];
-	for (size_t i = 0; i < N_REGS; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_REGS);
-}
+INDEX_PARAMS(daemon, register_validation_uses_the_reference_messages, N_REGS)
 
 ParameterizedTest(int *i, daemon, register_validation_uses_the_reference_messages)
 {
@@ -388,13 +376,7 @@ static const struct frame_case FRAMES[] = {
 
 #define N_FRAMES (sizeof FRAMES / sizeof FRAMES[0])
 
-ParameterizedTestParameters(daemon, hostile_frames_get_their_code_and_only_broken_framing_closes)
-{
-	static int idx[N_FRAMES];
-	for (size_t i = 0; i < N_FRAMES; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_FRAMES);
-}
+INDEX_PARAMS(daemon, hostile_frames_get_their_code_and_only_broken_framing_closes, N_FRAMES)
 
 ParameterizedTest(int *i, daemon, hostile_frames_get_their_code_and_only_broken_framing_closes)
 {

@@ -7,7 +7,7 @@
  */
 #include "harness.h"
 
-#include <criterion/parameterized.h>
+#include "params.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,13 +101,7 @@ static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb,
 	}
 }
 
-ParameterizedTestParameters(grad, gradients_match_autograd_and_finite_differences)
-{
-	static int idx[N_CASES];
-	for (size_t i = 0; i < N_CASES; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_CASES);
-}
+INDEX_PARAMS(grad, gradients_match_autograd_and_finite_differences, N_CASES)
 
 ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 {

@@ -7,7 +7,7 @@
 #include "helpers.h"
 
 #include <criterion/criterion.h>
-#include <criterion/parameterized.h>
+#include "params.h"
 #include <string.h>
 
 TestSuite(msg, .timeout = 30);
@@ -71,13 +71,7 @@ static const struct raw_case RAWS[] = {
 
 #define N_RAWS (sizeof RAWS / sizeof RAWS[0])
 
-ParameterizedTestParameters(msg, malformed_envelopes_get_their_own_code)
-{
-	static int idx[N_RAWS];
-	for (size_t i = 0; i < N_RAWS; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_RAWS);
-}
+INDEX_PARAMS(msg, malformed_envelopes_get_their_own_code, N_RAWS)
 
 ParameterizedTest(int *i, msg, malformed_envelopes_get_their_own_code)
 {

@@ -8,7 +8,7 @@
 #include "helpers.h"
 
 #include <criterion/criterion.h>
-#include <criterion/parameterized.h>
+#include "params.h"
 #include <string.h>
 
 TestSuite(tree, .timeout = 30);
@@ -340,13 +340,7 @@ static const struct bad_case BAD[] = {
 
 #define N_BAD (sizeof BAD / sizeof BAD[0])
 
-ParameterizedTestParameters(tree, malformed_trees_get_their_own_code_and_path)
-{
-	static int idx[N_BAD];
-	for (size_t i = 0; i < N_BAD; i++)
-		idx[i] = (int)i;
-	return cr_make_param_array(int, idx, N_BAD);
-}
+INDEX_PARAMS(tree, malformed_trees_get_their_own_code_and_path, N_BAD)
 
 ParameterizedTest(int *i, tree, malformed_trees_get_their_own_code_and_path)
 {
@@ -385,11 +379,7 @@ struct good_case {
 static const struct good_case GOOD[] = {
     {"depth 16", depth_16}, {"4096 leaves", leaves_4096}, {"256-byte key", key_256}};
 
-ParameterizedTestParameters(tree, trees_at_the_limits_are_accepted)
-{
-	static int idx[] = {0, 1, 2};
-	return cr_make_param_array(int, idx, 3);
-}
+INDEX_PARAMS(tree, trees_at_the_limits_are_accepted, 3)
 
 ParameterizedTest(int *i, tree, trees_at_the_limits_are_accepted)
 {
