@@ -122,8 +122,17 @@ fuzz: setup
 run: build
 	exec $(BUILD)/torchloopd --adapters examples/adapters $(RUN_ARGS)
 
+# Benchmarks: never part of `make test`; numbers go to docs/performance.md.
+$(BUILD)/bench_c: tests/bench/bench_c.c $(BUILD)/libdaemon.a $(BUILD)/libtorchloop.a
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libdaemon.a $(BUILD)/libtorchloop.a \
+		$(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+
 bench: build
-	@echo "make bench: see docs/performance.md" >&2
+	@$(MAKE) --no-print-directory $(BUILD)/bench_c
+	@$(PY) -c 'import matplotlib' 2>/dev/null || .venv/bin/pip install -q -r requirements-bench.txt
+	$(PY) tests/bench/strategy.py $(BUILD) $(BUILD)/bench/strategy.json
+	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)
+	cp $(BUILD)/bench/*.png docs/
 
 # pkg-config file for the build tree (tests) and for an install.
 $(BUILD)/torchloop.pc: client/torchloop.pc.in

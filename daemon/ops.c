@@ -8,8 +8,9 @@
 #define X(e, s) extern const struct op_desc op_##e##_desc;
 X(hello, "")
 X(health, "")
-X(register, "") X(unregister, "") X(list, "") X(describe, "") X(scan, "") X(grad, "") X(compile, "")
-    X(stats, "") X(shutdown, "")
+X(register, "")
+X(unregister, "") X(list, "") X(describe, "") X(scan, "") X(grad, "") X(compile, "") X(stats, "")
+    X(shutdown, "")
 #undef X
 
         const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {

@@ -12,6 +12,8 @@ export TORCHLOOP_TEST_BUILD="$build"
 export TORCHLOOP_TEST_CACHE="${TORCHLOOP_TEST_CACHE:-$PWD/build/test-cache}"
 export TORCHLOOP_TEST_TMP="${TORCHLOOP_TEST_TMP:-$(mktemp -d /tmp/torchloop-tests.XXXXXX)}"
 mkdir -p "$TORCHLOOP_TEST_CACHE"
+# the access-control test connects as uid 65534: scratch must be traversable
+chmod 755 "$TORCHLOOP_TEST_TMP"
 start=$(date +%s)
 for bin in "$@"; do
 	[ -x "$bin" ] || continue

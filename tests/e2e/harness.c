@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -76,6 +77,8 @@ void hd_start(struct hd *d, const char *cache, const char *const *extra)
 	d->pid = fork();
 	cr_assert_neq(d->pid, -1);
 	if (d->pid == 0) {
+		/* a test that fails before hd_stop must not leave its daemon behind */
+		prctl(PR_SET_PDEATHSIG, SIGTERM);
 		fd = open(d->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
 		dup2(fd, 1);
 		dup2(fd, 2);

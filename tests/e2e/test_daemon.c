@@ -506,6 +506,7 @@ Test(daemon, thirty_two_client_processes_get_identical_results)
 	for (int p = 0; p < 32; p++)
 		if (fork() == 0)
 			child_scans(&f, 200, want_carry, want_y, fds[1]);
+	close(fds[1]); /* a child that dies without writing gives EOF, not a hang */
 	for (int p = 0; p < 32; p++) {
 		int bad = -1, status;
 		cr_assert_eq(read(fds[0], &bad, sizeof bad), (ssize_t)sizeof bad, "a child died");
@@ -555,9 +556,10 @@ Test(daemon, sixteen_simultaneous_requests_for_a_new_signature_compile_once)
 	for (int p = 0; p < 16; p++)
 		if (fork() == 0)
 			child_one_scan(f.d.sock, 5, fds[1]);
+	close(fds[1]);
 	for (int p = 0; p < 16; p++) {
 		int ok = 0;
-		cr_assert_eq(read(fds[0], &ok, sizeof ok), (ssize_t)sizeof ok);
+		cr_assert_eq(read(fds[0], &ok, sizeof ok), (ssize_t)sizeof ok, "a client died");
 		oks += ok;
 		wait(NULL);
 	}
@@ -902,7 +904,9 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 			_exit(4);
 		_exit(0);
 	}
-	cr_assert_eq(read(fds[0], results, sizeof results), (ssize_t)sizeof results);
+	close(fds[1]);
+	cr_assert_eq(read(fds[0], results, sizeof results), (ssize_t)sizeof results,
+	             "the uid-65534 child could not connect (is the scratch dir traversable?)");
 	wait(NULL);
 	cr_assert_str_eq(results[0], "PERMISSION_DENIED");
 	cr_assert_str_eq(results[1], "PERMISSION_DENIED");

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -271,6 +272,7 @@ Test(systemd, a_socket_activated_daemon_serves_on_the_inherited_socket_and_leave
 	pid = fork();
 	if (pid == 0) {
 		int fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+		prctl(PR_SET_PDEATHSIG, SIGTERM);
 		dup2(fd, 1);
 		dup2(fd, 2);
 		execlp("systemd-socket-activate", "systemd-socket-activate", "-l", path, bin,

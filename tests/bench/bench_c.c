@@ -1,0 +1,175 @@
+/*
+ * bench_c.c - the C side of `make bench` (tests/bench/bench.py drives it).
+ *
+ *   bench_c inproc SO N T ITERS        the AOTI artifact run in this process (floor)
+ *   bench_c daemon SOCK ADAPTER N T ITERS
+ *                                      the daemon through libtorchloop
+ *   bench_c clients SOCK ADAPTER N T PROCS ITERS
+ *                                      PROCS client processes, ITERS scans each
+ *   bench_c memcpy BYTES ITERS         memcpy bandwidth of BYTES
+ *
+ * Scans are cumulative sums: carry [N], inputs [T, N], float64.  Each mode
+ * prints one JSON line: p50/p99 in microseconds, or a throughput.
+ */
+#include "engine.h"
+#include "torchloop.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now_us(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+static int cmp(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+static void report(const char *mode, double *t, int n, double bytes)
+{
+	qsort(t, (size_t)n, sizeof *t, cmp);
+	printf(
+	    "{\"mode\": \"%s\", \"n\": %d, \"p50_us\": %.3f, \"p99_us\": %.3f, \"bytes\": %.0f}\n",
+	    mode, n, t[n / 2], t[(int)(n * 0.99)], bytes);
+}
+
+static double *alloc_data(size_t n)
+{
+	double *p = aligned_alloc(64, ((n * 8 + 63) / 64) * 64);
+
+	for (size_t i = 0; i < n; i++)
+		p[i] = (double)(i % 97) * 0.01;
+	return p;
+}
+
+static int inproc(const char *so, long n, long steps, int iters)
+{
+	struct engine_graph *g;
+	struct engine_result res;
+	struct proto_err err;
+	double *c = alloc_data((size_t)n), *x = alloc_data((size_t)(n * steps));
+	double *t = malloc(sizeof *t * (size_t)iters);
+	struct engine_tensor in[2] = {
+	    {PROTO_DTYPE_F64, 1, {n}, c, (uint64_t)n * 8},
+	    {PROTO_DTYPE_F64, 2, {steps, n}, x, (uint64_t)(n * steps) * 8}};
+
+	if (engine_load(so, 1, &g, &err) != 0) {
+		fprintf(stderr, "%s\n", err.message);
+		return 1;
+	}
+	for (int i = -20; i < iters; i++) {
+		double t0 = now_us();
+		if (engine_run(g, in, 2, in, &res, &err) != 0) {
+			fprintf(stderr, "%s\n", err.message);
+			return 1;
+		}
+		engine_result_free(&res);
+		if (i >= 0)
+			t[i] = now_us() - t0;
+	}
+	report("inproc", t, iters, 0);
+	engine_unload(g);
+	return 0;
+}
+
+static int scans(const char *sock, const char *adapter, long n, long steps, int iters, double *t)
+{
+	struct tl_client *c;
+	struct tl_error err;
+	struct tl_builder *b = tl_builder_new();
+	double *carry = alloc_data((size_t)n), *x = alloc_data((size_t)(n * steps));
+	int64_t cs[] = {n}, xs[] = {steps, n};
+	struct tl_tree *ct = tl_tensor(b, TL_FLOAT64, 1, cs, carry),
+	               *xt = tl_tensor(b, TL_FLOAT64, 2, xs, x);
+
+	if (tl_connect(sock, 5000, &c, &err) != 0) {
+		fprintf(stderr, "%s\n", err.message);
+		return 1;
+	}
+	for (int i = -20; i < iters; i++) {
+		struct tl_reply *r;
+		double t0 = now_us();
+		if (tl_scan(c, adapter, ct, xt, &r, &err) != 0) {
+			fprintf(stderr, "%s: %s\n", err.code, err.message);
+			return 1;
+		}
+		tl_reply_free(r);
+		if (i >= 0 && t)
+			t[i] = now_us() - t0;
+	}
+	tl_close(c);
+	tl_builder_free(b);
+	free(carry);
+	free(x);
+	return 0;
+}
+
+static int clients(const char *sock, const char *adapter, long n, long steps, int procs, int iters)
+{
+	double t0 = now_us(), wall;
+	int failed = 0;
+
+	for (int p = 0; p < procs; p++)
+		if (fork() == 0)
+			_exit(scans(sock, adapter, n, steps, iters, NULL));
+	for (int p = 0; p < procs; p++) {
+		int status;
+		wait(&status);
+		failed += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+	}
+	wall = (now_us() - t0) * 1e-6;
+	printf("{\"mode\": \"clients\", \"procs\": %d, \"scans\": %d, \"seconds\": %.3f, "
+	       "\"scans_per_s\": %.1f, \"failed\": %d}\n",
+	       procs, procs * (iters + 20), wall, procs * (iters + 20) / wall, failed);
+	return failed != 0;
+}
+
+static int bench_memcpy(long bytes, int iters)
+{
+	char *a = malloc((size_t)bytes), *b = malloc((size_t)bytes);
+	double *t = malloc(sizeof *t * (size_t)iters);
+
+	memset(a, 1, (size_t)bytes);
+	memset(b, 2, (size_t)bytes);
+	for (int i = 0; i < iters; i++) {
+		double t0 = now_us();
+		memcpy(b, a, (size_t)bytes);
+		t[i] = now_us() - t0;
+		a[i % bytes] = b[(i * 7) % bytes];
+	}
+	report("memcpy", t, iters, (double)bytes);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc == 6 && strcmp(argv[1], "inproc") == 0)
+		return inproc(argv[2], atol(argv[3]), atol(argv[4]), atoi(argv[5]));
+	if (argc == 7 && strcmp(argv[1], "daemon") == 0) {
+		int iters = atoi(argv[6]);
+		double *t = malloc(sizeof *t * (size_t)iters);
+		long n = atol(argv[4]), steps = atol(argv[5]);
+		if (scans(argv[2], argv[3], n, steps, iters, t) != 0)
+			return 1;
+		report("daemon", t, iters, (double)(n + 2 * n * steps + n) * 8);
+		return 0;
+	}
+	if (argc == 8 && strcmp(argv[1], "clients") == 0)
+		return clients(argv[2], argv[3], atol(argv[4]), atol(argv[5]), atoi(argv[6]),
+		               atoi(argv[7]));
+	if (argc == 4 && strcmp(argv[1], "memcpy") == 0)
+		return bench_memcpy(atol(argv[2]), atoi(argv[3]));
+	fprintf(stderr, "usage: see the comment at the top of tests/bench/bench_c.c\n");
+	return 2;
+}
