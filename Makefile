@@ -98,6 +98,7 @@ $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMO
 
 test: build
 	@$(MAKE) --no-print-directory run-tests
+	@bash scripts/valgrind-daemon.sh $(BUILD)
 	@$(MAKE) --no-print-directory fuzz
 
 .PHONY: run-tests
@@ -105,7 +106,7 @@ run-tests: tests binaries
 	@bash scripts/run-tests.sh $(BUILD) $(UNIT_BIN) $(E2E_BIN)
 
 sanitize: setup
-	@$(MAKE) --no-print-directory BUILD=build-san SAN=1 binaries run-tests
+	@TORCHLOOP_TEST_SAN=1 $(MAKE) --no-print-directory BUILD=build-san SAN=1 binaries run-tests
 
 # libFuzzer over frame + envelope + tree decoding, under ASan+UBSan.
 FUZZ_BIN := $(BUILD)/fuzz/fuzz_proto

@@ -318,9 +318,11 @@ Test(cli, a_c_program_builds_against_libtorchloop_through_pkg_config)
 	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
 	snprintf(log, sizeof log, "%s/cli.log", dir);
 	snprintf(cmd, sizeof cmd,
-	         "PKG_CONFIG_PATH=%s cc -std=c11 -Wall -Werror -o %s %s $(PKG_CONFIG_PATH=%s "
+	         "PKG_CONFIG_PATH=%s cc -std=c11 -Wall -Werror %s -o %s %s $(PKG_CONFIG_PATH=%s "
 	         "pkg-config --cflags --libs torchloop) -Wl,-rpath,%s",
-	         pc, exe, src, pc, pc);
+	         pc, /* a sanitizer build's library needs the program linked with its runtimes */
+	         getenv("TORCHLOOP_TEST_SAN") ? "-fsanitize=address,undefined" : "", exe, src, pc,
+	         pc);
 	rc = h_run((const char *[]){"sh", "-c", cmd, NULL}, log);
 	cr_assert_eq(rc, 0, "build failed; see %s", log);
 	hd_start(&d, NULL, ARGS);

@@ -587,7 +587,7 @@ Test(daemon, clients_that_vanish_mid_frame_or_mid_compile_harm_no_one)
 	/* mid-compile: a child asks for a new signature and dies at once */
 	b = tl_builder_new();
 	if (fork() == 0) {
-		static double buf[8];
+		static double buf[16]; /* carry [6] and inputs [2, 6] */
 		int64_t cs[] = {6}, xs[] = {2, 6};
 		struct tl_client *c;
 		struct tl_error err;
@@ -601,7 +601,7 @@ Test(daemon, clients_that_vanish_mid_frame_or_mid_compile_harm_no_one)
 	wait(NULL);
 	scan_ok(&f, f.c);
 	{
-		static double buf[8];
+		static double buf[16]; /* carry [6] and inputs [2, 6] */
 		int64_t cs[] = {6}, xs[] = {2, 6};
 		struct tl_reply *r;
 		struct tl_error err;
