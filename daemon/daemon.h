@@ -199,6 +199,8 @@ void request_event(struct request *req, const char *event, const char *adapter,
                    const char *signature, double elapsed);
 void request_free(struct request *req);
 bool request_is_admin(const struct request *req);
+/* Reads the `name` field; on error fails the request (INVALID_NAME) and returns -1. */
+int request_name(struct request *req, const char **name, uint32_t *len);
 
 /* conn.c */
 int server_listen(struct daemon *d, struct proto_err *err);

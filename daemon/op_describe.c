@@ -5,20 +5,11 @@ static void op_describe(struct request *req)
 {
 	const char *name;
 	uint32_t len;
-	struct proto_err err;
 	struct outmsg *out;
 	const struct adapter *a;
-	int rc = msg_get_str(&req->msg.up.data, "name", &name, &len, &err);
 
-	if (rc != 0) {
-		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_NAME, "name",
-			           "Loop adapter namespace must not be empty");
-		{
-			request_fail(req, &err);
-			return;
-		}
-	}
+	if (request_name(req, &name, &len) != 0)
+		return;
 	a = registry_find(req->d, name, len);
 	if (a == NULL) {
 		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",

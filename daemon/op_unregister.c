@@ -7,17 +7,10 @@ static void op_unregister(struct request *req)
 {
 	const char *name;
 	uint32_t len;
-	struct proto_err err;
 	struct outmsg *out;
-	int rc = msg_get_str(&req->msg.up.data, "name", &name, &len, &err);
 
-	if (rc != 0) {
-		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_NAME, "name",
-			           "Loop adapter namespace must not be empty");
-		request_fail(req, &err);
+	if (request_name(req, &name, &len) != 0)
 		return;
-	}
 	if (registry_unregister(req->d, name, len) != 0) {
 		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",
 		                  (int)len, name);

@@ -108,6 +108,20 @@ void request_event(struct request *req, const char *event, const char *adapter,
 	conn_send(req->conn, out);
 }
 
+int request_name(struct request *req, const char **name, uint32_t *len)
+{
+	struct proto_err err;
+	int rc = msg_get_str(&req->msg.up.data, "name", name, len, &err);
+
+	if (rc > 0 || (rc == 0 && *len == 0))
+		proto_fail(&err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+	if (rc != 0 || *len == 0) {
+		request_fail(req, &err);
+		return -1;
+	}
+	return 0;
+}
+
 /* The daemon's uid, root, or a member of --admin-group. */
 bool request_is_admin(const struct request *req)
 {
