@@ -114,7 +114,8 @@ int request_name(struct request *req, const char **name, uint32_t *len)
 	int rc = msg_get_str(&req->msg.up.data, "name", name, len, &err);
 
 	if (rc > 0 || (rc == 0 && *len == 0))
-		proto_fail(&err, PROTO_E_INVALID_NAME, "name", "Loop adapter namespace must not be empty");
+		proto_fail(&err, PROTO_E_INVALID_NAME, "name",
+		           "Loop adapter namespace must not be empty");
 	if (rc != 0 || *len == 0) {
 		request_fail(req, &err);
 		return -1;

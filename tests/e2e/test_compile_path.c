@@ -15,6 +15,7 @@
 
 #include "params.h"
 #include <dirent.h>
+#include <stdbool.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -451,6 +452,52 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 		cr_assert_eq(engine_run(g, in, 2, expected, &res, &perr), -1);
 		cr_assert_eq(perr.code, PROTO_E_SPEC_MISMATCH, "%s", perr.message);
 	}
+	engine_unload(g);
+	free_trees(&t);
+}
+
+/* The wheel's libgomp (SONAME libgomp.so.1) is loaded by libtorch_cpu; an
+ * artifact that NEEDs libgomp.so.1 must bind to it, not to the system's copy. */
+Test(compile_path, an_openmp_artifact_shares_libtorchs_openmp_runtime)
+{
+	char cache[512], so[1024];
+	struct engine_graph *g;
+	struct proto_err perr;
+	struct trees t;
+	struct hd d;
+	struct tl_client *c;
+	struct tl_reply *r;
+	struct tl_error err;
+	int64_t cs[] = {262144}, xs[] = {2, 262144};
+	FILE *f;
+	char buf[4096];
+	size_t n;
+	bool needs_gomp = false;
+
+	h_tmpdir(cache, sizeof cache, "omp");
+	memset(&t, 0, sizeof t);
+	t.b = tl_builder_new();
+	/* big enough that Inductor parallelises the elementwise loops */
+	t.carry = rand_tensor(&t, TL_FLOAT64, 1, cs, 31);
+	t.inputs = rand_tensor(&t, TL_FLOAT64, 2, xs, 32);
+	hd_start(&d, cache, NO_PROBE);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, "t3.omp", BODIES[CUMSUM].file, "body", MAX_STEPS, 1048576, 8);
+	cr_assert_eq(tl_scan(c, "t3.omp", t.carry, t.inputs, &r, &err), 0, "%s", err.message);
+	tl_reply_free(r);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	find_artifact(cache, so, sizeof so);
+	f = fopen(so, "rb");
+	while (f && (n = fread(buf, 1, sizeof buf, f)) > 0)
+		for (size_t k = 0; k + 12 <= n && !needs_gomp; k++)
+			needs_gomp = memcmp(buf + k, "libgomp.so.1", 12) == 0;
+	if (f)
+		fclose(f);
+	cr_assert(needs_gomp, "this graph was expected to use OpenMP (NEEDED libgomp.so.1)");
+	cr_assert_eq(engine_load(so, 1, &g, &perr), 0, "%s", perr.message);
+	cr_assert_eq(engine_count_openmp_runtimes(), 1, "one libgomp image in the process");
 	engine_unload(g);
 	free_trees(&t);
 }
