@@ -11,7 +11,9 @@ X(health, "")
 X(register, "")
 X(unregister, "")
 X(list, "")
-X(describe, "") X(scan, "") X(grad, "") X(compile, "") X(stats, "") X(shutdown, "")
+X(describe, "")
+X(scan, "")
+X(grad, "") X(compile, "") X(stats, "") X(shutdown, "")
 #undef X
 
     const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {

@@ -1,6 +1,7 @@
 /* harness.c - see harness.h. */
 #include "harness.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -199,6 +200,35 @@ void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed)
 		else
 			((double *)data)[i] = v;
 	}
+}
+
+pid_t h_child_of(pid_t parent)
+{
+	DIR *dp = opendir("/proc");
+	struct dirent *e;
+	pid_t found = 0;
+
+	while (dp && (e = readdir(dp)) != NULL && !found) {
+		char path[300], buf[512];
+		FILE *fp;
+		long ppid = 0;
+		if (e->d_name[0] < '0' || e->d_name[0] > '9')
+			continue;
+		snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+		fp = fopen(path, "r");
+		if (fp && fgets(buf, sizeof buf, fp)) {
+			char *p = strrchr(buf, ')'); /* comm may contain spaces */
+			if (p)
+				sscanf(p + 2, "%*c %ld", &ppid);
+		}
+		if (fp)
+			fclose(fp);
+		if (ppid == parent)
+			found = (pid_t)atoi(e->d_name);
+	}
+	if (dp)
+		closedir(dp);
+	return found;
 }
 
 int h_run(const char *const *argv, const char *log)

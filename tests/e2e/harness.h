@@ -65,6 +65,9 @@ double h_max_rel_error(const struct tl_tree *got, const struct tl_tree *want, do
 /* Norm-wise relative error: max |got - want| / max |want| over all leaves. */
 double h_normwise_error(const struct tl_tree *got, const struct tl_tree *want);
 
+/* A process whose parent is `parent` (e.g. a daemon's compile worker), or 0. */
+pid_t h_child_of(pid_t parent);
+
 /* Runs a command, returns its exit status; output appended to log (may be NULL). */
 int h_run(const char *const *argv, const char *log);
 

@@ -15,6 +15,7 @@
 
 #include "params.h"
 #include <dirent.h>
+#include <errno.h>
 #include <stdbool.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -349,48 +350,6 @@ Test(compile_path, a_truncated_or_flipped_artifact_is_quarantined_and_rebuilt)
 
 /* ---- a cached artifact runs from C with no Python process ----------------------- */
 
-static bool python_worker_alive(void)
-{
-	DIR *dp = opendir("/proc");
-	struct dirent *e;
-	bool found = false;
-
-	while (dp && (e = readdir(dp)) != NULL && !found) {
-		char path[300], cmd[4096] = "";
-		FILE *f;
-		size_t n;
-		if (e->d_name[0] < '0' || e->d_name[0] > '9')
-			continue;
-		snprintf(path, sizeof path, "/proc/%s/cmdline", e->d_name);
-		f = fopen(path, "r");
-		if (f == NULL)
-			continue;
-		n = fread(cmd, 1, sizeof cmd - 1, f);
-		fclose(f);
-		for (size_t k = 0; k < n; k++)
-			if (cmd[k] == '\0')
-				cmd[k] = ' ';
-		/* only workers of this test's daemons are children of this process */
-		if (strstr(cmd, "compile_worker.py") && getppid() != atoi(e->d_name)) {
-			char stat[300], buf[512];
-			long ppid = 0;
-			snprintf(stat, sizeof stat, "/proc/%s/stat", e->d_name);
-			f = fopen(stat, "r");
-			if (f && fgets(buf, sizeof buf, f)) {
-				char *p = strrchr(buf, ')');
-				if (p)
-					sscanf(p + 2, "%*c %ld", &ppid);
-			}
-			if (f)
-				fclose(f);
-			found = ppid == getpid();
-		}
-	}
-	if (dp)
-		closedir(dp);
-	return found;
-}
-
 Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 {
 	char cache[512], so[1024];
@@ -401,6 +360,7 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 	struct trees t;
 	int64_t c_shape[] = {4096}, x_shape[] = {3, 4096};
 	struct engine_tensor in[2];
+	pid_t worker = 0;
 
 	h_tmpdir(cache, sizeof cache, "nopy");
 	/* a daemon compiles a large-ish cumsum (OpenMP-parallel code), then stops */
@@ -421,9 +381,13 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 		             err.message);
 		tl_reply_free(r);
 		tl_close(c);
+		worker = h_child_of(d.pid);
+		cr_assert_gt(worker, 0, "found the daemon's compile worker");
 		cr_assert_eq(hd_stop(&d), 0);
 	}
-	cr_assert_not(python_worker_alive(), "the compile worker is gone");
+	/* the worker went with its daemon: no Python process serves what follows */
+	cr_assert(kill(worker, 0) != 0 && errno == ESRCH, "compile worker %d still exists",
+	          (int)worker);
 	cr_assert_eq(cache_open(&cc, cache, &perr), 0, "%s", perr.message);
 	find_artifact(cache, so, sizeof so);
 	cr_assert_eq(engine_load(so, 1, &g, &perr), 0, "%s", perr.message);

@@ -614,35 +614,6 @@ Test(daemon, clients_that_vanish_mid_frame_or_mid_compile_harm_no_one)
 	teardown(&f);
 }
 
-static pid_t worker_pid(pid_t daemon)
-{
-	DIR *dp = opendir("/proc");
-	struct dirent *e;
-	pid_t found = 0;
-
-	while (dp && (e = readdir(dp)) != NULL && !found) {
-		char path[300], buf[512];
-		FILE *fp;
-		long ppid = 0;
-		if (e->d_name[0] < '0' || e->d_name[0] > '9')
-			continue;
-		snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
-		fp = fopen(path, "r");
-		if (fp && fgets(buf, sizeof buf, fp)) {
-			char *p = strrchr(buf, ')');
-			if (p)
-				sscanf(p + 2, "%*c %ld", &ppid);
-		}
-		if (fp)
-			fclose(fp);
-		if (ppid == daemon)
-			found = (pid_t)atoi(e->d_name);
-	}
-	if (dp)
-		closedir(dp);
-	return found;
-}
-
 struct bg_scan {
 	const char *sock;
 	int64_t n;
@@ -686,7 +657,7 @@ Test(daemon, a_worker_killed_mid_compile_fails_that_compile_and_is_replaced)
 	s = (struct bg_scan){f.d.sock, 7, {{0}}, 0};
 	pthread_create(&th, NULL, bg_scan_thread, &s);
 	sleep(2); /* the compile is under way */
-	w = worker_pid(f.d.pid);
+	w = h_child_of(f.d.pid);
 	cr_assert_gt(w, 0, "found the worker");
 	kill(-w, SIGKILL);
 	pthread_join(th, NULL);
@@ -695,7 +666,7 @@ Test(daemon, a_worker_killed_mid_compile_fails_that_compile_and_is_replaced)
 	s.rc = 0;
 	bg_scan_thread(&s); /* the next request recompiles on a new worker */
 	cr_assert_eq(s.rc, 0, "%s %s", s.err.code, s.err.message);
-	cr_assert_neq(worker_pid(f.d.pid), w);
+	cr_assert_neq(h_child_of(f.d.pid), w);
 	tl_close(f.c);
 	cr_assert_eq(hd_stop(&f.d), 0);
 }
