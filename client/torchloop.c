@@ -25,9 +25,16 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Replies are read through this buffer: one read(2) takes a header and a
+ * small body (or a progress event and the reply); larger bodies are read
+ * straight into their aligned buffer. */
+#define TL_RBUF 16384
+
 struct tl_client {
 	int fd;
 	int timeout_ms;
+	uint32_t rb_off, rb_len;
+	uint8_t rbuf[TL_RBUF];
 	uint64_t next_id;
 	tl_progress_fn progress;
 	void *user;
@@ -357,21 +364,47 @@ static int send_frame(struct tl_client *c, struct writer *w, struct tl_error *er
 	return 0;
 }
 
-static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error *err)
+static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, struct tl_error *err)
 {
-	while (n > 0) {
-		ssize_t k;
+	for (;;) {
 		if (c->timeout_ms > 0 && wait_fd(c->fd, POLLIN, c->timeout_ms) == 0)
 			return fail(err, "IO", NULL, "no reply from torchloopd within %d ms",
 			            c->timeout_ms);
-		k = read(c->fd, p, n);
-		if (k < 0 && errno == EINTR)
+		*got = read(c->fd, p, n);
+		if (*got < 0 && errno == EINTR)
 			continue;
-		if (k <= 0)
+		if (*got <= 0)
 			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
-			            k < 0 ? ": " : "", k < 0 ? strerror(errno) : "");
-		p += k;
-		n -= (size_t)k;
+			            *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
+		return 0;
+	}
+}
+
+static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error *err)
+{
+	while (n > 0) {
+		size_t have = c->rb_len - c->rb_off, k;
+		ssize_t got;
+
+		if (have > 0) {
+			k = have < n ? have : n;
+			memcpy(p, c->rbuf + c->rb_off, k);
+			c->rb_off += (uint32_t)k;
+			p += k;
+			n -= k;
+			continue;
+		}
+		if (n >= TL_RBUF) { /* large: in place */
+			if (read_some(c, p, n, &got, err) != 0)
+				return -1;
+			p += got;
+			n -= (size_t)got;
+			continue;
+		}
+		if (read_some(c, c->rbuf, TL_RBUF, &got, err) != 0)
+			return -1;
+		c->rb_off = 0;
+		c->rb_len = (uint32_t)got;
 	}
 	return 0;
 }

@@ -181,6 +181,7 @@ int config_parse(struct config *c, int argc, char **argv)
 {
 	struct option opts[N_LIMITS + 16];
 	size_t n = 0;
+	long cores;
 	int opt;
 
 	memset(c, 0, sizeof *c);
@@ -225,7 +226,9 @@ int config_parse(struct config *c, int argc, char **argv)
 		fprintf(stderr, "torchloopd: unexpected argument '%s'\n", argv[optind]);
 		return -1;
 	}
+	cores = sysconf(_SC_NPROCESSORS_ONLN) > 0 ? sysconf(_SC_NPROCESSORS_ONLN) : 1;
 	if (c->threads == 0)
-		c->threads = sysconf(_SC_NPROCESSORS_ONLN) > 0 ? sysconf(_SC_NPROCESSORS_ONLN) : 1;
+		c->threads = cores;
+	c->omp_threads = cores / c->threads > 1 ? (int)(cores / c->threads) : 1;
 	return 0;
 }

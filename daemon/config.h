@@ -22,7 +22,9 @@
 	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take")       \
 	X("drain-timeout", drain_timeout, 0, 30, 3600,                                             \
 	  "seconds to finish in-flight requests on SIGTERM")                                       \
-	X("threads", threads, 1, 0, 128, "thread-pool size for graph runs (0: one per core)")
+	X("threads", threads, 1, 0, 128, "thread-pool size for graph runs (0: one per core)")      \
+	X("inline-run-us", inline_run_us, 0, 50, 100000,                                           \
+	  "graphs measured at most this many microseconds run on the event loop (0: never)")
 
 struct config {
 #define CONFIG_X_FIELD(name, field, min, def, max, help) long long field;
@@ -39,6 +41,7 @@ struct config {
 	bool probe;
 	int log_level;
 	unsigned socket_mode;
+	int omp_threads; /* OpenMP team per run: cores / threads, at least 1 */
 };
 
 /*

@@ -14,7 +14,6 @@
 #include "daemon.h"
 
 #include "log.h"
-#include "uvframe.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -109,15 +108,28 @@ static void on_write(uv_write_t *req, int status)
 	outmsg_free(out);
 }
 
+/* The whole frame went out without queueing: what on_write would do. */
+static void sent_now(struct conn *c, struct outmsg *out)
+{
+	if (out->close_after)
+		conn_close(c);
+	outmsg_free(out);
+}
+
+/*
+ * Writes the frame now if the socket takes all of it (the common case for a
+ * reply to a waiting client: one writev, no write request, no callback on the
+ * next loop turn); queues what is left otherwise.
+ */
 void conn_send(struct conn *c, struct outmsg *out)
 {
 	struct iovec iov[256];
 	uv_buf_t bufs[256];
 	struct proto_err err;
-	size_t need = writer_iovcnt(&out->w);
+	size_t need = writer_iovcnt(&out->w), total = 0;
 	struct iovec *iv = need <= 256 ? iov : malloc(need * sizeof *iv);
 	uv_buf_t *bv = need <= 256 ? bufs : malloc(need * sizeof *bv);
-	int n;
+	int n, first = 0, sent;
 
 	if (c->closing || iv == NULL || bv == NULL) {
 		outmsg_free(out);
@@ -129,9 +141,33 @@ void conn_send(struct conn *c, struct outmsg *out)
 		outmsg_free(out);
 		goto done;
 	}
-	for (int i = 0; i < n; i++)
+	for (int i = 0; i < n; i++) {
 		bv[i] = uv_buf_init(iv[i].iov_base, (unsigned)iv[i].iov_len);
-	if (uv_write(&out->req, (uv_stream_t *)&c->handle, bv, (unsigned)n, on_write) != 0) {
+		total += iv[i].iov_len;
+	}
+	sent = uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) == 0
+	           ? uv_try_write((uv_stream_t *)&c->handle, bv, (unsigned)n)
+	           : UV_EAGAIN;
+	if (sent < 0 && sent != UV_EAGAIN) {
+		conn_close(c);
+		outmsg_free(out);
+		goto done;
+	}
+	if (sent > 0 && (size_t)sent == total) {
+		sent_now(c, out);
+		goto done;
+	}
+	for (size_t skip = sent > 0 ? (size_t)sent : 0; skip > 0;) {
+		if (skip >= bv[first].len) {
+			skip -= bv[first++].len;
+			continue;
+		}
+		bv[first].base += skip;
+		bv[first].len -= (unsigned)skip;
+		skip = 0;
+	}
+	if (uv_write(&out->req, (uv_stream_t *)&c->handle, bv + first, (unsigned)(n - first),
+	             on_write) != 0) {
 		outmsg_free(out);
 		conn_close(c);
 		goto done;
@@ -174,18 +210,58 @@ void request_dispatch(struct conn *c, uint8_t *body, uint32_t len);
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
 	struct conn *c = h->data;
+	struct proto_err err;
+	uint8_t *p;
+	size_t want;
 
 	(void)suggested;
-	uvframe_alloc(&c->reader, buf);
+	if (frame_reader_want(&c->reader, &p, &want, &err) != FRAME_ERROR &&
+	    c->reader.header_have == PROTO_FRAME_HEADER && want >= CONN_STAGE) {
+		*buf = uv_buf_init((char *)p, (unsigned)want); /* large body: in place */
+		return;
+	}
+	*buf = uv_buf_init((char *)c->stage, CONN_STAGE);
+}
+
+/* Returns false when the connection must not read on (closed or paused). */
+static bool frame_status_step(struct conn *c, enum frame_status st, struct proto_err *err)
+{
+	if (st == FRAME_ERROR) {
+		uv_read_stop((uv_stream_t *)&c->handle);
+		frame_error(c, err, true);
+		return false;
+	}
+	if (st == FRAME_READY) {
+		uint32_t len;
+		uint8_t *body = frame_reader_take(&c->reader, &len);
+		request_dispatch(c, body, len);
+	}
+	return !c->closing && !c->paused;
+}
+
+/* Feeds staged bytes into the frame reader, dispatching each whole frame;
+ * stops (keeping the rest) when a dispatch paused or closed the connection. */
+static void feed_stage(struct conn *c)
+{
+	struct proto_err err;
+
+	while (c->stage_off < c->stage_len && !c->closing && !c->paused) {
+		size_t used;
+		enum frame_status st = frame_reader_feed(&c->reader, c->stage + c->stage_off,
+		                                         c->stage_len - c->stage_off, &used, &err);
+		c->stage_off += (uint32_t)used;
+		if (!frame_status_step(c, st, &err))
+			break;
+	}
+	if (c->stage_off == c->stage_len)
+		c->stage_off = c->stage_len = 0;
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
 	struct conn *c = s->data;
 	struct proto_err err;
-	enum frame_status st;
 
-	(void)buf;
 	if (nread == 0)
 		return;
 	if (nread < 0) {
@@ -197,21 +273,20 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 		conn_close(c);
 		return;
 	}
-	st = frame_reader_commit(&c->reader, (size_t)nread, &err);
-	if (st == FRAME_ERROR) {
-		uv_read_stop(s);
-		frame_error(c, &err, true);
-	} else if (st == FRAME_READY) {
-		uint32_t len;
-		uint8_t *body = frame_reader_take(&c->reader, &len);
-		request_dispatch(c, body, len);
+	if ((uint8_t *)buf->base == c->stage) {
+		c->stage_off = 0;
+		c->stage_len = (uint32_t)nread;
+		feed_stage(c);
+		return;
 	}
+	frame_status_step(c, frame_reader_commit(&c->reader, (size_t)nread, &err), &err);
 }
 
 static void resume_reading(struct conn *c)
 {
 	c->paused = false;
-	if (!c->closing)
+	feed_stage(c); /* frames that arrived with the one that paused us */
+	if (!c->closing && !c->paused)
 		uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
 }
 

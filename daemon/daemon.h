@@ -73,6 +73,8 @@ struct specialization {
 	struct engine_graph *graph;
 	double compile_seconds;
 	bool from_cache;
+	uint64_t runs;          /* completed runs (loop thread only) */
+	double run_ema_us;      /* their engine time, exponential moving average */
 	struct proto_err error; /* SPEC_FAILED */
 	struct request *waiters;
 	uv_timer_t *progress;
@@ -100,10 +102,16 @@ struct registry {
 
 /* ---- connections and requests ----------------------------------------- */
 
+/* One read(2) takes a header and a small body (or several pipelined frames);
+ * bodies larger than this are read in place, without a copy. */
+#define CONN_STAGE 16384
+
 struct conn {
 	uv_pipe_t handle;
 	struct daemon *d;
 	struct frame_reader reader;
+	uint8_t stage[CONN_STAGE];     /* small frames arrive here, several per read */
+	uint32_t stage_off, stage_len; /* bytes not yet fed (left when reads paused) */
 	int refs;
 	bool closing, reading, paused;
 	unsigned inflight;
@@ -157,7 +165,7 @@ extern const struct op_desc *const OP_TABLE[PROTO_OP__COUNT];
 /* ---- the daemon ------------------------------------------------------- */
 
 struct daemon_stats {
-	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy;
+	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy, inline_runs;
 	uint64_t error_codes[PROTO_E__COUNT];
 };
 

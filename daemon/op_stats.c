@@ -4,7 +4,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 10);
+	struct outmsg *out = request_begin_result(req, 11);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -18,6 +18,7 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "errors", d->stats.errors + d->stats.frame_errors);
 	writer_key_u64(&out->w, "limit_breaches", d->stats.limit_breaches);
 	writer_key_u64(&out->w, "inflight", d->inflight);
+	writer_key_u64(&out->w, "inline_runs", d->stats.inline_runs);
 	writer_key_u64(&out->w, "worker_restarts", compiler_restarts(d->compiler));
 	for (int c = 1; c < PROTO_E__COUNT; c++)
 		n_codes += d->stats.error_codes[c] != 0;

@@ -13,7 +13,9 @@ X(unregister, "")
 X(list, "")
 X(describe, "")
 X(scan, "")
-X(grad, "") X(compile, "") X(stats, "") X(shutdown, "")
+X(grad, "")
+X(compile, "")
+X(stats, "") X(shutdown, "")
 #undef X
 
     const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {

@@ -31,12 +31,20 @@ struct check_ctx {
 	struct proto_err *err;
 };
 
+static void copy_path(char dst[PROTO_PATH_MAX], const char *path)
+{
+	size_t n = strnlen(path, PROTO_PATH_MAX - 1);
+
+	memcpy(dst, path, n);
+	dst[n] = '\0';
+}
+
 static int check_dtype(const struct tree_node *leaf, const char *path, struct check_ctx *c)
 {
 	if (!c->have_dtype) {
 		c->have_dtype = true;
 		c->args->dtype = leaf->tensor.dtype;
-		snprintf(c->first_path, sizeof c->first_path, "%s", path);
+		copy_path(c->first_path, path);
 		return 0;
 	}
 	if (leaf->tensor.dtype == c->args->dtype)
@@ -77,7 +85,7 @@ static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 	if (!c->have_steps) {
 		c->have_steps = true;
 		c->args->steps = t->shape[0];
-		snprintf(c->steps_path, sizeof c->steps_path, "%s", path);
+		copy_path(c->steps_path, path);
 	} else if (t->shape[0] != c->args->steps) {
 		return proto_fail(
 		    c->err, PROTO_E_LENGTH_MISMATCH, path,
@@ -121,7 +129,6 @@ struct run_job {
 	struct proto_err err;
 	int rc;
 	double t0, run_us;
-	int omp_threads;
 };
 
 /* Sizes OpenMP per pool thread so concurrent runs share the cores. */
@@ -143,7 +150,7 @@ static void run_work(uv_work_t *w)
 	struct run_job *j = w->data;
 	double t0 = now_seconds();
 
-	size_openmp(j->omp_threads);
+	size_openmp(j->req->d->cfg.omp_threads);
 	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->res, &j->err);
 	j->run_us = (now_seconds() - t0) * 1e6;
 }
@@ -180,6 +187,8 @@ static void after_run(uv_work_t *w, int status)
 	(void)status;
 	if (j->rc == 0) {
 		adapter_record_latency(sp->adapter, j->run_us);
+		sp->run_ema_us =
+		    sp->runs++ == 0 ? j->run_us : 0.8 * sp->run_ema_us + 0.2 * j->run_us;
 		sp->adapter->stats.runs++;
 		out = request_begin_result(req, sp->grad ? 4 : 2);
 		if (out == NULL || put_tree(out, req, "carry", &sp->carry, j->res, &pos) ||
@@ -211,7 +220,6 @@ static void after_run(uv_work_t *w, int status)
 struct run_job *run_job_new(struct request *req, struct specialization *sp)
 {
 	struct run_job *j = calloc(1, sizeof *j);
-	long cores = sysconf(_SC_NPROCESSORS_ONLN);
 
 	if (j == NULL)
 		return NULL;
@@ -225,7 +233,6 @@ struct run_job *run_job_new(struct request *req, struct specialization *sp)
 		free(j);
 		return NULL;
 	}
-	j->omp_threads = cores / req->d->cfg.threads > 1 ? (int)(cores / req->d->cfg.threads) : 1;
 	spec_ref(sp);
 	return j;
 }
@@ -235,9 +242,28 @@ void run_job_add(struct run_job *j, const struct tree_node *tree)
 	spec_flatten(tree, j->in, &j->n_in);
 }
 
+/*
+ * A graph that has run a few times and whose engine time is at most
+ * --inline-run-us runs right here on the loop thread: for µs-scale graphs the
+ * two cross-thread wake-ups of the pool (loop -> pool, pool -> loop) cost
+ * several times the run itself.  Longer graphs, and every graph's first runs
+ * (which measure it), go to the pool so the loop never stalls for long.
+ */
+#define INLINE_AFTER_RUNS 3
+
 void run_job_start(struct run_job *j)
 {
+	const struct specialization *sp = j->sp;
+	const struct config *cfg = &j->req->d->cfg;
+
 	j->work.data = j;
+	if (cfg->inline_run_us > 0 && sp->runs >= INLINE_AFTER_RUNS &&
+	    sp->run_ema_us <= (double)cfg->inline_run_us) {
+		j->req->d->stats.inline_runs++;
+		run_work(&j->work);
+		after_run(&j->work, 0);
+		return;
+	}
 	uv_queue_work(j->req->d->loop, &j->work, run_work, after_run);
 }
 

@@ -4,7 +4,6 @@
  */
 #include "spec.h"
 
-#include <stdio.h>
 #include <string.h>
 
 struct sbuf {
@@ -24,12 +23,20 @@ static void put(struct sbuf *b, const char *s, size_t n)
 	b->p[b->len] = '\0';
 }
 
-static void putf(struct sbuf *b, const char *fmt, long long v)
+/* Decimal of a non-negative integer (shapes, T, key lengths); signatures are
+ * built on every scan request, so no printf here. */
+static void put_int(struct sbuf *b, long long v)
 {
-	char tmp[32];
-	int n = snprintf(tmp, sizeof tmp, fmt, v);
+	char tmp[24];
+	size_t i = sizeof tmp;
+	unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
 
-	put(b, tmp, (size_t)n);
+	do
+		tmp[--i] = (char)('0' + u % 10);
+	while ((u /= 10) != 0 && i > 0);
+	if (v < 0)
+		put(b, "-", 1);
+	put(b, tmp + i, sizeof tmp - i);
 }
 
 static void sig_node(struct sbuf *b, const struct tree_node *n)
@@ -42,8 +49,11 @@ static void sig_node(struct sbuf *b, const struct tree_node *n)
 	}
 	if (n->kind == TREE_TENSOR) {
 		put(b, "[", 1);
-		for (uint32_t i = 0; i < n->tensor.ndim; i++)
-			putf(b, i ? ",%lld" : "%lld", (long long)n->tensor.shape[i]);
+		for (uint32_t i = 0; i < n->tensor.ndim; i++) {
+			if (i)
+				put(b, ",", 1);
+			put_int(b, (long long)n->tensor.shape[i]);
+		}
 		put(b, "]", 1);
 		return;
 	}
@@ -53,7 +63,8 @@ static void sig_node(struct sbuf *b, const struct tree_node *n)
 		if (i)
 			put(b, ",", 1);
 		if (n->kind == TREE_DICT) {
-			putf(b, "%lld:", (long long)n->keys[i].len);
+			put_int(b, (long long)n->keys[i].len);
+			put(b, ":", 1);
 			put(b, n->keys[i].ptr, n->keys[i].len);
 			put(b, "=", 1);
 		}
@@ -69,7 +80,9 @@ int spec_signature(const struct tree_node *carry, const struct tree_node *inputs
 
 	buf[0] = '\0';
 	put(&b, proto_dtype_name(dtype), strlen(proto_dtype_name(dtype)));
-	putf(&b, " T=%lld carry=", (long long)steps);
+	put(&b, " T=", 3);
+	put_int(&b, (long long)steps);
+	put(&b, " carry=", 7);
 	sig_node(&b, carry);
 	put(&b, " inputs=", 8);
 	sig_node(&b, inputs);

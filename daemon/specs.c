@@ -271,7 +271,8 @@ static int load_artifact(struct daemon *d, struct specialization *sp, const uint
 	if (rc != 0)
 		return -1;
 	cache_so_path(&d->cache, sp->key, so, sizeof so);
-	if (engine_load(so, (size_t)d->cfg.threads, &sp->graph, err) != 0)
+	/* one model per pool thread, plus the loop thread's inline runs */
+	if (engine_load(so, (size_t)d->cfg.threads + 1, &sp->graph, err) != 0)
 		return -1;
 	sp->n_in = engine_num_inputs(sp->graph);
 	sp->n_out = engine_num_outputs(sp->graph);

@@ -1,7 +1,8 @@
 /*
  * uvframe.h - libuv reads straight into a frame reader: the alloc callback
  * hands libuv the rest of the current header or body, so frame bytes are
- * never copied.  Used by client connections and by the compile worker's pipe.
+ * never copied.  Used by the compile worker's pipe (client connections
+ * stage small frames instead: see conn.c).
  */
 #ifndef TORCHLOOP_UVFRAME_H
 #define TORCHLOOP_UVFRAME_H

@@ -23,6 +23,17 @@ static int dec_fail(struct dec *d, enum proto_code code, const char *fmt, const 
 	return proto_fail(d->err, code, d->path, fmt, d->path, detail ? detail : "");
 }
 
+/* Starts a bounded path at root; returns its length (paths are built on
+ * every request, so no printf). */
+static size_t path_root(char *buf, size_t size, const char *root)
+{
+	size_t n = strnlen(root, size - 1);
+
+	memcpy(buf, root, n);
+	buf[n] = '\0';
+	return n;
+}
+
 /* Appends a quoted, escaped dict key or an index to a bounded path. */
 void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node *n, uint32_t i)
 {
@@ -30,9 +41,24 @@ void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node 
 
 	if (at + 1 >= size)
 		return;
-	if (n->kind != TREE_DICT) {
-		int w = snprintf(buf + at, size - at, "[%u]", i);
-		*len = (w > 0 && at + (size_t)w < size) ? at + (size_t)w : size - 1;
+	if (n->kind != TREE_DICT) { /* "[i]" without printf: on every node of every request */
+		char digits[10];
+		size_t nd = 0;
+
+		do
+			digits[nd++] = (char)('0' + i % 10);
+		while ((i /= 10) != 0);
+		if (at + nd + 2 >= size) {
+			*len = size - 1;
+			buf[*len] = '\0';
+			return;
+		}
+		buf[at++] = '[';
+		while (nd > 0)
+			buf[at++] = digits[--nd];
+		buf[at++] = ']';
+		buf[at] = '\0';
+		*len = at;
 		return;
 	}
 	buf[at++] = '[';
@@ -271,9 +297,7 @@ int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
 {
 	struct dec d = {.zone = zone, .err = err};
 
-	d.path_len = (size_t)snprintf(d.path, sizeof d.path, "%s", root);
-	if (d.path_len >= sizeof d.path)
-		d.path_len = sizeof d.path - 1;
+	d.path_len = path_root(d.path, sizeof d.path, root);
 	return decode_node(&d, o, 0, out);
 }
 
@@ -376,10 +400,7 @@ static int same_node(const struct tree_node *a, const struct tree_node *b, char 
 int tree_same_structure(const struct tree_node *a, const struct tree_node *b, const char *root,
                         char *path, size_t path_size)
 {
-	int n = snprintf(path, path_size, "%s", root);
-	size_t len = n < 0 ? 0 : ((size_t)n < path_size ? (size_t)n : path_size - 1);
-
-	return same_node(a, b, path, path_size, len);
+	return same_node(a, b, path, path_size, path_root(path, path_size, root));
 }
 
 static int visit(const struct tree_node *n, char *path, size_t size, size_t len, int with_none,
@@ -403,7 +424,6 @@ int tree_visit(const struct tree_node *n, const char *root, int with_none, tree_
                void *ctx)
 {
 	char path[PROTO_PATH_MAX];
-	int w = snprintf(path, sizeof path, "%s", root);
 
-	return visit(n, path, sizeof path, w < 0 ? 0 : (size_t)w, with_none, fn, ctx);
+	return visit(n, path, sizeof path, path_root(path, sizeof path, root), with_none, fn, ctx);
 }

@@ -503,6 +503,27 @@ def vjp_module(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
     return fn
 
 
+def vjp_module_autograd(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
+    """forward + VJP with torch.autograd.grad, for strategy "scan": torch.func.vjp
+    cannot trace through the scan op (it refuses functorch transforms of the
+    compiled function), but the scan op has an autograd formula (a reversed scan)
+    that make_fx records."""
+
+    def fn(*args: Any) -> tuple[Any, ...]:
+        primals = [a.detach().requires_grad_(True) for a in args[:n_in]]
+        cotangents = args[n_in:]
+        with torch.enable_grad():
+            outs = scan.forward(*primals)
+            pairs = [(o, g) for o, g in zip(outs, cotangents) if o.requires_grad]
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], primals, [g for _, g in pairs], allow_unused=True
+            ) if pairs else [None] * n_in
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(primals, grads)]
+        return tuple(o.detach() for o in outs) + tuple(grads)
+
+    return fn
+
+
 def capture(
     scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
 ) -> tuple[Any, tuple[Any, ...]]:
@@ -513,9 +534,21 @@ def capture(
 
             gen = torch.Generator().manual_seed(1)
             cot = [torch.rand(o.shape, dtype=o.dtype, generator=gen) for o in outs]
-            gm = make_fx(vjp_module(scan, torch, len(args)), tracing_mode="real")(*args, *cot)
             example = tuple(args) + tuple(cot)
-            ep = torch.export.export(Wrap(gm), example, strict=False)
+            ep = None
+            if scan.strategy == "scan":
+                try:
+                    gm = make_fx(vjp_module_autograd(scan, torch, len(args)),
+                                 tracing_mode="real")(*args, *cot)
+                    ep = torch.export.export(Wrap(gm), example, strict=False)
+                except Exception as exc:  # noqa: BLE001 - the unrolled VJP below
+                    log(f"the scan op's VJP could not be captured ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}); compiling the unrolled VJP instead")
+            if ep is None:
+                unrolled = Scan(**{**scan.__dict__, "strategy": "unroll"})
+                gm = make_fx(vjp_module(unrolled, torch, len(args)),
+                             tracing_mode="real")(*args, *cot)
+                ep = torch.export.export(Wrap(gm), example, strict=False)
         else:
             example = tuple(args)
             ep = torch.export.export(FlatModule(scan), example, strict=strict)

@@ -14,7 +14,10 @@ only):
   (e) the daemon through the CLI, a process per call
 then throughput of (d) with 1..32 client processes, cold compile and warm
 start against (b) in fresh processes, daemon RSS, and payload bandwidth.
-Writes OUT_DIR/bench.json and PNG plots; docs/performance.md quotes them.
+It also measures where a small scan's time goes (a socketpair round trip, a
+health round trip, the daemon without inline runs, its CPU and syscalls per
+scan, and a callgrind profile of the loop thread).  Writes OUT_DIR/bench.json
+and PNG plots; tests/bench/report.py turns them into docs/performance.md.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -64,7 +68,30 @@ print(json.dumps({"first_s": first, "p50_us": ts[len(ts) // 2], "p99_us": ts[int
 """
 
 
+def cpu_busy(interval: float = 0.5) -> float:
+    """Fraction of all CPUs busy over interval, from /proc/stat."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(interval)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def settle(limit_s: float = 60) -> None:
+    """Waits until the machine is idle (under 10 % busy): a compile, or a Python process
+    that just exited, leaves Inductor's compile subprocesses winding down, and on 2 cores
+    that shows up in the next latency measured."""
+    t0 = time.monotonic()
+    while cpu_busy() > 0.10 and time.monotonic() - t0 < limit_s:
+        pass
+
+
 def run_json(cmd: list[str], env: dict | None = None, timeout: int = 3600) -> dict:
+    settle()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {out.stderr[-2000:]}")
@@ -80,11 +107,12 @@ def rss_kb(pid: int) -> int:
 
 
 class Daemon:
-    def __init__(self, build: str, cache: str, tmp: str) -> None:
-        self.sock = os.path.join(tmp, "sock")
+    def __init__(self, build: str, cache: str, tmp: str, extra: tuple = (), prefix: tuple = (),
+                 sock: str = "sock") -> None:
+        self.sock = os.path.join(tmp, sock)
         self.proc = subprocess.Popen(
-            [os.path.join(build, "torchloopd"), "--socket", self.sock, "--cache-dir", cache,
-             "--no-probe", "--compile-timeout", "3600", "--log-level", "warn"],
+            [*prefix, os.path.join(build, "torchloopd"), "--socket", self.sock, "--cache-dir",
+             cache, "--no-probe", "--compile-timeout", "3600", "--log-level", "warn", *extra],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "daemon.log"), "a"))
         t0 = time.monotonic()
         while True:
@@ -93,7 +121,7 @@ class Daemon:
                     break
             except (OSError, EOFError):
                 pass
-            if time.monotonic() - t0 > 300:
+            if time.monotonic() - t0 > 600:
                 raise RuntimeError("daemon did not start")
             time.sleep(0.05)
         self.ready_s = time.monotonic() - t0
@@ -159,6 +187,7 @@ def cli_latency(cli: str, sock: str, n: int, steps: int, iters: int, tmp: str) -
     cmd = [cli, "--socket", sock, "scan", "bench.cumsum", "--carry", os.path.join(tmp, "c.npy"),
            "--inputs", os.path.join(tmp, "x.npy"), "--out", os.path.join(tmp, "out")]
     ts = []
+    settle()
     for _ in range(iters):
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -221,6 +250,144 @@ def memory(build: str, tmp: str, cache: str) -> dict:
             "per_graph_kb": (loaded[-1] - loaded[0]) / 3}
 
 
+def bench_c(build: str, *args) -> dict:
+    return run_json([os.path.join(build, "bench_c"), *map(str, args)])
+
+
+def cpu_ticks(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])  # utime, stime (clock ticks)
+
+
+def cpu_per_scan(build: str, d: Daemon, n: int, steps: int, iters: int) -> dict:
+    """The daemon's user and system CPU per scan, from /proc/PID/stat."""
+    hz = os.sysconf("SC_CLK_TCK")
+    u0, s0 = cpu_ticks(d.proc.pid)
+    bench_c(build, "daemon", d.sock, "bench.cumsum", n, steps, iters)
+    u1, s1 = cpu_ticks(d.proc.pid)
+    scans = iters + 20
+    return {"N": n, "T": steps, "scans": scans, "user_us": (u1 - u0) / hz / scans * 1e6,
+            "sys_us": (s1 - s0) / hz / scans * 1e6}
+
+
+def syscalls_per_scan(build: str, d: Daemon, tmp: str, iters: int = 2000) -> dict:
+    """strace -c on the daemon while one client scans (N=4, T=1): calls per scan."""
+    out = os.path.join(tmp, "strace.txt")
+    st = subprocess.Popen(["strace", "-f", "-c", "-o", out, "-p", str(d.proc.pid)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.5)
+    bench_c(build, "daemon", d.sock, "bench.cumsum", 4, 1, iters)
+    st.send_signal(signal.SIGINT)
+    st.wait(timeout=60)
+    calls = {}
+    with open(out) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+                calls[parts[-1]] = int(parts[3]) / (iters + 20)
+    return calls
+
+
+PROFILE_FUNCS = ("on_read", "request_dispatch", "msg_parse", "scan_decode", "scan_validate",
+                 "specs_acquire", "spec_signature", "engine_run", "conn_send", "after_run")
+
+
+def callgrind_profile(build: str, cache: str, tmp: str, iters: int = 2000) -> dict:
+    """Instructions per scan on the loop thread (callgrind, collecting inside on_read).
+    Under valgrind every graph is slow, so --inline-run-us is raised to keep the runs on
+    the loop thread, where they are in production, and in the profile."""
+    out = os.path.join(tmp, "callgrind.out")
+    d = Daemon(build, cache, tmp, sock="cg.sock", extra=("--inline-run-us", "100000"),
+               prefix=("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                       "--toggle-collect=on_read"))
+    c = Client(d.sock)
+    register(c, "bench.cumsum")
+    bench_c(build, "daemon", d.sock, "bench.cumsum", 4, 1, iters)
+    d.stop()
+    scans = iters + 20
+    incl = subprocess.run(["callgrind_annotate", "--inclusive=yes", out], capture_output=True,
+                          text=True).stdout
+    excl = subprocess.run(["callgrind_annotate", out], capture_output=True, text=True).stdout
+    total = 0
+    funcs: dict = {}
+    for line in incl.splitlines():
+        parts = line.split()
+        if not parts or not parts[0].replace(",", "").isdigit():
+            continue
+        ir = int(parts[0].replace(",", ""))
+        if "PROGRAM TOTALS" in line:
+            total = ir
+        for fn in PROFILE_FUNCS:
+            if line.rstrip().endswith(":" + fn) or f":{fn} [" in line:
+                funcs[fn] = max(funcs.get(fn, 0), ir / scans)
+    top, in_table = [], False
+    row = re.compile(r"^\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(.*)$")
+    for line in excl.splitlines():  # the function table only, not the annotated sources
+        if line.rstrip().endswith("file:function"):
+            in_table = True
+            continue
+        if in_table and not line.strip() and top:
+            break
+        m = row.match(line) if in_table else None
+        if m:
+            parts = [m.group(1), "", m.group(2)]
+            name = parts[2].split(" [")[0]
+            head, _, rest = name.partition(":")
+            if rest and ("/" in head or head == "???" or head.endswith((".c", ".h", ".S"))):
+                name = rest  # drop "file:" but keep C++'s "ns::f"
+            name = name if len(name) <= 60 else name[:57] + "..."
+            top.append({"function": name, "ir_per_scan": int(parts[0].replace(",", "")) / scans})
+    return {"scans": scans, "ir_per_scan": total / scans, "inclusive": funcs, "top_self": top[:15]}
+
+
+def floors(build: str, d: Daemon, cache: str, tmp: str, quick: bool) -> dict:
+    """Where the time of a small scan goes: the kernel's and the protocol's floors, the
+    thread-pool hand-off, the daemon's CPU and syscalls per scan."""
+    out = {"sockpair": bench_c(build, "sockpair", 228, 5000),
+           "ping": bench_c(build, "ping", d.sock, 5000),
+           "d_small": bench_c(build, "daemon", d.sock, "bench.cumsum", 4, 1, 5000)}
+    pool = Daemon(build, cache, tmp, extra=("--inline-run-us", "0"), sock="pool.sock")
+    register(Client(pool.sock), "bench.cumsum")
+    out["d_small_pool_only"] = bench_c(build, "daemon", pool.sock, "bench.cumsum", 4, 1, 5000)
+    pool.stop()
+    out["cpu_small"] = cpu_per_scan(build, d, 4, 1, 5000)
+    if not quick:  # the N = 1M graph exists only after a full latency run
+        out["cpu_large"] = cpu_per_scan(build, d, MAX_ELEMENTS, 1, 100)
+    try:
+        out["syscalls"] = syscalls_per_scan(build, d, tmp)
+    except (OSError, subprocess.SubprocessError) as e:
+        out["syscalls_error"] = str(e)
+    return out
+
+
+def machine() -> dict:
+    def cmd(*a: str) -> str:
+        try:
+            return subprocess.run(a, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return "?"
+
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    import torch
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "cpu": cpu, "nproc": os.cpu_count(),
+            "mem_gib": round(mem_kb / 1048576, 1), "kernel": os.uname().release,
+            "debian": open("/etc/debian_version").read().strip(),
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "gcc": cmd("gcc", "-dumpfullversion"),
+            "libuv": cmd("pkg-config", "--modversion", "libuv"),
+            "msgpack": cmd("sh", "-c", "pkg-config --modversion msgpack-c || pkg-config --modversion msgpack"),
+            "loadavg_start": open("/proc/loadavg").read().split()[:3]}
+
+
 def plots(out_dir: str, rows: list[dict], thr: list[dict]) -> None:
     import matplotlib
 
@@ -260,19 +427,22 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="tl-bench-")
     cache = os.path.join(tmp, "cache")
-    result: dict = {"machine": {"nproc": os.cpu_count(), "uname": " ".join(os.uname())}}
+    result: dict = {"machine": machine(), "quick": quick}
     d = Daemon(build, cache, tmp)
     result["latency"] = latency(build, d, cache, tmp, quick)
     result["throughput"] = throughput(build, d)
-    mb = 1048576 * 8
-    big = [r for r in result["latency"] if r["N"] * r["T"] == 1048576]
+    big = [r for r in result["latency"] if r["N"] * r["T"] == MAX_ELEMENTS]
     if big:
         r = big[0]
-        moved = (r["N"] + r["N"] * r["T"]) * 8 * 2  # request carry + inputs, reply carry + outputs
-        result["payload"] = {"bytes_each_way": moved / 2, "d_p50_us": r["d_daemon"]["p50_us"],
+        each_way = (r["N"] + r["N"] * r["T"]) * 8  # carry + inputs in, carry + outputs back
+        result["payload"] = {"bytes_each_way": each_way, "d_p50_us": r["d_daemon"]["p50_us"],
                              "c_p50_us": r["c_inproc"]["p50_us"],
-                             "memcpy": run_json([os.path.join(build, "bench_c"), "memcpy", str(mb), "200"])}
+                             "memcpy": bench_c(build, "memcpy", each_way, 200)}
+    result["floors"] = floors(build, d, cache, tmp, quick)
+    print(json.dumps(result["floors"]), flush=True)
     d.stop()
+    if not quick:
+        result["callgrind"] = callgrind_profile(build, cache, tmp)
     result["memory"] = memory(build, tmp, cache)
     result["starts"] = starts(build, tmp)
     with open(os.path.join(out_dir, "bench.json"), "w") as f:

@@ -6,6 +6,9 @@
  *                                      the daemon through libtorchloop
  *   bench_c clients SOCK ADAPTER N T PROCS ITERS
  *                                      PROCS client processes, ITERS scans each
+ *   bench_c ping SOCK ITERS            health round trips: the protocol's floor
+ *   bench_c sockpair BYTES ITERS       round trips of BYTES over a socketpair to
+ *                                      an epoll echo process: the kernel's floor
  *   bench_c memcpy BYTES ITERS         memcpy bandwidth of BYTES
  *
  * Scans are cumulative sums: carry [N], inputs [T, N], float64.  Each mode
@@ -17,6 +20,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -135,6 +140,77 @@ static int clients(const char *sock, const char *adapter, long n, long steps, in
 	return failed != 0;
 }
 
+static int ping(const char *sock, int iters)
+{
+	struct tl_client *c;
+	struct tl_error err;
+	double *t = malloc(sizeof *t * (size_t)iters);
+	int ready;
+
+	if (tl_connect(sock, 5000, &c, &err) != 0) {
+		fprintf(stderr, "%s\n", err.message);
+		return 1;
+	}
+	for (int i = -20; i < iters; i++) {
+		double t0 = now_us();
+		if (tl_health(c, &ready, &err) != 0) {
+			fprintf(stderr, "%s: %s\n", err.code, err.message);
+			return 1;
+		}
+		if (i >= 0)
+			t[i] = now_us() - t0;
+	}
+	tl_close(c);
+	report("ping", t, iters, 0);
+	return 0;
+}
+
+static int sockpair(long bytes, int iters)
+{
+	int sv[2], ep;
+	char *buf = calloc(1, (size_t)bytes);
+	double *t = malloc(sizeof *t * (size_t)iters);
+	struct epoll_event ev = {.events = EPOLLIN};
+	pid_t pid;
+
+	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0)
+		return 1;
+	pid = fork();
+	if (pid == 0) { /* echo: epoll_wait, read, write, like the daemon's loop */
+		close(sv[0]);
+		ep = epoll_create1(0);
+		ev.data.fd = sv[1];
+		epoll_ctl(ep, EPOLL_CTL_ADD, sv[1], &ev);
+		for (;;) {
+			ssize_t n;
+			if (epoll_wait(ep, &ev, 1, -1) < 0)
+				continue;
+			n = read(sv[1], buf, (size_t)bytes);
+			if (n <= 0 || write(sv[1], buf, (size_t)n) != n)
+				_exit(0);
+		}
+	}
+	close(sv[1]);
+	for (int i = -20; i < iters; i++) {
+		double t0 = now_us();
+		ssize_t got = 0;
+		if (write(sv[0], buf, (size_t)bytes) != bytes)
+			return 1;
+		while (got < bytes) {
+			ssize_t n = read(sv[0], buf + got, (size_t)(bytes - got));
+			if (n <= 0)
+				return 1;
+			got += n;
+		}
+		if (i >= 0)
+			t[i] = now_us() - t0;
+	}
+	close(sv[0]);
+	waitpid(pid, NULL, 0);
+	report("sockpair", t, iters, (double)bytes);
+	return 0;
+}
+
 static int bench_memcpy(long bytes, int iters)
 {
 	char *a = malloc((size_t)bytes), *b = malloc((size_t)bytes);
@@ -168,6 +244,10 @@ int main(int argc, char **argv)
 	if (argc == 8 && strcmp(argv[1], "clients") == 0)
 		return clients(argv[2], argv[3], atol(argv[4]), atol(argv[5]), atoi(argv[6]),
 		               atoi(argv[7]));
+	if (argc == 4 && strcmp(argv[1], "ping") == 0)
+		return ping(argv[2], atoi(argv[3]));
+	if (argc == 4 && strcmp(argv[1], "sockpair") == 0)
+		return sockpair(atol(argv[2]), atoi(argv[3]));
 	if (argc == 4 && strcmp(argv[1], "memcpy") == 0)
 		return bench_memcpy(atol(argv[2]), atoi(argv[3]));
 	fprintf(stderr, "usage: see the comment at the top of tests/bench/bench_c.c\n");

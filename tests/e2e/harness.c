@@ -157,6 +157,13 @@ static char *slurp(const char *path)
 void hd_register(struct tl_client *c, const char *name, const char *body_file, const char *entry,
                  int64_t max_steps, int64_t max_elements, int64_t budget)
 {
+	hd_register_strategy(c, name, body_file, entry, NULL, max_steps, max_elements, budget);
+}
+
+void hd_register_strategy(struct tl_client *c, const char *name, const char *body_file,
+                          const char *entry, const char *strategy, int64_t max_steps,
+                          int64_t max_elements, int64_t budget)
+{
 	char path[2048];
 	char *src;
 	struct tl_error err;
@@ -164,8 +171,8 @@ void hd_register(struct tl_client *c, const char *name, const char *body_file, c
 
 	snprintf(path, sizeof path, "%s/%s", h_root(), body_file);
 	src = slurp(path);
-	def =
-	    (struct tl_adapter_def){name, src, path, entry, NULL, max_steps, max_elements, budget};
+	def = (struct tl_adapter_def){name,     src,       path,         entry,
+	                              strategy, max_steps, max_elements, budget};
 	cr_assert_eq(tl_register(c, &def, &err), 0, "register %s: %s %s", name, err.code,
 	             err.message);
 	free(src);
@@ -439,11 +446,10 @@ static int read_n(int fd, uint8_t *p, size_t n)
 	return 0;
 }
 
-int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message, size_t msg_size)
+int raw_recv_msg(int fd, uint8_t **body, struct msg *m)
 {
-	uint8_t head[4], *body;
+	uint8_t head[4];
 	uint32_t len;
-	struct msg m;
 	struct proto_err err;
 
 	do {
@@ -451,15 +457,26 @@ int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message,
 			return -1;
 		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 |
 		      head[3];
-		body = frame_alloc(len);
-		cr_assert_eq(read_n(fd, body, len), 0, "truncated reply frame");
-		cr_assert_eq(msg_parse(&m, body, len, MSG_REPLY, &err), 0, "bad reply: %s",
+		*body = frame_alloc(len);
+		cr_assert_eq(read_n(fd, *body, len), 0, "truncated reply frame");
+		cr_assert_eq(msg_parse(m, *body, len, MSG_REPLY, &err), 0, "bad reply: %s",
 		             err.message);
-		if (m.is_event) {
-			msg_destroy(&m);
-			frame_free(body);
+		if (m->is_event) {
+			msg_destroy(m);
+			frame_free(*body);
 		}
-	} while (m.is_event);
+	} while (m->is_event);
+	return 0;
+}
+
+int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message, size_t msg_size)
+{
+	uint8_t *body;
+	struct msg m;
+	struct proto_err err;
+
+	if (raw_recv_msg(fd, &body, &m) != 0)
+		return -1;
 	*id = m.has_id ? (long long)m.id : -1;
 	code[0] = message[0] = '\0';
 	if (m.is_error) {

@@ -7,6 +7,7 @@
 #ifndef TORCHLOOP_HARNESS_H
 #define TORCHLOOP_HARNESS_H
 
+#include "msg.h"
 #include "npy.h"
 #include "torchloop.h"
 #include "treejson.h"
@@ -40,6 +41,10 @@ struct tl_client *hd_connect(struct hd *d);
 /* Registers examples/bodies/FILE's ENTRY under NAME; asserts success. */
 void hd_register(struct tl_client *c, const char *name, const char *body_file, const char *entry,
                  int64_t max_steps, int64_t max_elements, int64_t budget);
+/* The same with a compile strategy ("unroll", "scan"; NULL: the default). */
+void hd_register_strategy(struct tl_client *c, const char *name, const char *body_file,
+                          const char *entry, const char *strategy, int64_t max_steps,
+                          int64_t max_elements, int64_t budget);
 /* A counter of the adapter's describe output (e.g. "compiles"). */
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
 
@@ -83,3 +88,6 @@ void raw_send_frame(int fd, const void *body, size_t n);
  * message.  Returns 0, or -1 when the daemon closed the connection.
  */
 int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message, size_t msg_size);
+/* Reads the next non-event frame into a parsed message over *body (the
+ * caller frees both: msg_destroy, frame_free).  -1 when the daemon closed. */
+int raw_recv_msg(int fd, uint8_t **body, struct msg *m);

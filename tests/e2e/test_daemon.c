@@ -10,7 +10,10 @@
  */
 #include "harness.h"
 
+#include "frame.h"
 #include "params.h"
+#include "tree.h"
+#include "writer.h"
 #include <dirent.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -19,6 +22,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -923,4 +927,143 @@ Test(daemon, the_adapters_directory_is_registered_at_start_and_reloaded_on_sighu
 	}
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* ---- the request path: inline runs, pipelining, backpressure --------------------- */
+
+/* The bytes of one scan request frame (header included) for t4.cumsum. */
+static uint8_t *scan_frame_bytes(struct fixture *f, uint64_t id, size_t *len)
+{
+	struct tree_node carry = {.kind = TREE_TENSOR}, inputs = {.kind = TREE_TENSOR};
+	struct writer w;
+	struct iovec iov[16];
+	struct proto_err err;
+	uint8_t *out;
+	int n;
+
+	carry.tensor = (struct tree_tensor){PROTO_DTYPE_F64, 1, {4}, 0, 0, f->carry};
+	inputs.tensor = (struct tree_tensor){PROTO_DTYPE_F64, 2, {3, 4}, 0, 0, f->xs};
+	cr_assert_eq(tree_tensor_sizes(&carry.tensor), 0);
+	cr_assert_eq(tree_tensor_sizes(&inputs.tensor), 0);
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, id, "scan", 3);
+	writer_key_str(&w, "adapter", "t4.cumsum");
+	writer_str(&w, "carry");
+	tree_encode(&w, &carry);
+	writer_str(&w, "inputs");
+	tree_encode(&w, &inputs);
+	n = writer_finish(&w, iov, 16, PROTO_FRAME_MAX, &err);
+	cr_assert_gt(n, 0, "%s", err.message);
+	*len = 0;
+	for (int i = 0; i < n; i++)
+		*len += iov[i].iov_len;
+	out = malloc(*len);
+	for (size_t i = 0, at = 0; i < (size_t)n; at += iov[i].iov_len, i++)
+		memcpy(out + at, iov[i].iov_base, iov[i].iov_len);
+	writer_destroy(&w);
+	return out;
+}
+
+/* Checks one raw scan reply by hand (carry + running sums); returns its id. */
+static uint64_t check_scan_reply(struct fixture *f, int fd)
+{
+	uint8_t *body;
+	struct msg m;
+	struct tree_node fin;
+	struct proto_err err;
+	const double *got;
+
+	uint64_t id;
+
+	cr_assert_eq(raw_recv_msg(fd, &body, &m), 0, "a reply is missing");
+	cr_assert(!m.is_error && m.has_id, "error reply (%d) or no id", m.is_error);
+	id = m.id;
+	cr_assert_eq(tree_decode(msg_obj_field(msg_field(&m, "result"), "carry"), m.up.zone,
+	                         "carry", &fin, &err),
+	             0, "%s", err.message);
+	got = fin.tensor.data;
+	for (int k = 0; k < 4; k++)
+		cr_assert_float_eq(got[k], f->carry[k] + f->xs[k] + f->xs[4 + k] + f->xs[8 + k],
+		                   1e-12);
+	msg_destroy(&m);
+	frame_free(body);
+	return id;
+}
+
+static uint64_t stat_u64(struct tl_client *c, const char *key)
+{
+	json_t *j = call_json(c, "stats", NULL);
+	uint64_t v = (uint64_t)json_integer_value(json_object_get(j, key));
+
+	json_decref(j);
+	return v;
+}
+
+/*
+ * Thousands of small scans pipelined on one connection whose client does not
+ * read: the replies pile up past --write-queue-cap, the daemon stops reading
+ * that connection (with requests still staged from its last read) and serves
+ * others; once the client drains its replies every one arrives whole, once,
+ * with the right numbers (replies may overtake each other: match by id).  The graph is µs-scale, so
+ * after its first runs it runs on the loop thread (stats.inline_runs).
+ */
+Test(daemon, pipelined_scans_past_the_write_queue_cap_pause_then_all_arrive)
+{
+	static const char *const args[] = {
+	    "--no-probe", "--socket-mode",  "0666", "--write-queue-cap",
+	    "1048576",    "--max-inflight", "4096", NULL};
+	enum { N_REQ = 12000 };
+	struct fixture f;
+	size_t one;
+	uint8_t *frame;
+	int fd;
+	pid_t writer;
+	uint64_t breaches0;
+	static bool seen[N_REQ + 1];
+
+	setup(&f, args);
+	scan_ok(&f, f.c);
+	breaches0 = stat_u64(f.c, "limit_breaches");
+	fd = raw_connect(f.d.sock);
+	frame = scan_frame_bytes(&f, 1, &one);
+	writer = fork();
+	if (writer == 0) { /* blocks once the daemon stops reading; ids 1..N_REQ */
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		for (uint64_t id = 1; id <= N_REQ; id++) {
+			free(frame);
+			frame = scan_frame_bytes(&f, id, &one);
+			raw_send(fd, frame, one);
+		}
+		_exit(0);
+	}
+	for (int i = 0; i < 600 && stat_u64(f.c, "limit_breaches") == breaches0; i++)
+		usleep(50 * 1000);
+	cr_assert_gt(stat_u64(f.c, "limit_breaches"), breaches0,
+	             "the write queue passed its cap and the connection's reads paused");
+	scan_ok(&f, f.c); /* other connections are served meanwhile */
+	for (int i = 0; i < N_REQ; i++) {
+		uint64_t id = check_scan_reply(&f, fd);
+		cr_assert(id >= 1 && id <= N_REQ && !seen[id], "id %llu unexpected or repeated",
+		          (unsigned long long)id);
+		seen[id] = true;
+	}
+	cr_assert_eq(waitpid(writer, NULL, 0), writer);
+	cr_assert_gt(stat_u64(f.c, "inline_runs"), N_REQ / 2, "µs-scale runs stay on the loop");
+	close(fd);
+	free(frame);
+	scan_ok(&f, f.c);
+	teardown(&f);
+}
+
+/* --inline-run-us 0 keeps every run on the pool; the numbers are the same. */
+Test(daemon, inline_runs_can_be_switched_off)
+{
+	static const char *const args[] = {"--no-probe", "--inline-run-us", "0", NULL};
+	struct fixture f;
+
+	setup(&f, args);
+	for (int i = 0; i < 20; i++)
+		scan_ok(&f, f.c);
+	cr_assert_eq(stat_u64(f.c, "inline_runs"), 0);
+	teardown(&f);
 }

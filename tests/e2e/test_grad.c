@@ -1,7 +1,8 @@
 /*
  * test_grad.c - first-order autograd over the socket.  float64 gradients of
  * the example bodies (tensor, dict and tuple carries, None leaves, captured
- * constants) at T=1 and T=max_steps, against torch.autograd on an eager loop
+ * constants) at T=1 and T=max_steps, with both compile strategies, against torch.autograd on an
+ * eager loop
  * (<= 1e-10) and central finite differences (<= 1e-6), both computed by
  * tests/helpers/eager_ref.py; and mismatched cotangent trees.
  */
@@ -22,6 +23,7 @@ struct gcase {
 	const char *adapter, *file, *entry;
 	int kind; /* 0 tensor carry, 1 dict (lorenz), 2 tuple with None (rnn) */
 	int64_t steps;
+	const char *strategy; /* NULL: unroll (the default); "scan": torch's scan op */
 };
 
 static const struct gcase CASES[] = {
@@ -32,6 +34,9 @@ static const struct gcase CASES[] = {
     {"t6.rnn", "examples/bodies/rnn.py", "cell", 2, 1},
     {"t6.rnn", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS},
     {"t6.dict_out", "examples/bodies/dict_out.py", "body", 0, MAX_STEPS},
+    /* the vjp of torch's scan op (strategy = scan) */
+    {"t6.ema_scan", "examples/bodies/ema.py", "body", 0, MAX_STEPS, "scan"},
+    {"t6.lorenz_scan", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS, "scan"},
 };
 
 #define N_CASES (sizeof CASES / sizeof CASES[0])
@@ -120,7 +125,8 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 	hd_start(&d, NULL, ARGS);
 	hd_wait_ready(&d, 120);
 	c = hd_connect(&d);
-	hd_register(c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
+	hd_register_strategy(c, gc->adapter, gc->file, gc->entry, gc->strategy, MAX_STEPS, 65536,
+	                     8);
 	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c, cot_y, &r, &err), 0, "%s: %s %s",
 	             gc->adapter, err.code, err.message);
 	h_tmpdir(dir, sizeof dir, "gref");
