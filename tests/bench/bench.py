@@ -200,7 +200,7 @@ def throughput(build: str, d: Daemon) -> list[dict]:
     rows = []
     for procs in (1, 2, 4, 8, 32):
         rows.append(run_json([os.path.join(build, "bench_c"), "clients", d.sock, "bench.cumsum",
-                              "4", "16", str(procs), str(max(200, 4000 // procs))]))
+                              "4", "16", str(procs), str(max(500, 30000 // procs))]))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -122,7 +122,8 @@ Derived (p50):
 {der}
 
 Throughput of (d) (N = 4, T = 16), client processes each running scans back
-to back over their own connection:
+to back over their own connection (≈ 30 000 scans in all per column, wall
+time from the first fork to the last exit):
 
 {thr_t}
 
@@ -271,9 +272,9 @@ Most expensive functions by self cost:
 """
     out += """
 What was changed after profiling (the numbers above are after the changes;
-before them, the run of 2026-11-30 at commit ca5f296 measured (d) = 93 µs
-p50 at N = 4, T = 1, (d) − (c) = 90 µs, and 11 265 scans/s from one
-client): µs-scale graphs run on the loop
+before them, the build of commit ca5f296 measured (d) = 70–75 µs p50 at
+N = 4, T = 1 with `build/bench_c daemon SOCK bench.cumsum 4 1 5000` on this
+machine, and made 5 syscalls per scan in the daemon): µs-scale graphs run on the loop
 thread instead of the pool; the CPU count is read once at start instead of per
 request (`sysconf` opened `/sys/devices/system/cpu/online` on every scan);
 replies go out with `uv_try_write` before queueing; the daemon and the client
