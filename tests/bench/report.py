@@ -227,7 +227,9 @@ decode, validation, signature lookup, the graph ({us(c50)} µs) and the reply's
 encoding. Running µs-scale graphs on the event loop (graphs whose measured run
 time is ≤ `--inline-run-us`) saves {us(pool - d)} µs per scan against handing
 every run to the pool: the two cross-thread wake-ups (loop → pool thread →
-loop) cost more than the graph.
+loop) cost more than the graph. The kernel's floor on this VM moves between
+runs (the host's load): compare (d) with the socketpair and `health` rows of
+the same run rather than with another run's numbers.
 """
     cs = f.get("cpu_small")
     cl = f.get("cpu_large")
