@@ -15,7 +15,8 @@ X(describe, "")
 X(scan, "")
 X(grad, "")
 X(compile, "")
-X(stats, "") X(shutdown, "")
+X(stats, "")
+X(shutdown, "")
 #undef X
 
     const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {

@@ -31,20 +31,12 @@ struct check_ctx {
 	struct proto_err *err;
 };
 
-static void copy_path(char dst[PROTO_PATH_MAX], const char *path)
-{
-	size_t n = strnlen(path, PROTO_PATH_MAX - 1);
-
-	memcpy(dst, path, n);
-	dst[n] = '\0';
-}
-
 static int check_dtype(const struct tree_node *leaf, const char *path, struct check_ctx *c)
 {
 	if (!c->have_dtype) {
 		c->have_dtype = true;
 		c->args->dtype = leaf->tensor.dtype;
-		copy_path(c->first_path, path);
+		tree_path_root(c->first_path, sizeof c->first_path, path);
 		return 0;
 	}
 	if (leaf->tensor.dtype == c->args->dtype)
@@ -85,7 +77,7 @@ static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 	if (!c->have_steps) {
 		c->have_steps = true;
 		c->args->steps = t->shape[0];
-		copy_path(c->steps_path, path);
+		tree_path_root(c->steps_path, sizeof c->steps_path, path);
 	} else if (t->shape[0] != c->args->steps) {
 		return proto_fail(
 		    c->err, PROTO_E_LENGTH_MISMATCH, path,

@@ -23,20 +23,12 @@ static void put(struct sbuf *b, const char *s, size_t n)
 	b->p[b->len] = '\0';
 }
 
-/* Decimal of a non-negative integer (shapes, T, key lengths); signatures are
- * built on every scan request, so no printf here. */
+/* Decimal of a shape, T or key length (never negative once validated). */
 static void put_int(struct sbuf *b, long long v)
 {
-	char tmp[24];
-	size_t i = sizeof tmp;
-	unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+	char tmp[20];
 
-	do
-		tmp[--i] = (char)('0' + u % 10);
-	while ((u /= 10) != 0 && i > 0);
-	if (v < 0)
-		put(b, "-", 1);
-	put(b, tmp + i, sizeof tmp - i);
+	put(b, tmp, tree_fmt_uint(tmp, v < 0 ? 0 : (uint64_t)v));
 }
 
 static void sig_node(struct sbuf *b, const struct tree_node *n)

@@ -23,9 +23,20 @@ static int dec_fail(struct dec *d, enum proto_code code, const char *fmt, const 
 	return proto_fail(d->err, code, d->path, fmt, d->path, detail ? detail : "");
 }
 
-/* Starts a bounded path at root; returns its length (paths are built on
- * every request, so no printf). */
-static size_t path_root(char *buf, size_t size, const char *root)
+size_t tree_fmt_uint(char out[20], uint64_t v)
+{
+	char tmp[20];
+	size_t n = 0, len;
+
+	do
+		tmp[n++] = (char)('0' + v % 10);
+	while ((v /= 10) != 0);
+	for (len = n; n > 0;)
+		*out++ = tmp[--n];
+	return len;
+}
+
+size_t tree_path_root(char *buf, size_t size, const char *root)
 {
 	size_t n = strnlen(root, size - 1);
 
@@ -41,21 +52,18 @@ void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node 
 
 	if (at + 1 >= size)
 		return;
-	if (n->kind != TREE_DICT) { /* "[i]" without printf: on every node of every request */
-		char digits[10];
-		size_t nd = 0;
+	if (n->kind != TREE_DICT) { /* "[i]" */
+		char digits[20];
+		size_t nd = tree_fmt_uint(digits, i);
 
-		do
-			digits[nd++] = (char)('0' + i % 10);
-		while ((i /= 10) != 0);
 		if (at + nd + 2 >= size) {
 			*len = size - 1;
 			buf[*len] = '\0';
 			return;
 		}
 		buf[at++] = '[';
-		while (nd > 0)
-			buf[at++] = digits[--nd];
+		memcpy(buf + at, digits, nd);
+		at += nd;
 		buf[at++] = ']';
 		buf[at] = '\0';
 		*len = at;
@@ -297,7 +305,7 @@ int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
 {
 	struct dec d = {.zone = zone, .err = err};
 
-	d.path_len = path_root(d.path, sizeof d.path, root);
+	d.path_len = tree_path_root(d.path, sizeof d.path, root);
 	return decode_node(&d, o, 0, out);
 }
 
@@ -400,7 +408,7 @@ static int same_node(const struct tree_node *a, const struct tree_node *b, char 
 int tree_same_structure(const struct tree_node *a, const struct tree_node *b, const char *root,
                         char *path, size_t path_size)
 {
-	return same_node(a, b, path, path_size, path_root(path, path_size, root));
+	return same_node(a, b, path, path_size, tree_path_root(path, path_size, root));
 }
 
 static int visit(const struct tree_node *n, char *path, size_t size, size_t len, int with_none,
@@ -425,5 +433,6 @@ int tree_visit(const struct tree_node *n, const char *root, int with_none, tree_
 {
 	char path[PROTO_PATH_MAX];
 
-	return visit(n, path, sizeof path, path_root(path, sizeof path, root), with_none, fn, ctx);
+	return visit(n, path, sizeof path, tree_path_root(path, sizeof path, root), with_none, fn,
+	             ctx);
 }

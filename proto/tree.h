@@ -73,6 +73,15 @@ uint32_t tree_count_leaves(const struct tree_node *n);
 int tree_same_structure(const struct tree_node *a, const struct tree_node *b, const char *root,
                         char *path, size_t path_size);
 
+/*
+ * Paths and signatures are built on every request, so without printf:
+ * tree_path_root starts a bounded path (a copy of root, truncated to fit) and
+ * returns its length; tree_fmt_uint writes v in decimal (no NUL) and returns
+ * the number of digits.
+ */
+size_t tree_path_root(char *buf, size_t size, const char *root);
+size_t tree_fmt_uint(char out[20], uint64_t v);
+
 /* Bytes of path text for child i of n appended to buf at *len (bounded). */
 void tree_path_push(char *buf, size_t size, size_t *len, const struct tree_node *n, uint32_t i);
 

@@ -1067,3 +1067,45 @@ Test(daemon, inline_runs_can_be_switched_off)
 	cr_assert_eq(stat_u64(f.c, "inline_runs"), 0);
 	teardown(&f);
 }
+
+/*
+ * Frames staged from one read: two good requests, then a header announcing a
+ * frame over --max-frame, all in one write.  Both requests are answered, then
+ * FRAME_TOO_LARGE (no id), then the connection closes; others are served.
+ */
+Test(daemon, a_broken_frame_after_good_ones_in_one_read_answers_them_then_closes)
+{
+	static const char h1[] = "\x82\xa2id\x01\xa2op\xa6"
+	                         "health",
+	                  h2[] = "\x82\xa2id\x02\xa2op\xa6"
+	                         "health";
+	uint8_t bytes[2 * (4 + sizeof h1) + 4], *p = bytes;
+	struct fixture f;
+	char code[64], msg[1024];
+	long long id;
+	int fd;
+
+	setup(&f, NULL);
+	frame_put_header(p, sizeof h1 - 1);
+	memcpy(p + 4, h1, sizeof h1 - 1);
+	p += 4 + sizeof h1 - 1;
+	frame_put_header(p, sizeof h2 - 1);
+	memcpy(p + 4, h2, sizeof h2 - 1);
+	p += 4 + sizeof h2 - 1;
+	frame_put_header(p, 0x7fffffff); /* over the default 64 MiB max-frame */
+	p += 4;
+	fd = raw_connect(f.d.sock);
+	raw_send(fd, bytes, (size_t)(p - bytes));
+	for (long long want = 1; want <= 2; want++) {
+		cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+		cr_assert_str_eq(code, "", "%s", msg);
+		cr_assert_eq(id, want);
+	}
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "FRAME_TOO_LARGE", "%s", msg);
+	cr_assert_eq(id, -1);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1, "closed after");
+	close(fd);
+	scan_ok(&f, f.c);
+	teardown(&f);
+}
