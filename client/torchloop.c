@@ -345,8 +345,12 @@ static int send_frame(struct tl_client *c, struct writer *w, struct tl_error *er
 		return fail(err, proto_code_name(perr.code), NULL, "%s", perr.message);
 	}
 	while (off < (size_t)cnt) {
-		ssize_t k = writev(c->fd, iov + off,
-		                   (int)((size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off));
+		/* sendmsg with MSG_NOSIGNAL, not writev: a daemon that closed must give
+		 * the caller EPIPE, never kill its process with SIGPIPE */
+		struct msghdr mh = {.msg_iov = iov + off,
+		                    .msg_iovlen =
+		                        (size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off};
+		ssize_t k = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
 		if (k < 0 && errno == EINTR)
 			continue;
 		if (k < 0) {

@@ -145,7 +145,14 @@ struct tl_tree *treejson_parse(struct treejson *t, const char *text, char *msg, 
 	json_error_t jerr;
 	json_t *j = json_loads(text, JSON_DECODE_ANY | JSON_PRESERVE_ORDER, &jerr);
 	struct tl_tree *out;
+	const char *first = text + strspn(text, " \t\r\n");
 
+	if (j == NULL && (*first == '{' || *first == '[' || *first == '"')) {
+		/* meant as a JSON tree, not a bare .npy path: say what is wrong and where */
+		snprintf(msg, size, "invalid JSON tree at line %d, column %d: %s", jerr.line,
+		         jerr.column, jerr.text);
+		return NULL;
+	}
 	if (j == NULL)
 		j = json_string(text); /* a bare path */
 	out = load(t, j, msg, size, 0);

@@ -1,6 +1,11 @@
 /*
  * cache.c - see cache.h.  All functions block on disk I/O and belong on the
  * thread pool (or at start-up); none keeps state beyond the directory path.
+ *
+ * The directory holds code the daemon dlopens, so it is trusted only when
+ * the daemon's uid owns it and no one else can write to it; every file is
+ * opened O_NOFOLLOW | O_NONBLOCK and must be a regular file (a FIFO or a
+ * symlink planted there is refused, never waited on or followed).
  */
 #include "cache.h"
 
@@ -9,8 +14,10 @@
 #include "sha256.h"
 #include "writer.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,9 +28,14 @@
 #include <time.h>
 #include <unistd.h>
 
+/* An I/O failure: the machine's, never remembered against a graph. */
 static int sys_fail(struct proto_err *err, const char *what, const char *path)
 {
-	return proto_fail(err, PROTO_E_INTERNAL, NULL, "%s %s: %s", what, path, strerror(errno));
+	int e = errno;
+
+	proto_fail(err, PROTO_E_INTERNAL, NULL, "%s: %s %s", strerror(e), what, path);
+	err->flags = PROTO_ERR_TRANSIENT;
+	return -1;
 }
 
 static int mkdir_p(const char *path, mode_t mode)
@@ -44,6 +56,29 @@ static int mkdir_p(const char *path, mode_t mode)
 	return 0;
 }
 
+/* Refuses a directory the daemon's uid does not own or others may write. */
+static int trusted_dir(const char *path, struct proto_err *err)
+{
+	struct stat st;
+
+	if (lstat(path, &st) != 0)
+		return sys_fail(err, "cannot stat", path);
+	if (!S_ISDIR(st.st_mode))
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "%s is not a directory", path);
+	if (st.st_uid != geteuid())
+		return proto_fail(err, PROTO_E_INTERNAL, NULL,
+		                  "%s is owned by uid %u, not the daemon's uid %u: compiled graphs "
+		                  "are loaded from it as code, so it must be the daemon's own "
+		                  "(chown it, or choose another --cache-dir)",
+		                  path, (unsigned)st.st_uid, (unsigned)geteuid());
+	if (st.st_mode & (S_IWGRP | S_IWOTH))
+		return proto_fail(err, PROTO_E_INTERNAL, NULL,
+		                  "%s is group- or world-writable (mode %04o): others could plant "
+		                  "code the daemon loads; chmod 0700 it",
+		                  path, (unsigned)(st.st_mode & 07777));
+	return 0;
+}
+
 static int sub(const struct cache *c, const char *name, struct proto_err *err)
 {
 	char p[PATH_MAX];
@@ -51,7 +86,21 @@ static int sub(const struct cache *c, const char *name, struct proto_err *err)
 	snprintf(p, sizeof p, "%s/%s", c->dir, name);
 	if (mkdir(p, 0700) != 0 && errno != EEXIST)
 		return sys_fail(err, "cannot create", p);
-	return 0;
+	return trusted_dir(p, err);
+}
+
+int cache_open_file(const char *path, struct stat *st)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+
+	if (fd < 0)
+		return -1;
+	if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode)) {
+		close(fd);
+		errno = EINVAL;
+		return -1;
+	}
+	return fd;
 }
 
 int cache_open(struct cache *c, const char *dir, struct proto_err *err)
@@ -67,6 +116,8 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 		return sys_fail(err, "cannot create cache directory", dir);
 	if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
 		return sys_fail(err, "cache path is not a directory:", dir);
+	if (trusted_dir(dir, err) != 0)
+		return -1;
 	if (access(dir, W_OK | X_OK) != 0)
 		return sys_fail(err, "cache directory is not writable:", dir);
 	if (statvfs(dir, &vfs) == 0 && (vfs.f_flag & ST_NOEXEC))
@@ -77,7 +128,89 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 	if (sub(c, "objects", err) || sub(c, "tmp", err) || sub(c, "quarantine", err) ||
 	    sub(c, "index", err))
 		return -1;
+	cache_clean_tmp(c);
 	return 0;
+}
+
+/* Removes path, recursing into directories (never following symlinks). */
+static void remove_tree(const char *path)
+{
+	struct stat st;
+	DIR *dir;
+	struct dirent *e;
+
+	if (lstat(path, &st) != 0)
+		return;
+	if (!S_ISDIR(st.st_mode)) {
+		unlink(path);
+		return;
+	}
+	dir = opendir(path);
+	while (dir && (e = readdir(dir)) != NULL) {
+		char child[PATH_MAX];
+		size_t n = strlen(path);
+		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0 ||
+		    n + 1 + strlen(e->d_name) >= sizeof child)
+			continue;
+		memcpy(child, path, n);
+		child[n] = '/';
+		strcpy(child + n + 1, e->d_name);
+		remove_tree(child);
+	}
+	if (dir)
+		closedir(dir);
+	rmdir(path);
+}
+
+void cache_remove_job(const char *tmp_so)
+{
+	char dir[PATH_MAX];
+
+	unlink(tmp_so);
+	snprintf(dir, sizeof dir, "%s.d", tmp_so);
+	remove_tree(dir);
+}
+
+/* The pid in a tmp/ name "<key16>.<pid>.<n>.so[.d]", or 0. */
+static pid_t tmp_owner(const char *name)
+{
+	const char *dot = strchr(name, '.');
+	char *end;
+	long pid;
+
+	if (dot == NULL)
+		return 0;
+	pid = strtol(dot + 1, &end, 10);
+	return *end == '.' && pid > 0 ? (pid_t)pid : 0;
+}
+
+unsigned cache_clean_tmp(const struct cache *c)
+{
+	char tmp[PATH_MAX];
+	DIR *dir;
+	struct dirent *e;
+	unsigned removed = 0;
+
+	snprintf(tmp, sizeof tmp, "%s/tmp", c->dir);
+	dir = opendir(tmp);
+	while (dir && (e = readdir(dir)) != NULL) {
+		char path[PATH_MAX];
+		pid_t owner = tmp_owner(e->d_name);
+		if (e->d_name[0] == '.')
+			continue;
+		/* another live daemon's compile in progress is left alone */
+		if (owner != 0 && owner != getpid() && (kill(owner, 0) == 0 || errno == EPERM))
+			continue;
+		if (snprintf(path, sizeof path, "%s/%s", c->dir, "tmp/") < 0 ||
+		    strlen(path) + strlen(e->d_name) >= sizeof path)
+			continue;
+		strcat(path, e->d_name);
+		remove_tree(path);
+		removed++;
+	}
+	if (dir)
+		closedir(dir);
+	return removed;
 }
 
 void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX])
@@ -112,6 +245,18 @@ void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t si
 	         atomic_fetch_add(&counter, 1));
 }
 
+int cache_load_link(const struct cache *c, const char *key, char *out, size_t size,
+                    struct proto_err *err)
+{
+	char so[PATH_MAX];
+
+	cache_so_path(c, key, so, sizeof so);
+	cache_tmp_path(c, key, out, size);
+	if (link(so, out) != 0)
+		return sys_fail(err, "cannot link for loading", so);
+	return 0;
+}
+
 void cache_meta_free(struct cache_meta *meta)
 {
 	free(meta->y_spec);
@@ -120,13 +265,13 @@ void cache_meta_free(struct cache_meta *meta)
 
 static uint8_t *slurp(const char *path, size_t *len)
 {
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	struct stat st;
+	int fd = cache_open_file(path, &st);
 	uint8_t *buf = NULL;
 
 	if (fd < 0)
 		return NULL;
-	if (fstat(fd, &st) == 0 && st.st_size > 0 && st.st_size < (1 << 24)) {
+	if (st.st_size > 0 && st.st_size < (1 << 24)) {
 		buf = malloc((size_t)st.st_size);
 		if (buf && read(fd, buf, (size_t)st.st_size) != st.st_size) {
 			free(buf);
@@ -139,7 +284,7 @@ static uint8_t *slurp(const char *path, size_t *len)
 }
 
 /* Parses a .meta record; 0 or -1 (then the entry is corrupt). */
-static int parse_meta(const uint8_t *buf, size_t len, struct cache_meta *m)
+static int parse_meta(const uint8_t *buf, size_t len, const char *key, struct cache_meta *m)
 {
 	msgpack_unpacked up;
 	size_t off = 0;
@@ -160,6 +305,9 @@ static int parse_meta(const uint8_t *buf, size_t len, struct cache_meta *m)
 	if (y == NULL || msg_get_str(o, "sha256", &s, &slen, NULL) != 0 || slen != 64)
 		goto out;
 	memcpy(m->sha256, s, 64);
+	/* an entry renamed (or swapped) under another key is not this graph */
+	if (msg_get_str(o, "key", &s, &slen, NULL) != 0 || slen != 64 || memcmp(s, key, 64) != 0)
+		goto out;
 	if (msg_get_i64(o, "size", &v, NULL) != 0 || v < 0)
 		goto out;
 	m->size = (uint64_t)v;
@@ -206,6 +354,19 @@ static int keep_y(const uint8_t *buf, size_t len, struct cache_meta *m)
 	return rc;
 }
 
+/* sha256 of a regular file, never following a symlink or blocking on a FIFO. */
+static int hash_regular(const char *path, char hex[CACHE_KEY_HEX], uint64_t *size)
+{
+	struct stat st;
+	int fd = cache_open_file(path, &st), rc;
+
+	if (fd < 0)
+		return -1;
+	rc = sha256_fd(fd, hex, size);
+	close(fd);
+	return rc;
+}
+
 int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta, int *quarantined,
                  struct proto_err *err)
 {
@@ -217,13 +378,20 @@ int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta
 	*quarantined = 0;
 	cache_so_path(c, key, so, sizeof so);
 	entry_path(c, key, "meta", mp, sizeof mp);
+	errno = 0;
 	buf = slurp(mp, &len);
 	if (buf == NULL) {
-		if (errno != ENOENT && errno != 0 && access(mp, F_OK) == 0)
-			return sys_fail(err, "cannot read", mp);
-		return 0; /* no committed entry (a stray .so without .meta is overwritten later) */
+		if (errno == ENOENT)
+			return 0; /* no committed entry (a stray .so without .meta is replaced) */
+		if (errno == EINVAL || errno == ELOOP || errno == 0) {
+			/* not a regular file (FIFO, symlink, directory) or empty: not ours */
+			cache_quarantine(c, key, "metadata is not a regular file");
+			*quarantined = 1;
+			return 0;
+		}
+		return sys_fail(err, "cannot read", mp);
 	}
-	if (parse_meta(buf, len, meta) != 0 || keep_y(buf, len, meta) != 0) {
+	if (parse_meta(buf, len, key, meta) != 0 || keep_y(buf, len, meta) != 0) {
 		free(buf);
 		cache_meta_free(meta);
 		cache_quarantine(c, key, "unreadable metadata");
@@ -231,7 +399,7 @@ int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta
 		return 0;
 	}
 	free(buf);
-	if (sha256_file(so, hex, &size) != 0 || size != meta->size ||
+	if (hash_regular(so, hex, &size) != 0 || size != meta->size ||
 	    strcmp(hex, meta->sha256) != 0) {
 		cache_meta_free(meta);
 		cache_quarantine(c, key, "size or sha256 mismatch");
@@ -264,8 +432,9 @@ static int write_meta(const struct cache *c, const char *key, const struct cache
 
 	if (writer_init(&w) != 0)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	msgpack_pack_map(&w.pk, 8);
-	writer_key_u64(&w, "v", 1);
+	msgpack_pack_map(&w.pk, 9);
+	writer_key_u64(&w, "v", 2);
+	writer_key_str(&w, "key", key);
 	writer_key_str(&w, "sha256", m->sha256);
 	writer_key_u64(&w, "size", m->size);
 	writer_key_u64(&w, "n_inputs", m->n_inputs);
@@ -302,7 +471,7 @@ int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
 
 	if (fsync_path(tmp_so, O_RDONLY) != 0)
 		return sys_fail(err, "cannot fsync", tmp_so);
-	if (sha256_file(tmp_so, meta->sha256, &meta->size) != 0)
+	if (hash_regular(tmp_so, meta->sha256, &meta->size) != 0)
 		return sys_fail(err, "cannot hash", tmp_so);
 	chmod(tmp_so, 0500);
 	cache_so_path(c, key, so, sizeof so);
@@ -331,21 +500,26 @@ void cache_quarantine(const struct cache *c, const char *key, const char *why)
 	fprintf(stderr, "torchloopd: warn cache: quarantined %.16s: %s\n", key, why);
 }
 
-int cache_lock(const struct cache *c, const char *key, int *fd, struct proto_err *err)
+int cache_trylock(const struct cache *c, const char *key, int *fd, struct proto_err *err)
 {
 	char p[PATH_MAX];
 
 	entry_path(c, key, "lock", p, sizeof p);
-	*fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+	*fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
 	if (*fd < 0)
 		return sys_fail(err, "cannot open", p);
-	while (flock(*fd, LOCK_EX) != 0) {
-		if (errno != EINTR) {
-			close(*fd);
-			return sys_fail(err, "cannot lock", p);
-		}
+	/* never blocks: a pool thread waiting here could wedge the whole pool */
+	if (flock(*fd, LOCK_EX | LOCK_NB) == 0)
+		return 0;
+	if (errno == EWOULDBLOCK) {
+		close(*fd);
+		*fd = -1;
+		return 1;
 	}
-	return 0;
+	sys_fail(err, "cannot lock", p);
+	close(*fd);
+	*fd = -1;
+	return -1;
 }
 
 void cache_unlock(int fd)

@@ -7,6 +7,9 @@
  *                       presence is what commits an entry
  *   objects/<key>.lock  flock'ed while one process compiles that key
  *   tmp/                artifacts being written (temp name, fsync, rename)
+ *                       and the compile worker's job directories
+ *                       (<name>.d); entries of dead daemons are removed at
+ *                       start (names carry the daemon's pid)
  *   quarantine/         entries that failed verification, kept for a look
  *
  * A lookup verifies size and sha256 of the .so against its .meta before the
@@ -23,6 +26,7 @@
 #include <limits.h>
 #include <msgpack.h>
 #include <stdint.h>
+#include <sys/stat.h>
 
 #define CACHE_KEY_HEX 65
 
@@ -43,14 +47,31 @@ struct cache_meta {
 
 /*
  * Creates (mode 0700) or opens the directory and its subdirectories, and
- * refuses one that cannot hold loadable code (noexec mount, not writable).
+ * refuses one that cannot hold loadable code (noexec mount, not writable) or
+ * that is not trusted (not owned by the daemon's uid, or group/world
+ * writable).  Cleans tmp/ of dead daemons' leftovers.
  */
 int cache_open(struct cache *c, const char *dir, struct proto_err *err);
+/* Removes tmp/ entries whose daemon is gone (or is us); returns how many. */
+unsigned cache_clean_tmp(const struct cache *c);
+/* Removes a compile's temporary artifact and its job directory (<tmp_so>.d). */
+void cache_remove_job(const char *tmp_so);
+/* open(O_NOFOLLOW | O_NONBLOCK) of a regular file (fstat'ed into st); -1 else. */
+int cache_open_file(const char *path, struct stat *st);
 
 /* sha256 over the NUL-separated parts: the content address. */
 void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX]);
 
 void cache_so_path(const struct cache *c, const char *key, char *out, size_t size);
+/*
+ * Hard-links the entry's .so to a fresh name in tmp/ (out) for dlopen.
+ * Artifacts hold STB_GNU_UNIQUE symbols, so glibc never unloads them and a
+ * dlopen by the same path would return a stale image after the entry was
+ * rebuilt; a name of its own per load always maps the file that is there.
+ * The caller unlinks out once dlopen returned.  0 or -1.
+ */
+int cache_load_link(const struct cache *c, const char *key, char *out, size_t size,
+                    struct proto_err *err);
 /* A fresh temporary path for the worker to write an artifact to. */
 void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t size);
 
@@ -73,8 +94,12 @@ int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
 /* Moves an entry to quarantine/. */
 void cache_quarantine(const struct cache *c, const char *key, const char *why);
 
-/* flock(LOCK_EX) on the key's lock file; *fd for cache_unlock.  0 or -1. */
-int cache_lock(const struct cache *c, const char *key, int *fd, struct proto_err *err);
+/*
+ * flock(LOCK_EX | LOCK_NB) on the key's lock file (held while one process
+ * compiles that key).  Returns 0 with *fd for cache_unlock, 1 when another
+ * holder has it (*fd = -1; retry later), -1 with err.
+ */
+int cache_trylock(const struct cache *c, const char *key, int *fd, struct proto_err *err);
 void cache_unlock(int fd);
 
 #endif

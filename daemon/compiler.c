@@ -1,20 +1,35 @@
 /*
  * compiler.c - see compiler.h.  Owns the worker's uv_process_t, its two
- * pipes and the job timer; all are freed in their close callbacks, and the
- * struct itself once the last of them has closed after compiler_stop.
+ * pipes, the job timer, the restart (backoff) timer and the orphan-reaping
+ * timer; all are freed in their close callbacks, and the struct itself once
+ * the last of them has closed after compiler_stop.
+ *
+ * A worker process is "detached" (c->wp no longer points at it) the moment
+ * it is killed for a timeout: nothing is sent to it any more, its replies
+ * are dropped, and only its exit callback still runs, which then starts the
+ * next worker.  This is what keeps a queued job from going to a worker that
+ * is being killed (and its timer from killing the fresh one).
  */
 #include "compiler.h"
 
 #include "frame.h"
 #include "log.h"
+#include "proctree.h"
 #include "uvframe.h"
 #include "msg.h"
 #include "spec.h"
 #include "writer.h"
 
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+#define BACKOFF_FIRST_MS 250
+#define BACKOFF_MAX_MS   30000
+#define REAP_POLL_MS     100
+#define REAP_MAX         64
 
 extern char **environ;
 
@@ -30,21 +45,27 @@ struct wproc {
 	struct frame_reader reader;
 	struct compiler *c;
 	int open;
+	bool hello_done;
+	bool killed; /* killed on purpose (timeout, stop): its exit is expected */
 };
 
 struct compiler {
 	uv_loop_t *loop;
 	struct wproc *wp; /* the live worker, or NULL */
-	uv_timer_t timer;
+	uv_timer_t timer, restart, reaper;
 	char python[1024], script[1024];
 	double timeout;
 	compiler_ready_cb ready;
 	void *data;
 	struct worker_info info;
-	bool running, hello_done, stopping, timed_out;
+	bool stopping;
 	int open_handles;
 	struct compile_job *head, *tail, *current;
-	uint64_t next_id, restarts;
+	uint64_t next_id, restarts, orphans_killed;
+	unsigned start_failures; /* workers in a row that died before their hello */
+	char last_exit[160];     /* how the last of them ended, for error messages */
+	pid_t orphans[REAP_MAX];
+	size_t n_orphans;
 	char **env;
 };
 
@@ -61,7 +82,7 @@ const struct worker_info *compiler_info(const struct compiler *c)
 }
 bool compiler_alive(const struct compiler *c)
 {
-	return c->running && c->hello_done;
+	return c->wp != NULL && c->wp->hello_done;
 }
 uint64_t compiler_restarts(const struct compiler *c)
 {
@@ -69,7 +90,22 @@ uint64_t compiler_restarts(const struct compiler *c)
 }
 pid_t compiler_pid(const struct compiler *c)
 {
-	return c->running && c->wp ? c->wp->proc.pid : 0;
+	return c->wp ? c->wp->proc.pid : 0;
+}
+unsigned compiler_start_failures(const struct compiler *c)
+{
+	return c->start_failures;
+}
+uint64_t compiler_orphans_killed(const struct compiler *c)
+{
+	return c->orphans_killed;
+}
+
+const char *compiler_state(const struct compiler *c)
+{
+	if (compiler_alive(c))
+		return "ok";
+	return c->start_failures > 0 ? "backoff" : "starting";
 }
 
 unsigned compiler_queue_length(const struct compiler *c)
@@ -81,25 +117,70 @@ unsigned compiler_queue_length(const struct compiler *c)
 	return n;
 }
 
-/* The worker's environment: ours minus the service-manager variables. */
-static char **worker_env(void)
+/*
+ * The worker's environment: an allow-list of what Python, torch, Inductor,
+ * OpenMP and the C++ toolchain read, never the rest of ours (secrets,
+ * NOTIFY_SOCKET, LISTEN_*, ...); then env_extra, which overrides.
+ */
+static bool env_allowed(const char *kv)
 {
-	static const char *const drop[] = {"NOTIFY_SOCKET=", "LISTEN_", "WATCHDOG_"};
-	size_t n = 0, k = 0;
+	static const char *const exact[] = {"PATH",
+	                                    "HOME",
+	                                    "USER",
+	                                    "LOGNAME",
+	                                    "LANG",
+	                                    "LANGUAGE",
+	                                    "TZ",
+	                                    "TMPDIR",
+	                                    "CC",
+	                                    "CXX",
+	                                    "ATEN_CPU_CAPABILITY",
+	                                    "CUDA_VISIBLE_DEVICES"};
+	static const char *const prefix[] = {"LC_",   "TORCH", "PYTORCH_",  "OMP_",    "KMP_",
+	                                     "GOMP_", "MKL_",  "OPENBLAS_", "ONEDNN_", "DNNL_"};
+	size_t n = strcspn(kv, "=");
+
+	for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
+		if (strlen(exact[i]) == n && strncmp(kv, exact[i], n) == 0)
+			return true;
+	for (size_t i = 0; i < sizeof prefix / sizeof prefix[0]; i++)
+		if (strncmp(kv, prefix[i], strlen(prefix[i])) == 0)
+			return true;
+	return false;
+}
+
+static bool overridden(const char *kv, const char *const *extra)
+{
+	size_t n = strcspn(kv, "=");
+
+	for (; extra && *extra; extra++)
+		if (strncmp(kv, *extra, n) == 0 && (*extra)[n] == '=')
+			return true;
+	return false;
+}
+
+static char **worker_env(const char *const *extra)
+{
+	static char pid_var[32];
+	size_t n = 0, k = 0, n_extra = 0;
 	char **env;
 
 	while (environ[n])
 		n++;
-	env = calloc(n + 2, sizeof *env);
-	for (size_t i = 0; env && i < n; i++) {
-		int skip = 0;
-		for (size_t d = 0; d < sizeof drop / sizeof drop[0]; d++)
-			skip |= strncmp(environ[i], drop[d], strlen(drop[d])) == 0;
-		if (!skip)
+	while (extra && extra[n_extra])
+		n_extra++;
+	env = calloc(n + n_extra + 5, sizeof *env);
+	if (env == NULL)
+		return NULL;
+	for (size_t i = 0; i < n; i++)
+		if (env_allowed(environ[i]) && !overridden(environ[i], extra))
 			env[k++] = environ[i];
-	}
-	if (env)
-		env[k++] = "PYTHONDONTWRITEBYTECODE=1";
+	for (size_t i = 0; i < n_extra; i++)
+		env[k++] = (char *)extra[i];
+	snprintf(pid_var, sizeof pid_var, "TORCHLOOPD_PID=%ld", (long)getpid());
+	env[k++] = pid_var;
+	env[k++] = "PYTHONDONTWRITEBYTECODE=1";
+	env[k++] = "PYTHONNOUSERSITE=1";
 	return env;
 }
 
@@ -110,7 +191,7 @@ static void finish(struct compiler *c, struct compile_job *job, const struct com
 	job->done(job, res, err);
 }
 
-static void fail_current(struct compiler *c, enum proto_code code, const char *why)
+static void fail_current(struct compiler *c, enum proto_code code, unsigned flags, const char *why)
 {
 	struct compile_job *job = c->current;
 	struct proto_err err;
@@ -120,7 +201,30 @@ static void fail_current(struct compiler *c, enum proto_code code, const char *w
 	c->current = NULL;
 	uv_timer_stop(&c->timer);
 	proto_fail(&err, code, NULL, "%s", why);
+	err.flags = flags;
 	finish(c, job, NULL, &err);
+}
+
+/* Fails every queued job (not the one in flight) with err. */
+static void fail_queue(struct compiler *c, const struct proto_err *err)
+{
+	while (c->head) {
+		struct compile_job *j = c->head;
+		c->head = j->next;
+		if (c->head == NULL)
+			c->tail = NULL;
+		j->done(j, NULL, err);
+	}
+}
+
+/* While workers keep dying before their hello: why, and when the next try is. */
+static void start_failure_err(const struct compiler *c, struct proto_err *err)
+{
+	proto_fail(err, PROTO_E_WORKER_CRASHED, NULL,
+	           "the compile worker cannot start (%u tries in a row; the last %s); the "
+	           "daemon keeps retrying with backoff",
+	           c->start_failures, c->last_exit);
+	err->flags = PROTO_ERR_TRANSIENT;
 }
 
 static void compiler_release(struct compiler *c)
@@ -190,6 +294,13 @@ static int send_job(struct compiler *c, struct compile_job *j)
 		free(wr);
 		return -1;
 	}
+	if (j->check_only) {
+		msg_begin_request(&wr->w, j->id, "check", 3);
+		writer_key_str(&wr->w, "body_source", j->body_source);
+		writer_key_str(&wr->w, "body_file", j->body_file);
+		writer_key_str(&wr->w, "entry", j->entry);
+		return send_msg(c, wr);
+	}
 	msg_begin_request(&wr->w, j->id, "compile", 10);
 	writer_key_str(&wr->w, "body_source", j->body_source);
 	writer_key_str(&wr->w, "body_file", j->body_file);
@@ -206,16 +317,30 @@ static int send_job(struct compiler *c, struct compile_job *j)
 	return send_msg(c, wr);
 }
 
+/* Kills the worker's whole tree and detaches it: nothing more goes to it. */
+static void kill_worker(struct compiler *c, struct wproc *wp)
+{
+	size_t extra;
+
+	wp->killed = true;
+	if (c->wp == wp)
+		c->wp = NULL;
+	extra = proctree_kill(wp->proc.pid);
+	c->orphans_killed += extra;
+	if (extra)
+		log_warn("compile worker %d: killed %zu descendant process(es) with it",
+		         wp->proc.pid, extra);
+}
+
 static void on_timeout(uv_timer_t *t)
 {
 	struct compiler *c = t->data;
 
 	log_warn("compile worker: job %llu exceeded %.0f s; killing the worker",
 	         (unsigned long long)(c->current ? c->current->id : 0), c->timeout);
-	c->timed_out = true;
-	if (c->running && c->wp)
-		uv_kill(-c->wp->proc.pid, SIGKILL); /* its whole process group (g++ too) */
-	fail_current(c, PROTO_E_COMPILE_TIMEOUT,
+	if (c->wp)
+		kill_worker(c, c->wp);
+	fail_current(c, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
 	             "the compile exceeded its timeout; the worker was restarted");
 }
 
@@ -223,7 +348,7 @@ static void pump(struct compiler *c)
 {
 	struct compile_job *j;
 
-	if (c->current || !c->head || !c->running || !c->hello_done || c->stopping)
+	if (c->current || !c->head || !compiler_alive(c) || c->stopping)
 		return;
 	j = c->head;
 	c->head = j->next;
@@ -231,7 +356,8 @@ static void pump(struct compiler *c)
 		c->tail = NULL;
 	c->current = j;
 	if (send_job(c, j) != 0) {
-		fail_current(c, PROTO_E_INTERNAL, "cannot send the job to the compile worker");
+		fail_current(c, PROTO_E_INTERNAL, PROTO_ERR_TRANSIENT,
+		             "cannot send the job to the compile worker");
 		pump(c);
 		return;
 	}
@@ -244,20 +370,33 @@ void compiler_submit(struct compiler *c, struct compile_job *job)
 
 	if (c->stopping) {
 		proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+		err.flags = PROTO_ERR_TRANSIENT;
+		job->done(job, NULL, &err);
+		return;
+	}
+	if (c->start_failures > 0 && !compiler_alive(c)) {
+		start_failure_err(c, &err);
 		job->done(job, NULL, &err);
 		return;
 	}
 	job->id = ++c->next_id;
 	job->next = NULL;
-	if (c->tail)
-		c->tail->next = job;
-	else
+	if (job->check_only) { /* milliseconds: ahead of the compiles */
+		job->next = c->head;
 		c->head = job;
-	c->tail = job;
+		if (c->tail == NULL)
+			c->tail = job;
+	} else {
+		if (c->tail)
+			c->tail->next = job;
+		else
+			c->head = job;
+		c->tail = job;
+	}
 	pump(c);
 }
 
-static void read_hello(struct compiler *c, const struct msg *m)
+static void read_hello(struct compiler *c, struct wproc *wp, const struct msg *m)
 {
 	const msgpack_object *r = msg_field(m, "result");
 	const char *s;
@@ -269,10 +408,13 @@ static void read_hello(struct compiler *c, const struct msg *m)
 		snprintf(c->info.torch, sizeof c->info.torch, "%.*s", (int)n, s);
 	if (msg_get_str(r, "torch_git", &s, &n, NULL) == 0)
 		snprintf(c->info.torch_git, sizeof c->info.torch_git, "%.*s", (int)n, s);
+	if (msg_get_str(r, "isa", &s, &n, NULL) == 0)
+		snprintf(c->info.isa, sizeof c->info.isa, "%.*s", (int)n, s);
 	msg_get_bool(r, "cxx11_abi", &c->info.cxx11_abi, NULL);
 	msg_get_bool(r, "torch_ok", &ok, NULL);
 	c->info.torch_ok = ok;
-	c->hello_done = true;
+	wp->hello_done = true;
+	c->start_failures = 0;
 	if (c->ready) {
 		compiler_ready_cb ready = c->ready;
 		c->ready = NULL;
@@ -318,7 +460,7 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 	return 0;
 }
 
-static void on_reply(struct compiler *c, const uint8_t *body, uint32_t len)
+static void on_reply(struct compiler *c, struct wproc *wp, const uint8_t *body, uint32_t len)
 {
 	struct msg m;
 	struct proto_err err;
@@ -327,8 +469,8 @@ static void on_reply(struct compiler *c, const uint8_t *body, uint32_t len)
 
 	if (msg_parse(&m, body, len, MSG_REPLY, &err) != 0) {
 		log_error("compile worker: bad reply: %s", err.message);
-	} else if (!c->hello_done) {
-		read_hello(c, &m);
+	} else if (!wp->hello_done) {
+		read_hello(c, wp, &m);
 	} else if (job == NULL || !m.has_id || m.id != job->id) {
 		log_warn("compile worker: reply for an unknown job");
 	} else {
@@ -337,6 +479,9 @@ static void on_reply(struct compiler *c, const uint8_t *body, uint32_t len)
 		if (m.is_error) {
 			msg_reply_error(&m, &err);
 			finish(c, job, NULL, &err);
+		} else if (job->check_only) {
+			memset(&res, 0, sizeof res);
+			finish(c, job, &res, NULL);
 		} else if (read_result(&m, &res, &err) != 0) {
 			finish(c, job, NULL, &err);
 		} else {
@@ -372,13 +517,17 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 	st = frame_reader_commit(&wp->reader, (size_t)nread, &err);
 	if (st == FRAME_ERROR) {
 		log_error("compile worker: %s; killing it", err.message);
-		uv_kill(-wp->proc.pid, SIGKILL);
 		uv_read_stop(s);
+		if (wp == wp->c->wp)
+			fail_current(wp->c, PROTO_E_WORKER_CRASHED,
+			             PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
+			             "the compile worker broke the framing; it was restarted");
+		kill_worker(wp->c, wp);
 	} else if (st == FRAME_READY) {
 		uint32_t len;
 		uint8_t *body = frame_reader_take(&wp->reader, &len);
 		if (wp == wp->c->wp)
-			on_reply(wp->c, body, len);
+			on_reply(wp->c, wp, body, len);
 		frame_free(body);
 	}
 }
@@ -390,37 +539,105 @@ static void close_wproc(struct wproc *wp)
 	uv_close((uv_handle_t *)&wp->proc, wproc_closed);
 }
 
+static void on_reap(uv_timer_t *t)
+{
+	struct compiler *c = t->data;
+	size_t k = 0;
+
+	for (size_t i = 0; i < c->n_orphans; i++)
+		if (!proctree_reap(c->orphans[i]))
+			c->orphans[k++] = c->orphans[i];
+	c->n_orphans = k;
+	if (k == 0)
+		uv_timer_stop(t);
+}
+
+/* Kills what the dead worker left behind (re-parented to us), then reaps it. */
+static void kill_orphans(struct compiler *c)
+{
+	pid_t found[REAP_MAX];
+	size_t n = proctree_adopted(c->wp ? c->wp->proc.pid : 0, found, REAP_MAX);
+
+	for (size_t i = 0; i < n; i++) {
+		c->orphans_killed += 1 + proctree_kill(found[i]);
+		if (c->n_orphans < REAP_MAX)
+			c->orphans[c->n_orphans++] = found[i];
+	}
+	if (n > 0) {
+		log_warn("compile worker: killed %zu leftover process(es) it had started", n);
+		if (!c->stopping) /* at shutdown the reaper is closing; init reaps them */
+			uv_timer_start(&c->reaper, on_reap, REAP_POLL_MS, REAP_POLL_MS);
+	}
+}
+
+static void on_restart(uv_timer_t *t)
+{
+	struct compiler *c = t->data;
+
+	if (!c->stopping && c->wp == NULL)
+		spawn_worker(c);
+}
+
+/* The next worker: at once after a worker that had said hello, else backoff. */
+static void schedule_restart(struct compiler *c)
+{
+	uint64_t ms = 0;
+
+	if (c->start_failures > 0) {
+		unsigned shift = c->start_failures - 1 < 7 ? c->start_failures - 1 : 7;
+		ms = (uint64_t)BACKOFF_FIRST_MS << shift;
+		if (ms > BACKOFF_MAX_MS)
+			ms = BACKOFF_MAX_MS;
+		log_warn("compile worker: %u start failure(s) in a row; next try in %.2f s",
+		         c->start_failures, (double)ms / 1000);
+	}
+	c->restarts++;
+	uv_timer_start(&c->restart, on_restart, ms, 0);
+}
+
 static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
 {
 	struct wproc *wp = p->data;
 	struct compiler *c = wp->c;
+	bool live = c->wp == wp;
 
-	log_warn("compile worker %d exited (status %lld, signal %d)", p->pid, (long long)status,
-	         sig);
-	c->wp = NULL;
-	c->running = false;
-	c->hello_done = false;
+	if (sig)
+		snprintf(c->last_exit, sizeof c->last_exit, "was killed by signal %d", sig);
+	else
+		snprintf(c->last_exit, sizeof c->last_exit, "exited with status %lld",
+		         (long long)status);
+	log_warn("compile worker %d %s%s", p->pid, c->last_exit, wp->killed ? " (killed)" : "");
+	if (live)
+		c->wp = NULL;
+	if (!wp->killed)
+		proctree_kill(p->pid); /* its group and any setsid'd children */
 	close_wproc(wp);
-	if (!c->timed_out)
-		fail_current(c, PROTO_E_WORKER_CRASHED,
+	kill_orphans(c);
+	if (live && !wp->hello_done) {
+		c->start_failures++;
+		if (c->ready == NULL) {
+			struct proto_err err;
+			start_failure_err(c, &err);
+			fail_current(c, err.code, err.flags, err.message);
+			fail_queue(c, &err);
+		}
+	} else if (live) {
+		fail_current(c, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
 		             "the compile worker died during the compile; it was restarted");
-	c->timed_out = false;
-	if (c->ready) {
+	}
+	if (c->ready && live && !wp->hello_done) {
 		struct proto_err err;
 		compiler_ready_cb ready = c->ready;
 		c->ready = NULL;
-		proto_fail(
-		    &err, PROTO_E_INTERNAL, NULL,
-		    "the compile worker (%s %s) exited before it was ready; is torch installed "
-		    "in that interpreter?",
-		    c->python, c->script);
+		proto_fail(&err, PROTO_E_INTERNAL, NULL,
+		           "the compile worker (%s %s) %s before it was ready; is torch installed "
+		           "in that interpreter?",
+		           c->python, c->script, c->last_exit);
 		ready(c, &err);
 		return;
 	}
-	if (!c->stopping) {
-		c->restarts++;
-		spawn_worker(c);
-	}
+	if (!c->stopping && c->wp == NULL)
+		schedule_restart(c);
 }
 
 static void send_hello(struct compiler *c)
@@ -469,39 +686,59 @@ static void spawn_worker(struct compiler *c)
 		struct proto_err err;
 		log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
 		close_wproc(wp);
+		snprintf(c->last_exit, sizeof c->last_exit, "could not be spawned: %s",
+		         uv_strerror(rc));
+		c->start_failures++;
 		proto_fail(&err, PROTO_E_INTERNAL, NULL, "cannot start the compile worker %s: %s",
 		           c->python, uv_strerror(rc));
 		if (c->ready) {
 			compiler_ready_cb ready = c->ready;
 			c->ready = NULL;
 			ready(c, &err);
+			return;
 		}
+		start_failure_err(c, &err);
+		fail_queue(c, &err);
+		schedule_restart(c);
 		return;
 	}
 	c->wp = wp;
-	c->running = true;
 	uv_read_start((uv_stream_t *)&wp->out, on_alloc, on_read);
 	send_hello(c);
 	log_info("compile worker started (pid %d)", wp->proc.pid);
 }
 
-struct compiler *compiler_start(uv_loop_t *loop, const char *python, const char *script,
-                                double timeout_seconds, compiler_ready_cb ready, void *data)
+static void init_timer(struct compiler *c, uv_timer_t *t)
+{
+	uv_timer_init(c->loop, t);
+	t->data = c;
+	c->open_handles++;
+}
+
+struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,
+                                compiler_ready_cb ready, void *data)
 {
 	struct compiler *c = calloc(1, sizeof *c);
 
 	if (c == NULL)
 		return NULL;
 	c->loop = loop;
-	c->timeout = timeout_seconds;
+	c->timeout = opts->timeout_seconds;
 	c->ready = ready;
 	c->data = data;
-	c->env = worker_env();
-	snprintf(c->python, sizeof c->python, "%s", python);
-	snprintf(c->script, sizeof c->script, "%s", script);
-	uv_timer_init(loop, &c->timer);
-	c->timer.data = c;
-	c->open_handles = 1;
+	c->env = worker_env(opts->env_extra);
+	if (c->env == NULL) {
+		free(c);
+		return NULL;
+	}
+	if (proctree_become_subreaper() != 0)
+		log_warn("prctl(PR_SET_CHILD_SUBREAPER) failed: processes a killed worker leaves "
+		         "behind may survive it");
+	snprintf(c->python, sizeof c->python, "%s", opts->python);
+	snprintf(c->script, sizeof c->script, "%s", opts->script);
+	init_timer(c, &c->timer);
+	init_timer(c, &c->restart);
+	init_timer(c, &c->reaper);
 	spawn_worker(c);
 	return c;
 }
@@ -513,19 +750,18 @@ void compiler_stop(struct compiler *c)
 	c->stopping = true;
 	c->ready = NULL;
 	proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+	err.flags = PROTO_ERR_TRANSIENT;
 	if (c->current) {
 		struct compile_job *j = c->current;
 		c->current = NULL;
 		j->done(j, NULL, &err);
 	}
-	while (c->head) {
-		struct compile_job *j = c->head;
-		c->head = j->next;
-		j->done(j, NULL, &err);
-	}
-	c->tail = NULL;
+	fail_queue(c, &err);
 	uv_timer_stop(&c->timer);
+	uv_timer_stop(&c->restart);
 	uv_close((uv_handle_t *)&c->timer, timer_closed);
-	if (c->running && c->wp)
-		uv_kill(-c->wp->proc.pid, SIGKILL); /* the exit callback closes the rest */
+	uv_close((uv_handle_t *)&c->restart, timer_closed);
+	uv_close((uv_handle_t *)&c->reaper, timer_closed);
+	if (c->wp)
+		kill_worker(c, c->wp); /* the exit callback closes the rest */
 }

@@ -3,12 +3,19 @@
  *
  * One long-lived worker process (uv_spawn, its own process group, stdin and
  * stdout pipes carrying proto frames, stderr shared with the daemon's log).
- * Jobs queue FIFO; one is in flight at a time.  Each job has a timeout that
- * kills the worker's process group; a crash or timeout fails the job in
- * flight (WORKER_CRASHED / COMPILE_TIMEOUT) and the worker is respawned for
- * the next one.  Loop thread only.  The worker inherits no client socket
- * (everything is close-on-exec) and none of NOTIFY_SOCKET, LISTEN_*,
- * WATCHDOG_*.
+ * Jobs queue FIFO (register-time checks go first: they take milliseconds);
+ * one is in flight at a time.  Each job has a timeout that kills the
+ * worker's whole process tree (proctree.c); a crash or timeout fails the
+ * job in flight (WORKER_CRASHED / COMPILE_TIMEOUT) and a new worker starts
+ * for the next one.  A worker that dies before it says hello is restarted
+ * with exponential backoff (0.25 s doubling to 30 s); while it cannot start,
+ * queued and new jobs fail at once with WORKER_CRASHED and compiler_alive()
+ * is false (health: not ready).  Loop thread only.
+ *
+ * The worker gets an allow-listed environment (compiler.c: PATH, HOME,
+ * locale, TORCH*, OMP* and friends), never a client socket (everything is
+ * close-on-exec), and dies with the daemon (PR_SET_PDEATHSIG, set by the
+ * worker itself against TORCHLOOPD_PID).
  */
 #ifndef TORCHLOOP_COMPILER_H
 #define TORCHLOOP_COMPILER_H
@@ -33,6 +40,7 @@ typedef void (*compile_done_cb)(struct compile_job *job, const struct compile_re
 
 struct compile_job {
 	/* set by the submitter; borrowed until done runs */
+	bool check_only; /* register-time import check: body_source/file/entry only */
 	const char *body_source, *body_file, *entry, *strategy, *kind;
 	const struct tree_node *carry, *inputs;
 	enum proto_dtype dtype;
@@ -48,6 +56,7 @@ struct compile_job {
 struct worker_info {
 	char torch[64];
 	char torch_git[64];
+	char isa[128]; /* what Inductor targets there (vector ISA, -march) */
 	bool cxx11_abi;
 	bool torch_ok;
 };
@@ -60,13 +69,26 @@ typedef void (*compiler_ready_cb)(struct compiler *c, const struct proto_err *er
  * Spawns the worker and says hello; ready runs once with err NULL when the
  * worker answered (info filled) or with the start-up error.
  */
-struct compiler *compiler_start(uv_loop_t *loop, const char *python, const char *script,
-                                double timeout_seconds, compiler_ready_cb ready, void *data);
+struct compiler_opts {
+	const char *python, *script;
+	double timeout_seconds;
+	/* extra NAME=value entries for the worker (target ISA), NULL-terminated */
+	const char *const *env_extra;
+};
+
+struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,
+                                compiler_ready_cb ready, void *data);
 void *compiler_data(const struct compiler *c);
 const struct worker_info *compiler_info(const struct compiler *c);
 bool compiler_alive(const struct compiler *c);
 unsigned compiler_queue_length(const struct compiler *c);
 uint64_t compiler_restarts(const struct compiler *c);
+/* "ok", "starting" or "backoff" (the worker keeps dying before its hello). */
+const char *compiler_state(const struct compiler *c);
+/* Consecutive start failures (0 once a worker said hello). */
+unsigned compiler_start_failures(const struct compiler *c);
+/* Descendants killed because they outlived their worker or its timeout. */
+uint64_t compiler_orphans_killed(const struct compiler *c);
 pid_t compiler_pid(const struct compiler *c);
 
 /* Queues a job; its done callback always runs exactly once (on the loop). */

@@ -32,6 +32,7 @@ enum {
 	OPT_NO_PROBE,
 	OPT_MODE,
 	OPT_LOG,
+	OPT_ISA,
 	OPT_HELP,
 	OPT_VERSION,
 	OPT_LIMIT0
@@ -77,6 +78,9 @@ static void usage(FILE *f)
 	    "  --admin-group NAME   members may register, unregister and shut down\n"
 	    "  --no-probe           skip the start-up probe compile\n"
 	    "  --log-level LEVEL    debug, info, warn or error (default info)\n"
+	    "  --target-isa ISA     what graphs are compiled for: native (default: this CPU),\n"
+	    "                       avx2 (x86-64 with AVX2) or baseline (any x86-64; also what\n"
+	    "                       valgrind can run); part of every cache key\n"
 	    "  --help, --version\n\nlimits (name: min / default / max):\n");
 	for (size_t i = 0; i < N_LIMITS; i++)
 		fprintf(f, "  --%-17s %s (%lld / %lld / %lld)\n", LIMITS[i].name, LIMITS[i].help,
@@ -167,6 +171,18 @@ static int parse_other(struct config *c, int opt, const char *arg)
 		c->admin_gid = g->gr_gid;
 		c->has_admin_gid = true;
 		return 0;
+	case OPT_ISA:
+		if (strcmp(arg, "native") == 0)
+			c->target_isa = ISA_NATIVE;
+		else if (strcmp(arg, "avx2") == 0)
+			c->target_isa = ISA_AVX2;
+		else if (strcmp(arg, "baseline") == 0)
+			c->target_isa = ISA_BASELINE;
+		else {
+			fprintf(stderr, "torchloopd: --target-isa: native, avx2 or baseline\n");
+			return -1;
+		}
+		return 0;
 	case OPT_LOG:
 		for (int i = 0; i < 4; i++)
 			if (strcmp(arg, levels[i]) == 0)
@@ -203,6 +219,7 @@ int config_parse(struct config *c, int argc, char **argv)
 	opts[n++] = (struct option){"admin-group", required_argument, NULL, OPT_ADMIN};
 	opts[n++] = (struct option){"no-probe", no_argument, NULL, OPT_NO_PROBE};
 	opts[n++] = (struct option){"log-level", required_argument, NULL, OPT_LOG};
+	opts[n++] = (struct option){"target-isa", required_argument, NULL, OPT_ISA};
 	opts[n++] = (struct option){"help", no_argument, NULL, OPT_HELP};
 	opts[n++] = (struct option){"version", no_argument, NULL, OPT_VERSION};
 	opts[n] = (struct option){0};

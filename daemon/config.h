@@ -17,14 +17,30 @@
 	  "largest frame accepted or sent, in bytes")                                              \
 	X("max-inflight", max_inflight, 1, 64, 4096, "requests one connection may have in flight") \
 	X("write-queue-cap", write_queue_cap, 1LL << 20, 256LL << 20, 4LL << 30,                   \
-	  "bytes queued to one slow client before its reads pause")                                \
+	  "bytes (replies queued + frame being read) one client may hold before its reads pause")  \
+	X("max-queued-memory", max_queued_memory, 16LL << 20, 1LL << 30, 64LL << 30,               \
+	  "bytes all clients together may hold in queued replies and frames being read")           \
 	X("max-connections", max_connections, 1, 1024, 65536, "concurrent client connections")     \
+	X("max-connections-per-uid", max_conns_per_uid, 1, 256, 65536,                             \
+	  "concurrent connections of one peer uid")                                                \
+	X("idle-timeout", idle_timeout, 0, 600, 86400,                                             \
+	  "seconds a connection with nothing in flight may stay silent (0: forever)")              \
+	X("frame-timeout", frame_timeout, 1, 30, 3600,                                             \
+	  "seconds a partly received frame may go without a byte before the connection closes")    \
 	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take")       \
 	X("drain-timeout", drain_timeout, 0, 30, 3600,                                             \
 	  "seconds to finish in-flight requests on SIGTERM")                                       \
-	X("threads", threads, 1, 0, 128, "thread-pool size for graph runs (0: one per core)")      \
+	X("threads", threads, 0, 0, 128, "thread-pool size for graph runs (0: one per core)")      \
+	X("pool-stall-timeout", pool_stall_timeout, 1, 60, 3600,                                   \
+	  "seconds the thread pool may take to start a job before health reports it stalled")      \
 	X("inline-run-us", inline_run_us, 0, 50, 100000,                                           \
-	  "graphs measured at most this many microseconds run on the event loop (0: never)")
+	  "graphs measured at most this many microseconds run on the event loop (0: never)")       \
+	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \
+	  "failed specializations one adapter remembers (least recently used dropped first)")
+
+/* What compiled graphs are generated for (--target-isa): the host's own CPU,
+ * or a fixed x86-64 level that runs on other machines and under valgrind. */
+enum target_isa { ISA_NATIVE, ISA_AVX2, ISA_BASELINE };
 
 struct config {
 #define CONFIG_X_FIELD(name, field, min, def, max, help) long long field;
@@ -42,6 +58,7 @@ struct config {
 	int log_level;
 	unsigned socket_mode;
 	int omp_threads; /* OpenMP team per run: cores / threads, at least 1 */
+	enum target_isa target_isa;
 };
 
 /*

@@ -6,10 +6,20 @@
  * struct request (request.c) and is dispatched through OP_TABLE.  A frame
  * whose length prefix breaks the limit gets FRAME_TOO_LARGE and the
  * connection is closed after that reply; any other malformed frame gets its
- * error and the connection stays usable.  Writes queue per connection; past
- * write-queue-cap bytes the connection stops reading until it drains, so a
- * slow client only slows itself.  Memory of a connection is freed in its
- * close callback once no request or write refers to it.
+ * error and the connection stays usable.  Memory of a connection is freed
+ * in its close callback once no request or write refers to it.
+ *
+ * Memory a client can make the daemon hold is accounted as it is used: the
+ * bytes received of the frame being read, the bodies of its requests in
+ * flight, and its queued replies (a small reply that must queue is copied
+ * into one exact-size buffer, so a client that pipelines and never reads
+ * costs its reply bytes, not a writer's chunks).  Over write-queue-cap for
+ * the connection, or -- holding more than its share -- over
+ * max-queued-memory for all of them, the connection stops reading at the
+ * next frame boundary until it is under half again.
+ * A once-a-second sweep closes connections whose frame stopped arriving or
+ * whose replies stopped leaving for frame-timeout seconds (FRAME_TIMEOUT),
+ * and ones idle (nothing in flight, nothing sent) for idle-timeout seconds.
  */
 #include "daemon.h"
 
@@ -24,6 +34,110 @@
 #include <unistd.h>
 
 static void conn_close(struct conn *c);
+static void resume_reading(struct conn *c);
+
+#define SWEEP_MS      1000
+#define FLATTEN_LIMIT (256u << 10) /* queued replies up to this are copied flat */
+
+static uint64_t conn_mem(const struct conn *c)
+{
+	return c->mem_partial + c->mem_requests + c->mem_replies;
+}
+
+static void account(struct conn *c, uint64_t *field, int64_t delta)
+{
+	*field = (uint64_t)((int64_t)*field + delta);
+	c->d->queued_bytes = (uint64_t)((int64_t)c->d->queued_bytes + delta);
+}
+
+/*
+ * The global cap pauses only connections holding more than an even share of
+ * it: a client with a few small requests in flight is never paused because
+ * others filled the daemon.  All clients together then hold at most about
+ * 1.5 x max-queued-memory (plus frames being read, each bounded by max-frame
+ * and closed by frame-timeout when they stall).
+ */
+static uint64_t fair_share(const struct daemon *d)
+{
+	return (uint64_t)d->cfg.max_queued_memory / (2 * (uint64_t)(d->n_conns ? d->n_conns : 1));
+}
+
+static bool over_limits(const struct conn *c)
+{
+	const struct daemon *d = c->d;
+
+	return conn_mem(c) > (uint64_t)d->cfg.write_queue_cap ||
+	       (d->queued_bytes > (uint64_t)d->cfg.max_queued_memory &&
+	        conn_mem(c) > fair_share(d));
+}
+
+static bool under_half(const struct conn *c)
+{
+	return conn_mem(c) < (uint64_t)c->d->cfg.write_queue_cap / 2 &&
+	       c->d->queued_bytes < (uint64_t)c->d->cfg.max_queued_memory / 2;
+}
+
+static void pause_reading(struct conn *c)
+{
+	struct daemon *d = c->d;
+
+	if (c->paused || c->closing)
+		return;
+	c->pause_pending = false;
+	c->paused = true;
+	d->n_paused++;
+	d->stats.limit_breaches++;
+	d->stats.memory_pauses++;
+	uv_read_stop((uv_stream_t *)&c->handle);
+	log_warn("connection %llu: holds %llu bytes (all clients %llu; write-queue-cap=%lld, "
+	         "max-queued-memory=%lld); pausing its reads",
+	         (unsigned long long)c->serial, (unsigned long long)conn_mem(c),
+	         (unsigned long long)d->queued_bytes, d->cfg.write_queue_cap,
+	         d->cfg.max_queued_memory);
+}
+
+/* Over a limit: stop reading, but never in the middle of a frame (a frame
+ * is bounded by max-frame; a half-read one would only hold its memory). */
+static void check_memory(struct conn *c)
+{
+	if (c->paused || c->closing || !over_limits(c))
+		return;
+	if (c->reader.header_have > 0)
+		c->pause_pending = true;
+	else
+		pause_reading(c);
+}
+
+/* Memory went down somewhere: resume what can go on. */
+static void memory_freed(struct conn *c)
+{
+	struct daemon *d = c->d;
+
+	if (c->paused && !c->closing && under_half(c))
+		resume_reading(c);
+	if (d->n_paused == 0 || d->queued_bytes >= (uint64_t)d->cfg.max_queued_memory / 2)
+		return;
+	for (struct conn *o = d->conns; o && d->n_paused; o = o->next)
+		if (o->paused && under_half(o))
+			resume_reading(o);
+}
+
+void conn_account_request(struct conn *c, int64_t delta)
+{
+	account(c, &c->mem_requests, delta);
+	if (delta < 0)
+		memory_freed(c);
+	else
+		check_memory(c);
+}
+
+/* The bytes received of the frame being read. */
+static void account_partial(struct conn *c)
+{
+	uint64_t now = c->reader.header_have == PROTO_FRAME_HEADER ? c->reader.body_have : 0;
+
+	account(c, &c->mem_partial, (int64_t)now - (int64_t)c->mem_partial);
+}
 
 void conn_ref(struct conn *c)
 {
@@ -52,6 +166,9 @@ static void conn_close(struct conn *c)
 	if (c->closing)
 		return;
 	c->closing = true;
+	if (c->paused)
+		d->n_paused--;
+	account(c, &c->mem_partial, -(int64_t)c->mem_partial);
 	if (c->prev)
 		c->prev->next = c->next;
 	else
@@ -66,6 +183,8 @@ void conns_close_all(struct daemon *d)
 {
 	while (d->conns)
 		conn_close(d->conns);
+	if (d->conn_sweep.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d->conn_sweep))
+		uv_close((uv_handle_t *)&d->conn_sweep, NULL);
 }
 
 struct outmsg *outmsg_new(struct conn *c)
@@ -85,27 +204,56 @@ void outmsg_free(struct outmsg *out)
 {
 	if (out->cleanup)
 		out->cleanup(out->cleanup_arg);
-	writer_destroy(&out->w);
+	if (!out->writer_gone)
+		writer_destroy(&out->w);
+	free(out->flat);
 	frame_free(out->keep_body);
 	conn_unref(out->conn);
 	free(out);
 }
-
-static void resume_reading(struct conn *c);
 
 static void on_write(uv_write_t *req, int status)
 {
 	struct outmsg *out = (struct outmsg *)req;
 	struct conn *c = out->conn;
 
+	c->write_since = now_seconds();
+	account(c, &c->mem_replies, -(int64_t)out->mem);
 	if (status != 0 && !c->closing)
 		conn_close(c);
 	else if (out->close_after)
 		conn_close(c);
-	else if (c->paused && uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) <
-	                          (size_t)c->d->cfg.write_queue_cap / 2)
-		resume_reading(c);
+	else
+		memory_freed(c);
 	outmsg_free(out);
+}
+
+/*
+ * A small reply that must queue: copy what is left to send into one buffer
+ * and drop the writer's chunks, the request body and the engine result it
+ * referenced.  Returns the bytes now held (0 when it was not flattened).
+ */
+static uint64_t flatten_queued(struct outmsg *out, uv_buf_t *bv, int n)
+{
+	size_t total = 0, off = 0;
+
+	for (int i = 0; i < n; i++)
+		total += bv[i].len;
+	if (total > FLATTEN_LIMIT || (out->flat = malloc(total ? total : 1)) == NULL)
+		return 0;
+	for (int i = 0; i < n; i++) {
+		memcpy(out->flat + off, bv[i].base, bv[i].len);
+		off += bv[i].len;
+	}
+	if (out->cleanup)
+		out->cleanup(out->cleanup_arg);
+	out->cleanup = NULL;
+	frame_free(out->keep_body);
+	out->keep_body = NULL;
+	writer_destroy(&out->w);
+	out->writer_gone = true;
+	bv[0] = uv_buf_init((char *)out->flat, (unsigned)total);
+	return total + sizeof *out;
 }
 
 /* The whole frame went out without queueing: what on_write would do. */
@@ -166,20 +314,25 @@ void conn_send(struct conn *c, struct outmsg *out)
 		bv[first].len -= (unsigned)skip;
 		skip = 0;
 	}
+	out->mem = flatten_queued(out, bv + first, n - first);
+	if (out->mem != 0) {
+		n = first + 1;
+	} else {
+		/* referenced payloads: the frame's bytes plus the writer's chunk */
+		out->mem = sizeof *out + 8192 + out->body_size;
+		for (int i = first; i < n; i++)
+			out->mem += bv[i].len;
+	}
+	if (uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) == 0)
+		c->write_since = now_seconds();
 	if (uv_write(&out->req, (uv_stream_t *)&c->handle, bv + first, (unsigned)(n - first),
 	             on_write) != 0) {
 		outmsg_free(out);
 		conn_close(c);
 		goto done;
 	}
-	if (!c->paused && uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) >
-	                      (size_t)c->d->cfg.write_queue_cap) {
-		log_warn("connection %llu: write queue over %lld bytes; pausing its reads",
-		         (unsigned long long)c->serial, c->d->cfg.write_queue_cap);
-		c->d->stats.limit_breaches++;
-		c->paused = true;
-		uv_read_stop((uv_stream_t *)&c->handle);
-	}
+	account(c, &c->mem_replies, (int64_t)out->mem);
+	check_memory(c);
 done:
 	if (iv != iov)
 		free(iv);
@@ -234,7 +387,11 @@ static bool frame_status_step(struct conn *c, enum frame_status st, struct proto
 	if (st == FRAME_READY) {
 		uint32_t len;
 		uint8_t *body = frame_reader_take(&c->reader, &len);
+		account_partial(c);
+		c->last_activity = now_seconds();
 		request_dispatch(c, body, len);
+		if (c->pause_pending || (!c->closing && over_limits(c)))
+			pause_reading(c);
 	}
 	return !c->closing && !c->paused;
 }
@@ -264,6 +421,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 
 	if (nread == 0)
 		return;
+	c->last_read = now_seconds();
 	if (nread < 0) {
 		if (nread != UV_EOF)
 			log_debug("connection %llu: %s", (unsigned long long)c->serial,
@@ -277,15 +435,20 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 		c->stage_off = 0;
 		c->stage_len = (uint32_t)nread;
 		feed_stage(c);
-		return;
+	} else {
+		frame_status_step(c, frame_reader_commit(&c->reader, (size_t)nread, &err), &err);
 	}
-	frame_status_step(c, frame_reader_commit(&c->reader, (size_t)nread, &err), &err);
+	if (!c->closing)
+		account_partial(c);
 }
 
 static void resume_reading(struct conn *c)
 {
+	if (c->paused)
+		c->d->n_paused--;
 	c->paused = false;
-	feed_stage(c); /* frames that arrived with the one that paused us */
+	c->last_read = now_seconds(); /* the stall clock starts again */
+	feed_stage(c);                /* frames that arrived with the one that paused us */
 	if (!c->closing && !c->paused)
 		uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
 }
@@ -304,6 +467,15 @@ static void read_peer(struct conn *c)
 		c->gid = cred.gid;
 		c->pid = cred.pid;
 	}
+}
+
+static unsigned uid_connections(const struct daemon *d, uid_t uid)
+{
+	unsigned n = 0;
+
+	for (const struct conn *c = d->conns; c; c = c->next)
+		n += c->uid == uid;
+	return n;
 }
 
 static void on_connection(uv_stream_t *server, int status)
@@ -329,6 +501,7 @@ static void on_connection(uv_stream_t *server, int status)
 	frame_reader_init(&c->reader, (uint32_t)d->cfg.max_frame);
 	read_peer(c);
 	c->serial = ++d->stats.connections;
+	c->last_read = c->last_activity = now_seconds();
 	c->next = d->conns;
 	if (d->conns)
 		d->conns->prev = c;
@@ -345,7 +518,77 @@ static void on_connection(uv_stream_t *server, int status)
 		frame_error(c, &err, true);
 		return;
 	}
+	if (uid_connections(d, c->uid) > (unsigned)d->cfg.max_conns_per_uid) {
+		struct proto_err err;
+		proto_fail(&err, PROTO_E_BUSY, NULL,
+		           "too many connections from uid %d (max-connections-per-uid=%lld)",
+		           (int)c->uid, d->cfg.max_conns_per_uid);
+		d->stats.limit_breaches++;
+		frame_error(c, &err, true);
+		return;
+	}
 	uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
+}
+
+/* ---- the sweep: timeouts --------------------------------------------------- */
+
+static void close_stalled(struct conn *c, const char *what, double since)
+{
+	struct proto_err err;
+
+	c->d->stats.stalled_frames_closed++;
+	c->d->stats.limit_breaches++;
+	uv_read_stop((uv_stream_t *)&c->handle);
+	proto_fail(&err, PROTO_E_FRAME_TIMEOUT, NULL,
+	           "%s made no progress for %.0f s (frame-timeout=%lld); closing", what,
+	           now_seconds() - since, c->d->cfg.frame_timeout);
+	frame_error(c, &err, true);
+}
+
+static void sweep_one(struct conn *c, double now)
+{
+	const struct config *cfg = &c->d->cfg;
+	size_t queued = uv_stream_get_write_queue_size((uv_stream_t *)&c->handle);
+
+	if (c->reader.header_have > 0 && !c->paused &&
+	    now - c->last_read > (double)cfg->frame_timeout) {
+		close_stalled(c, "the frame being received", c->last_read);
+	} else if (queued > 0 && now - c->write_since > (double)cfg->frame_timeout) {
+		/* it does not read its replies: no error frame could reach it either */
+		log_warn("connection %llu: %zu reply bytes have not moved for %.0f s "
+		         "(frame-timeout=%lld); closing",
+		         (unsigned long long)c->serial, queued, now - c->write_since,
+		         cfg->frame_timeout);
+		c->d->stats.stalled_frames_closed++;
+		c->d->stats.limit_breaches++;
+		conn_close(c);
+	} else if (cfg->idle_timeout > 0 && c->inflight == 0 && c->reader.header_have == 0 &&
+	           queued == 0 && c->stage_len == 0 &&
+	           now - c->last_activity > (double)cfg->idle_timeout) {
+		log_info("connection %llu: idle for %.0f s (idle-timeout=%lld); closing",
+		         (unsigned long long)c->serial, now - c->last_activity, cfg->idle_timeout);
+		c->d->stats.idle_closed++;
+		conn_close(c);
+	}
+}
+
+static void on_sweep(uv_timer_t *t)
+{
+	struct daemon *d = t->data;
+	double now = now_seconds();
+
+	for (struct conn *c = d->conns, *next; c; c = next) {
+		next = c->next;
+		if (!c->closing)
+			sweep_one(c, now);
+	}
+}
+
+void conns_start_sweep(struct daemon *d)
+{
+	uv_timer_init(d->loop, &d->conn_sweep);
+	d->conn_sweep.data = d;
+	uv_timer_start(&d->conn_sweep, on_sweep, SWEEP_MS, SWEEP_MS);
 }
 
 /* A leftover socket file: unlink it only if nothing answers there. */

@@ -13,16 +13,31 @@
 #include "log.h"
 #include "sha256.h"
 
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#define EXIT_GRACE_MS 5000
+#define FD_RESERVE    64 /* listening socket, worker pipes, cache files, dlopen, logs */
 
 void probe_start(struct daemon *d, void (*done)(struct daemon *d, const struct proto_err *err));
 int sd_glue_init(struct daemon *d);
 void sd_glue_notify(struct daemon *d, const char *state);
 void sd_glue_stop(struct daemon *d);
+
+static void on_exit_grace(uv_timer_t *t)
+{
+	struct daemon *d = t->data;
+
+	log_error("thread-pool work still pending %d s after shutdown began; exiting without it",
+	          EXIT_GRACE_MS / 1000);
+	fflush(NULL);
+	_exit(d->exit_code);
+}
 
 static void finish_shutdown(struct daemon *d)
 {
@@ -34,6 +49,12 @@ static void finish_shutdown(struct daemon *d)
 	log_info("stopping: closing connections and the compile worker");
 	uv_timer_stop(&d->drain_timer);
 	uv_close((uv_handle_t *)&d->drain_timer, NULL);
+	uv_timer_stop(&d->pool_timer);
+	uv_close((uv_handle_t *)&d->pool_timer, NULL);
+	/* A pool thread stuck in a graph run (or a disk that hangs) would keep the
+	 * loop alive for ever: past the grace period, exit without it. */
+	uv_timer_start(&d->exit_timer, on_exit_grace, EXIT_GRACE_MS, 0);
+	uv_unref((uv_handle_t *)&d->exit_timer);
 	uv_close((uv_handle_t *)&d->sigterm, NULL);
 	uv_close((uv_handle_t *)&d->sigint, NULL);
 	uv_close((uv_handle_t *)&d->sighup, NULL);
@@ -49,6 +70,57 @@ static void finish_shutdown(struct daemon *d)
 		compiler_stop(d->compiler);
 	conns_close_all(d);
 	registry_clear(d);
+}
+
+/* ---- the pool canary ---------------------------------------------------- */
+
+static void canary_work(uv_work_t *w)
+{
+	(void)w;
+}
+
+static void canary_done(uv_work_t *w, int status)
+{
+	struct daemon *d = w->data;
+
+	(void)status;
+	d->canary_out = false;
+	if (d->pool_stalled) {
+		log_warn("thread pool: running again after %.1f s", now_seconds() - d->canary_sent);
+		d->pool_stalled = false;
+	}
+}
+
+double daemon_pool_wait(const struct daemon *d)
+{
+	return d->canary_out ? now_seconds() - d->canary_sent : 0;
+}
+
+/*
+ * Every second: a no-op job goes to the pool unless the last one has not
+ * started yet.  One that waits past --pool-stall-timeout means every pool
+ * thread is stuck: health says so (not ready) and the watchdog stops, so a
+ * service manager restarts the daemon.
+ */
+static void on_pool_timer(uv_timer_t *t)
+{
+	struct daemon *d = t->data;
+
+	if (!d->canary_out) {
+		d->canary_out = true;
+		d->canary_sent = now_seconds();
+		d->canary.data = d;
+		if (uv_queue_work(d->loop, &d->canary, canary_work, canary_done) != 0)
+			d->canary_out = false;
+		return;
+	}
+	if (!d->pool_stalled && daemon_pool_wait(d) > (double)d->cfg.pool_stall_timeout) {
+		d->pool_stalled = true;
+		d->stats.pool_stalls++;
+		log_error("thread pool: no thread has been free for %.0f s (over "
+		          "--pool-stall-timeout=%lld): reporting not ready",
+		          daemon_pool_wait(d), d->cfg.pool_stall_timeout);
+	}
 }
 
 static void on_drain_timeout(uv_timer_t *t)
@@ -83,6 +155,39 @@ void daemon_request_done(struct daemon *d)
 		finish_shutdown(d);
 }
 
+static void start_reload(struct daemon *d);
+
+static void reloaded(struct daemon *d, int failed)
+{
+	d->reloading = false;
+	log_info("SIGHUP: reload done: %u adapters, %d file(s) failed", d->reg.count, failed);
+	if (d->reload_again && !d->shutting_down) {
+		d->reload_again = false;
+		start_reload(d);
+		return;
+	}
+	if (!d->shutting_down)
+		sd_glue_notify(d, "READY=1");
+}
+
+static void start_reload(struct daemon *d)
+{
+	if (d->reloading) {
+		d->reload_again = true; /* once the load in flight is done */
+		return;
+	}
+	sd_glue_notify(d, "RELOADING=1");
+	if (d->cfg.adapters_dir[0] == '\0') {
+		log_info("SIGHUP: no --adapters directory to reload");
+		sd_glue_notify(d, "READY=1");
+		return;
+	}
+	log_info("SIGHUP: reloading %s", d->cfg.adapters_dir);
+	d->reloading = true;
+	if (registry_load_dir(d, d->cfg.adapters_dir, true, reloaded) != 0)
+		reloaded(d, 1);
+}
+
 static void on_signal(uv_signal_t *s, int signum)
 {
 	struct daemon *d = s->data;
@@ -94,16 +199,8 @@ static void on_signal(uv_signal_t *s, int signum)
 		return;
 	}
 	if (signum == SIGHUP) {
-		if (d->shutting_down)
-			return;
-		sd_glue_notify(d, "RELOADING=1");
-		if (d->cfg.adapters_dir[0]) {
-			log_info("SIGHUP: reloading %s", d->cfg.adapters_dir);
-			registry_load_dir(d, d->cfg.adapters_dir, true);
-		} else {
-			log_info("SIGHUP: no --adapters directory to reload");
-		}
-		sd_glue_notify(d, "READY=1");
+		if (!d->shutting_down)
+			start_reload(d);
 		return;
 	}
 	daemon_begin_shutdown(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
@@ -136,6 +233,19 @@ static void prewarmed(struct daemon *d)
 	}
 }
 
+static void adapters_loaded(struct daemon *d, int failed)
+{
+	if (d->shutting_down)
+		return;
+	if (failed)
+		log_warn("%d adapter file(s) failed to load; see above", failed);
+	/* graphs these adapters had before a restart load before we say ready */
+	d->pending_loads = 1;
+	for (struct adapter *a = d->reg.head; a; a = a->next)
+		d->pending_loads += specs_prewarm(d, a, prewarmed);
+	prewarmed(d);
+}
+
 static void probe_done(struct daemon *d, const struct proto_err *err)
 {
 	if (err != NULL) {
@@ -143,13 +253,10 @@ static void probe_done(struct daemon *d, const struct proto_err *err)
 		return;
 	}
 	log_info("probe: compile, cache and run work");
-	if (d->cfg.adapters_dir[0] && registry_load_dir(d, d->cfg.adapters_dir, false) != 0)
-		log_warn("some adapter files failed to load; see above");
-	/* graphs these adapters had before a restart load before we say ready */
-	d->pending_loads = 1;
-	for (struct adapter *a = d->reg.head; a; a = a->next)
-		d->pending_loads += specs_prewarm(d, a, prewarmed);
-	prewarmed(d);
+	if (d->cfg.adapters_dir[0] == '\0')
+		adapters_loaded(d, 0);
+	else if (registry_load_dir(d, d->cfg.adapters_dir, false, adapters_loaded) != 0)
+		adapters_loaded(d, 1);
 }
 
 static void worker_ready(struct compiler *c, const struct proto_err *err)
@@ -163,22 +270,30 @@ static void worker_ready(struct compiler *c, const struct proto_err *err)
 		return;
 	}
 	d->worker_ok = true;
-	log_info("compile worker ready: torch %s", compiler_info(c)->torch);
+	/* what the worker generates code for is part of every cache key */
+	strncat(d->isa, ";worker:", sizeof d->isa - strlen(d->isa) - 1);
+	strncat(d->isa, compiler_info(c)->isa, sizeof d->isa - strlen(d->isa) - 1);
+	log_info("compile worker ready: torch %s, target %s", compiler_info(c)->torch,
+	         compiler_info(c)->isa);
 	if (d->cfg.probe)
 		probe_start(d, probe_done);
 	else
 		probe_done(d, NULL);
 }
 
-/* The ISA flags Inductor specialises code for: part of every cache key. */
-static void read_isa(struct daemon *d)
+/*
+ * The ISA flags -march=native specialises code for: part of every cache key
+ * (with --target-isa avx2/baseline, only the target's name).  Returns -1
+ * when the target needs what this CPU lacks.
+ */
+static int read_isa(struct daemon *d)
 {
 	static const char *const flags[] = {" avx2",        " avx512f",  " avx512bw", " avx512vl",
 	                                    " avx512_bf16", " amx_tile", " fma",      " sve"};
 	FILE *f = fopen("/proc/cpuinfo", "re");
-	char line[8192];
+	char line[8192], host[128] = "";
+	bool avx2 = false;
 
-	snprintf(d->isa, sizeof d->isa, "isa:");
 	while (f && fgets(line, sizeof line, f)) {
 		if (strncmp(line, "flags", 5) != 0)
 			continue;
@@ -186,12 +301,63 @@ static void read_isa(struct daemon *d)
 			char pat[32];
 			snprintf(pat, sizeof pat, "%s ", flags[i]);
 			if (strstr(line, pat))
-				strncat(d->isa, flags[i], sizeof d->isa - strlen(d->isa) - 1);
+				strncat(host, flags[i], sizeof host - strlen(host) - 1);
 		}
+		avx2 = strstr(line, " avx2 ") != NULL;
 		break;
 	}
 	if (f)
 		fclose(f);
+	switch (d->cfg.target_isa) {
+	case ISA_NATIVE:
+		snprintf(d->isa, sizeof d->isa, "isa:%s", host);
+		return 0;
+	case ISA_AVX2:
+		snprintf(d->isa, sizeof d->isa, "isa:target=avx2");
+		if (!avx2)
+			log_error("--target-isa avx2: this CPU has no AVX2");
+		return avx2 ? 0 : -1;
+	case ISA_BASELINE:
+		snprintf(d->isa, sizeof d->isa, "isa:target=baseline");
+		return 0;
+	}
+	return 0;
+}
+
+/* Environment that makes Inductor generate code for --target-isa. */
+static const char *const *target_env(enum target_isa isa)
+{
+	static const char *const avx2[] = {"TORCHINDUCTOR_CPP_MARCH=haswell",
+	                                   "ATEN_CPU_CAPABILITY=avx2", NULL};
+	static const char *const baseline[] = {"TORCHINDUCTOR_CPP_MARCH=x86-64",
+	                                       "ATEN_CPU_CAPABILITY=default", NULL};
+
+	return isa == ISA_AVX2 ? avx2 : isa == ISA_BASELINE ? baseline : NULL;
+}
+
+/*
+ * Every connection is a descriptor: raise the soft RLIMIT_NOFILE to the hard
+ * one if needed, and refuse to start when --max-connections cannot fit.
+ */
+static int check_fd_limit(const struct config *cfg)
+{
+	struct rlimit rl;
+	rlim_t need = (rlim_t)cfg->max_connections + FD_RESERVE + 2 * (rlim_t)cfg->threads;
+
+	if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+		return 0;
+	if (rl.rlim_cur < need && rl.rlim_max > rl.rlim_cur) {
+		rl.rlim_cur = rl.rlim_max < need ? rl.rlim_max : need;
+		setrlimit(RLIMIT_NOFILE, &rl);
+		getrlimit(RLIMIT_NOFILE, &rl);
+	}
+	if (rl.rlim_cur >= need)
+		return 0;
+	log_error("--max-connections=%lld needs %llu file descriptors but the limit is %llu "
+	          "(hard %llu): lower --max-connections or raise LimitNOFILE / ulimit -n",
+	          cfg->max_connections, (unsigned long long)need, (unsigned long long)rl.rlim_cur,
+	          (unsigned long long)rl.rlim_max);
+	return -1;
 }
 
 int daemon_start(struct daemon *d)
@@ -202,7 +368,8 @@ int daemon_start(struct daemon *d)
 	d->started = now_seconds();
 	d->loop = uv_default_loop();
 	log_threshold = (enum log_level)d->cfg.log_level;
-	read_isa(d);
+	if (read_isa(d) != 0 || check_fd_limit(&d->cfg) != 0)
+		return -1;
 	if (sha256_file(d->cfg.worker, d->worker_sha, &size) != 0) {
 		log_error("compile worker script %s: cannot read it", d->cfg.worker);
 		return -1;
@@ -213,6 +380,11 @@ int daemon_start(struct daemon *d)
 	}
 	uv_timer_init(d->loop, &d->drain_timer);
 	d->drain_timer.data = d;
+	uv_timer_init(d->loop, &d->exit_timer);
+	d->exit_timer.data = d;
+	uv_timer_init(d->loop, &d->pool_timer);
+	d->pool_timer.data = d;
+	uv_timer_start(&d->pool_timer, on_pool_timer, 1000, 1000);
 	uv_signal_init(d->loop, &d->sigterm);
 	uv_signal_init(d->loop, &d->sigint);
 	uv_signal_init(d->loop, &d->sighup);
@@ -233,8 +405,13 @@ int daemon_start(struct daemon *d)
 		finish_shutdown(d);
 		return -1;
 	}
+	conns_start_sweep(d);
 	log_info("cache %s", d->cfg.cache_dir);
-	d->compiler = compiler_start(d->loop, d->cfg.python, d->cfg.worker,
-	                             (double)d->cfg.compile_timeout, worker_ready, d);
+	{
+		struct compiler_opts o = {d->cfg.python, d->cfg.worker,
+		                          (double)d->cfg.compile_timeout,
+		                          target_env(d->cfg.target_isa)};
+		d->compiler = compiler_start(d->loop, &o, worker_ready, d);
+	}
 	return d->compiler ? 0 : -1;
 }

@@ -49,6 +49,7 @@ struct adapter_def {
 
 struct adapter_stats {
 	uint64_t requests, errors, compiles, cache_hits, cache_misses, runs;
+	uint64_t failed_evictions; /* failed specializations forgotten (LRU) */
 	double compile_seconds;
 	double latency_us[LATENCY_RING];
 	uint64_t latency_n;
@@ -69,7 +70,9 @@ struct specialization {
 	enum proto_dtype dtype;
 	int64_t steps;
 	size_t n_in, n_out;
-	struct engine_tensor *expected; /* n_in, the compiled input signature */
+	struct engine_tensor *expected;     /* n_in, the compiled input signature */
+	struct engine_tensor *expected_out; /* n_out, what the graph must return */
+	uint64_t last_used;                 /* registry tick of the last lookup (LRU) */
 	struct engine_graph *graph;
 	double compile_seconds;
 	bool from_cache;
@@ -89,7 +92,12 @@ struct adapter {
 	bool live; /* still the registered adapter of its name */
 	struct adapter *next;
 	struct specialization *specs;
-	unsigned held; /* specializations counted against the budget */
+	unsigned held;   /* specializations counted against the budget */
+	unsigned failed; /* FAILED specializations remembered (bounded, LRU) */
+	/* compiles of this definition during which the worker died; at 2 the
+	 * definition is refused (crash_err) until it is re-registered */
+	unsigned worker_crashes;
+	struct proto_err crash_err;
 	struct adapter_stats stats;
 	uint64_t generation;
 };
@@ -98,6 +106,7 @@ struct registry {
 	struct adapter *head;
 	unsigned count;
 	uint64_t generation;
+	uint64_t tick; /* specialization lookups, for LRU */
 };
 
 /* ---- connections and requests ----------------------------------------- */
@@ -114,6 +123,10 @@ struct conn {
 	uint32_t stage_off, stage_len; /* bytes not yet fed (left when reads paused) */
 	int refs;
 	bool closing, reading, paused;
+	bool pause_pending; /* over a memory limit mid-frame: pause once it is whole */
+	/* memory this connection holds (conn.c), also summed in d->queued_bytes */
+	uint64_t mem_partial, mem_requests, mem_replies;
+	double last_read, write_since, last_activity; /* for the sweep's timeouts */
 	unsigned inflight;
 	uid_t uid;
 	gid_t gid;
@@ -143,6 +156,10 @@ struct request {
 struct outmsg {
 	uv_write_t req;
 	struct writer w;
+	bool writer_gone;   /* flattened into `flat`: the writer is destroyed */
+	uint8_t *flat;      /* a queued small frame's remaining bytes, owned */
+	uint64_t mem;       /* accounted to the connection while queued */
+	uint32_t body_size; /* the request body it keeps, for the accounting */
 	struct conn *conn;
 	void (*cleanup)(void *arg);
 	void *cleanup_arg;
@@ -166,6 +183,7 @@ extern const struct op_desc *const OP_TABLE[PROTO_OP__COUNT];
 
 struct daemon_stats {
 	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy, inline_runs;
+	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses, failed_evictions;
 	uint64_t error_codes[PROTO_E__COUNT];
 };
 
@@ -182,14 +200,24 @@ struct daemon {
 	struct daemon_stats stats;
 	bool ready, shutting_down, worker_ok;
 	int exit_code;
+	uv_timer_t conn_sweep; /* conn.c: frame/write stalls and idle connections */
+	unsigned n_paused;     /* connections whose reads are paused */
 	uv_signal_t sigterm, sigint, sighup, sigusr2;
 	bool test_hooks;
-	uv_timer_t drain_timer, watchdog;
+	uv_timer_t drain_timer, watchdog, exit_timer;
+	/* the thread pool's canary (daemon.c): a no-op job queued every second */
+	uv_timer_t pool_timer;
+	uv_work_t canary;
+	bool canary_out, pool_stalled;
+	double canary_sent;
+	/* memory held by connections: replies queued + frames being read (conn.c) */
+	uint64_t queued_bytes;
 	unsigned inflight;
 	double started;
 	char worker_sha[CACHE_KEY_HEX];
-	char isa[128];
-	unsigned pending_loads; /* preloads not yet READY */
+	char isa[256];
+	unsigned pending_loads;       /* preloads not yet READY */
+	bool reloading, reload_again; /* SIGHUP: a directory load in flight, another asked */
 	void (*on_ready)(struct daemon *d);
 };
 
@@ -217,6 +245,10 @@ void conn_send(struct conn *c, struct outmsg *out);
 void conn_ref(struct conn *c);
 void conn_unref(struct conn *c);
 void conns_close_all(struct daemon *d);
+/* The 1 s sweep over connections (timeouts); stopped by conns_close_all. */
+void conns_start_sweep(struct daemon *d);
+/* Memory accounting of request bodies (request.c): + when read, - when freed. */
+void conn_account_request(struct conn *c, int64_t delta);
 struct outmsg *outmsg_new(struct conn *c);
 void outmsg_free(struct outmsg *out);
 
@@ -226,13 +258,17 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err);
 struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
                                   bool *unchanged);
 struct adapter *registry_find(struct daemon *d, const char *name, size_t len);
+/* Same body, entry, bounds, budget and strategy (registering it changes nothing). */
+bool adapter_same_def(const struct adapter *a, const struct adapter_def *def);
 int registry_unregister(struct daemon *d, const char *name, size_t len);
 void adapter_ref(struct adapter *a);
 void adapter_unref(struct adapter *a);
 void adapter_record_latency(struct adapter *a, double us);
 double adapter_latency_percentile(const struct adapter *a, double p);
 void registry_clear(struct daemon *d);
-int registry_load_dir(struct daemon *d, const char *dir, bool reload);
+/* Reads dir's *.adapter files off the loop, registers them, then done(d, failed). */
+int registry_load_dir(struct daemon *d, const char *dir, bool reload,
+                      void (*done)(struct daemon *d, int failed));
 void adapter_def_defaults(struct adapter_def *def);
 
 /* specs.c: specializations (lookup, single-flight compile, load, run) */
@@ -253,12 +289,17 @@ void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *
 void spec_ref(struct specialization *sp);
 void spec_unref(struct specialization *sp);
 void specs_drop_all(struct adapter *a);
+/* A READY graph proved wrong (outputs off its signature): drop it and
+ * quarantine its cache entry, so the next request rebuilds it. */
+void specs_invalidate(struct daemon *d, struct specialization *sp, const char *why);
 /* Loads a's specializations listed in the cache's index; done(d) per load. */
 unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d));
 unsigned specs_loaded(const struct daemon *d);
 
 /* daemon.c */
 void daemon_begin_shutdown(struct daemon *d, const char *why);
+/* Seconds the oldest pool canary has waited (0 when none is waiting). */
+double daemon_pool_wait(const struct daemon *d);
 void daemon_request_done(struct daemon *d);
 
 #endif

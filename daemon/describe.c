@@ -33,6 +33,9 @@ void describe_counters(struct writer *w, const struct adapter *a)
 	writer_key_f64(w, "run_p50_us", adapter_latency_percentile(a, 0.5));
 	writer_key_f64(w, "run_p99_us", adapter_latency_percentile(a, 0.99));
 	writer_key_u64(w, "graphs", a->held);
+	writer_key_u64(w, "failed_specs", a->failed);
+	writer_key_u64(w, "failed_evictions", s->failed_evictions);
+	writer_key_u64(w, "worker_crashes", a->worker_crashes);
 }
 
 void describe_specs(struct writer *w, const struct adapter *a)
@@ -43,8 +46,9 @@ void describe_specs(struct writer *w, const struct adapter *a)
 		n++;
 	msgpack_pack_array(&w->pk, n);
 	for (const struct specialization *sp = a->specs; sp; sp = sp->next) {
-		msgpack_pack_map(&w->pk, sp->state == SPEC_FAILED ? 6 : 5);
+		msgpack_pack_map(&w->pk, sp->state == SPEC_FAILED ? 7 : 6);
 		writer_key_str(w, "signature", sp->signature);
+		writer_key_str(w, "key", sp->key);
 		writer_key_str(w, "kind", sp->grad ? "grad" : "scan");
 		writer_key_str(w, "state", state_name(sp->state));
 		writer_key_f64(w, "compile_seconds", sp->compile_seconds);

@@ -6,7 +6,8 @@
 
 /* Bounds, budget, strategy: 7 map entries. */
 void describe_bounds(struct writer *w, const struct adapter *a);
-/* Counters and run percentiles: 10 map entries. */
+#define DESCRIBE_COUNTERS 13
+/* Counters and run percentiles: DESCRIBE_COUNTERS map entries. */
 void describe_counters(struct writer *w, const struct adapter *a);
 /* The specializations held: one array. */
 void describe_specs(struct writer *w, const struct adapter *a);

@@ -260,9 +260,27 @@ static int alloc_result(struct engine_result *res, size_t n, struct proto_err *e
 	return 0;
 }
 
+static int check_outputs(const struct engine_result *res, const struct engine_tensor *want,
+                         struct proto_err *err)
+{
+	for (size_t i = 0; i < res->n; i++) {
+		const struct engine_tensor *a = &res->tensors[i], *e = &want[i];
+		if (a->dtype != e->dtype || a->ndim != e->ndim ||
+		    memcmp(a->shape, e->shape, a->ndim * sizeof a->shape[0]) != 0)
+			return proto_fail(
+			    err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+			    "output %zu of the graph has %s rank %u, but its signature "
+			    "needs %s rank %u of other dims: the artifact is not the "
+			    "graph its metadata describes",
+			    i, proto_dtype_name(a->dtype), a->ndim, proto_dtype_name(e->dtype),
+			    e->ndim);
+	}
+	return 0;
+}
+
 int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
-               const struct engine_tensor *expected, struct engine_result *res,
-               struct proto_err *err)
+               const struct engine_tensor *expected, const struct engine_tensor *expected_out,
+               struct engine_result *res, struct proto_err *err)
 {
 	AtenTensorHandle *handles;
 	void **copies;
@@ -289,6 +307,8 @@ int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_
 	rc = 0;
 	for (size_t i = 0; i < g->n_out && rc == 0; i++)
 		rc = read_output(res, i, err);
+	if (rc == 0 && expected_out != NULL)
+		rc = check_outputs(res, expected_out, err);
 out:
 	for (size_t i = 0; handles && i < made; i++)
 		if (handles[i] != NULL) /* Run took what it NULLed */

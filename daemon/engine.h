@@ -50,12 +50,15 @@ size_t engine_num_outputs(const struct engine_graph *g);
  * Runs the graph.  `expected` holds the signature the graph was compiled
  * for (dtype and shape per input); inputs that differ are refused with
  * SPEC_MISMATCH before Run, because generated code does not check shapes.
+ * `expected_out` (when not NULL) holds what the graph must return: outputs
+ * that differ in count, dtype or shape (an artifact that is not the graph
+ * its metadata says) fail with ARTIFACT_CORRUPT before anything is read.
  * Inputs are wrapped without copying when PROTO_TENSOR_ALIGN-aligned, else
  * copied.  Returns 0 with res filled (free with engine_result_free), or -1.
  */
 int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
-               const struct engine_tensor *expected, struct engine_result *res,
-               struct proto_err *err);
+               const struct engine_tensor *expected, const struct engine_tensor *expected_out,
+               struct engine_result *res, struct proto_err *err);
 void engine_result_free(struct engine_result *res);
 
 /* How many distinct libgomp images are mapped into this process (1 is right). */

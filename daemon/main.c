@@ -29,6 +29,10 @@ int main(int argc, char **argv)
 	if (daemon_start(&d) != 0)
 		d.exit_code = 1;
 	uv_run(d.loop, UV_RUN_DEFAULT);
+	if (d.exit_timer.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d.exit_timer)) {
+		uv_close((uv_handle_t *)&d.exit_timer, NULL); /* unref'd: it never held the loop */
+		uv_run(d.loop, UV_RUN_DEFAULT);
+	}
 	rc = uv_loop_close(d.loop);
 	if (rc != 0)
 		log_warn("loop closed with handles open: %s", uv_strerror(rc));

@@ -1,7 +1,10 @@
 /*
- * op_compile.c - compile: warm a specialization from shapes and dtype
- * alone.  carry and inputs are spec trees (docs/protocol.md: the worker
- * form), so no tensor bytes travel.  Replies once the graph is ready.
+ * op_compile.c - compile (admin): warm a specialization from shapes and
+ * dtype alone.  carry and inputs are spec trees (docs/protocol.md: the
+ * worker form), so no tensor bytes travel.  Replies once the graph is ready.
+ * Admin-only because each new shape takes one of the adapter's budget slots
+ * without a single tensor being sent: an unprivileged client could fill the
+ * budget for everyone (docs/operations.md, "Who may do what").
  */
 #include "scanrun.h"
 
@@ -32,8 +35,13 @@ static int read_spec(struct request *req, const char *key, enum proto_dtype dtyp
 	if (o == NULL)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key,
 		                  "compile needs %s (a spec tree)", key);
-	if (shapes_read(o, req->msg.up.zone, dtype, out, err) != 0)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s: %s", key, err->message);
+	if (shapes_read(o, req->msg.up.zone, dtype, out, err) != 0) {
+		char why[PROTO_MESSAGE_MAX]; /* err->message is an argument: copy it first */
+		enum proto_code code =
+		    err->code == PROTO_E_COMPILE_FAILED ? PROTO_E_INVALID_ARGUMENT : err->code;
+		snprintf(why, sizeof why, "%s", err->message);
+		return proto_fail(err, code, key, "%s: %s", key, why);
+	}
 	return 0;
 }
 
@@ -91,4 +99,4 @@ static void op_compile(struct request *req)
 	specs_acquire(req->d, a, &args, req, compile_ready);
 }
 
-const struct op_desc op_compile_desc = {"compile", op_compile, 0};
+const struct op_desc op_compile_desc = {"compile", op_compile, OP_ADMIN};

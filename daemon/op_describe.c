@@ -25,7 +25,7 @@ static void op_describe(struct request *req)
 	writer_str(&out->w, "specializations");
 	describe_specs(&out->w, a);
 	writer_str(&out->w, "counters");
-	msgpack_pack_map(&out->w.pk, 10);
+	msgpack_pack_map(&out->w.pk, DESCRIBE_COUNTERS);
 	describe_counters(&out->w, a);
 	request_reply(req, out);
 }

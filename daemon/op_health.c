@@ -1,6 +1,7 @@
 /*
  * op_health.c - health: live (the loop answered) and ready (worker alive,
- * start-up done, preloaded adapters' graphs loaded).
+ * start-up done, preloaded adapters' graphs loaded, the thread pool taking
+ * work); "worker_state" and "pool" say which part is not.
  */
 #include "daemon.h"
 
@@ -8,15 +9,19 @@ static void op_health(struct request *req)
 {
 	struct daemon *d = req->d;
 	bool worker = compiler_alive(d->compiler);
-	struct outmsg *out = request_begin_result(req, 7);
+	struct outmsg *out = request_begin_result(req, 10);
 
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}
 	writer_key_bool(&out->w, "live", true);
-	writer_key_bool(&out->w, "ready", d->ready && worker && !d->shutting_down);
+	writer_key_bool(&out->w, "ready",
+	                d->ready && worker && !d->shutting_down && !d->pool_stalled);
 	writer_key_bool(&out->w, "worker", worker);
+	writer_key_str(&out->w, "worker_state", compiler_state(d->compiler));
+	writer_key_str(&out->w, "pool", d->pool_stalled ? "stalled" : "ok");
+	writer_key_f64(&out->w, "pool_wait", daemon_pool_wait(d));
 	writer_key_bool(&out->w, "stopping", d->shutting_down);
 	writer_key_u64(&out->w, "adapters", d->reg.count);
 	writer_key_u64(&out->w, "graphs", specs_loaded(d));

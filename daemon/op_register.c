@@ -1,8 +1,14 @@
 /*
  * op_register.c - register (admin): name, body (source text + entry, or a
  * file in the adapters directory), bounds, budget, strategy.  The same name
- * with a different definition replaces the adapter.  Registering runs the
- * body's code inside the compile worker as the daemon's user.
+ * with a different definition replaces the adapter.  A new definition is
+ * imported in the compile worker first (a "check" job, queued ahead of
+ * compiles): a syntax error, an import that raises or a missing entry
+ * function is refused with BODY_ERROR and nothing is registered.  That runs
+ * the body's module code as the daemon's user.
+ *
+ * The request waits for the check; struct reg_check owns the parsed
+ * definition until the worker answers (loop thread, compiler callback).
  */
 #include "daemon.h"
 
@@ -101,23 +107,21 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 	return adapter_def_validate(def, err);
 }
 
-static void op_register(struct request *req)
+struct reg_check {
+	struct compile_job job;
+	struct request *req;
+	struct adapter_def def; /* owns def.source until registered */
+};
+
+static void finish_register(struct request *req, struct adapter_def *def)
 {
-	struct adapter_def def;
-	struct proto_err err;
 	struct outmsg *out;
 	struct adapter *a;
 	bool replaced, unchanged;
 
-	memset(&def, 0, sizeof def);
-	if (parse_def(req, &def, &err) != 0) {
-		free(def.source);
-		request_fail(req, &err);
-		return;
-	}
-	a = registry_register(req->d, &def, &replaced, &unchanged);
+	a = registry_register(req->d, def, &replaced, &unchanged);
 	if (a == NULL) {
-		free(def.source);
+		free(def->source);
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}
@@ -135,6 +139,53 @@ static void op_register(struct request *req)
 	writer_key_bool(&out->w, "replaced", replaced);
 	writer_key_bool(&out->w, "unchanged", unchanged);
 	request_reply(req, out);
+}
+
+static void checked(struct compile_job *job, const struct compile_result *res,
+                    const struct proto_err *err)
+{
+	struct reg_check *rc = job->data;
+
+	(void)res;
+	if (err != NULL) {
+		free(rc->def.source);
+		request_fail(rc->req, err);
+	} else {
+		finish_register(rc->req, &rc->def);
+	}
+	free(rc);
+}
+
+static void op_register(struct request *req)
+{
+	struct reg_check *rc = calloc(1, sizeof *rc);
+	struct proto_err err;
+	struct adapter *old;
+
+	if (rc == NULL) {
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		return;
+	}
+	if (parse_def(req, &rc->def, &err) != 0) {
+		free(rc->def.source);
+		free(rc);
+		request_fail(req, &err);
+		return;
+	}
+	old = registry_find(req->d, rc->def.name, strlen(rc->def.name));
+	if (old && adapter_same_def(old, &rc->def)) {
+		finish_register(req, &rc->def); /* nothing new to import */
+		free(rc);
+		return;
+	}
+	rc->req = req;
+	rc->job.check_only = true;
+	rc->job.body_source = rc->def.source;
+	rc->job.body_file = rc->def.body_file[0] ? rc->def.body_file : rc->def.name;
+	rc->job.entry = rc->def.entry;
+	rc->job.done = checked;
+	rc->job.data = rc;
+	compiler_submit(req->d->compiler, &rc->job);
 }
 
 const struct op_desc op_register_desc = {"register", op_register, OP_ADMIN};

@@ -4,7 +4,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 11);
+	struct outmsg *out = request_begin_result(req, 20);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -20,6 +20,15 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "inflight", d->inflight);
 	writer_key_u64(&out->w, "inline_runs", d->stats.inline_runs);
 	writer_key_u64(&out->w, "worker_restarts", compiler_restarts(d->compiler));
+	writer_key_u64(&out->w, "worker_start_failures", compiler_start_failures(d->compiler));
+	writer_key_u64(&out->w, "worker_orphans_killed", compiler_orphans_killed(d->compiler));
+	writer_key_u64(&out->w, "pool_stalls", d->stats.pool_stalls);
+	writer_key_u64(&out->w, "idle_closed", d->stats.idle_closed);
+	writer_key_u64(&out->w, "stalled_closed", d->stats.stalled_frames_closed);
+	writer_key_u64(&out->w, "memory_pauses", d->stats.memory_pauses);
+	writer_key_u64(&out->w, "queued_bytes", d->queued_bytes);
+	writer_key_u64(&out->w, "failed_evictions", d->stats.failed_evictions);
+	writer_key_u64(&out->w, "busy", d->stats.busy);
 	for (int c = 1; c < PROTO_E__COUNT; c++)
 		n_codes += d->stats.error_codes[c] != 0;
 	writer_str(&out->w, "error_codes");
@@ -30,7 +39,7 @@ static void op_stats(struct request *req)
 	writer_str(&out->w, "adapters");
 	msgpack_pack_array(&out->w.pk, d->reg.count);
 	for (const struct adapter *a = d->reg.head; a; a = a->next) {
-		msgpack_pack_map(&out->w.pk, 7 + 10);
+		msgpack_pack_map(&out->w.pk, 7 + DESCRIBE_COUNTERS);
 		describe_bounds(&out->w, a);
 		describe_counters(&out->w, a);
 	}

@@ -19,11 +19,11 @@ X(stats, "")
 X(shutdown, "")
 #undef X
 
-    const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {
-        [PROTO_OP_HELLO] = &op_hello_desc,       [PROTO_OP_HEALTH] = &op_health_desc,
-        [PROTO_OP_REGISTER] = &op_register_desc, [PROTO_OP_UNREGISTER] = &op_unregister_desc,
-        [PROTO_OP_LIST] = &op_list_desc,         [PROTO_OP_DESCRIBE] = &op_describe_desc,
-        [PROTO_OP_SCAN] = &op_scan_desc,         [PROTO_OP_GRAD] = &op_grad_desc,
-        [PROTO_OP_COMPILE] = &op_compile_desc,   [PROTO_OP_STATS] = &op_stats_desc,
-        [PROTO_OP_SHUTDOWN] = &op_shutdown_desc,
+const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {
+    [PROTO_OP_HELLO] = &op_hello_desc,       [PROTO_OP_HEALTH] = &op_health_desc,
+    [PROTO_OP_REGISTER] = &op_register_desc, [PROTO_OP_UNREGISTER] = &op_unregister_desc,
+    [PROTO_OP_LIST] = &op_list_desc,         [PROTO_OP_DESCRIBE] = &op_describe_desc,
+    [PROTO_OP_SCAN] = &op_scan_desc,         [PROTO_OP_GRAD] = &op_grad_desc,
+    [PROTO_OP_COMPILE] = &op_compile_desc,   [PROTO_OP_STATS] = &op_stats_desc,
+    [PROTO_OP_SHUTDOWN] = &op_shutdown_desc,
 };

@@ -24,7 +24,9 @@ struct probe {
 	void (*done)(struct daemon *d, const struct proto_err *err);
 	char key[CACHE_KEY_HEX];
 	int lock_fd;
-	bool need_compile;
+	bool need_compile, lock_busy;
+	uv_timer_t retry;
+	double lock_wait_started;
 	int rc;
 	struct proto_err err;
 	struct compile_job job;
@@ -58,7 +60,8 @@ static int probe_run(struct probe *p)
 	memcpy(cin, c, sizeof c);
 	memcpy(xin, x, sizeof x);
 	cache_so_path(&p->d->cache, p->key, so, sizeof so);
-	if (engine_load(so, 1, &g, &p->err) == 0 && engine_run(g, in, 2, in, &res, &p->err) == 0) {
+	if (engine_load(so, 1, &g, &p->err) == 0 &&
+	    engine_run(g, in, 2, in, in, &res, &p->err) == 0) {
 		rc = res.n == 2 &&
 		             memcmp(res.tensors[0].data, want_carry, sizeof want_carry) == 0 &&
 		             memcmp(res.tensors[1].data, want_y, sizeof want_y) == 0
@@ -87,6 +90,7 @@ static void lookup_work(uv_work_t *w)
 		meta.y_spec = p->res.y_spec;
 		meta.y_spec_len = p->res.y_spec_len;
 		p->rc = cache_commit(&p->d->cache, p->key, p->res.so_path, &meta, &p->err);
+		cache_remove_job(p->job.output);
 		cache_unlock(p->lock_fd);
 		p->lock_fd = -1;
 		if (p->rc == 0)
@@ -94,8 +98,17 @@ static void lookup_work(uv_work_t *w)
 		return;
 	}
 	found = cache_lookup(&p->d->cache, p->key, &meta, &q, &p->err);
-	if (found == 0 && cache_lock(&p->d->cache, p->key, &p->lock_fd, &p->err) == 0)
-		found = cache_lookup(&p->d->cache, p->key, &meta, &q, &p->err);
+	if (found == 0) {
+		int locked = cache_trylock(&p->d->cache, p->key, &p->lock_fd, &p->err);
+		if (locked == 1) {
+			p->lock_busy = true; /* another daemon compiles it: look again soon */
+			return;
+		}
+		if (locked == 0)
+			found = cache_lookup(&p->d->cache, p->key, &meta, &q, &p->err);
+		else
+			found = -1;
+	}
 	if (found < 0) {
 		p->rc = -1;
 	} else if (found == 0) {
@@ -116,6 +129,7 @@ static void compiled(struct compile_job *job, const struct compile_result *res,
 	struct probe *p = job->data;
 
 	if (err != NULL) {
+		cache_remove_job(job->output);
 		p->rc = -1;
 		p->err = *err;
 		after(&p->work, 0);
@@ -128,12 +142,41 @@ static void compiled(struct compile_job *job, const struct compile_result *res,
 	uv_queue_work(p->d->loop, &p->work, lookup_work, after);
 }
 
+static void retry_closed(uv_handle_t *h)
+{
+	struct probe *p = h->data;
+
+	p->done(p->d, p->rc == 0 ? NULL : &p->err);
+	free(p->res.y_spec);
+	free(p);
+}
+
+static void on_retry(uv_timer_t *t)
+{
+	struct probe *p = t->data;
+
+	uv_queue_work(p->d->loop, &p->work, lookup_work, after);
+}
+
 static void after(uv_work_t *w, int status)
 {
 	struct probe *p = w->data;
 	static const int64_t c_shape[] = {2}, x_shape[] = {2, 2};
 
 	(void)status;
+	if (p->rc == 0 && p->lock_busy) {
+		p->lock_busy = false;
+		if (p->lock_wait_started == 0)
+			p->lock_wait_started = now_seconds();
+		if (now_seconds() - p->lock_wait_started <= (double)p->d->cfg.compile_timeout) {
+			uv_timer_start(&p->retry, on_retry, 250, 0);
+			return;
+		}
+		p->rc = proto_fail(&p->err, PROTO_E_COMPILE_TIMEOUT, NULL,
+		                   "another process has held the probe's cache lock for over "
+		                   "--compile-timeout=%lld s",
+		                   p->d->cfg.compile_timeout);
+	}
 	if (p->rc == 0 && p->need_compile) {
 		p->need_compile = false;
 		p->carry = (struct tree_node){.kind = TREE_TENSOR,
@@ -160,9 +203,7 @@ static void after(uv_work_t *w, int status)
 	}
 	if (p->lock_fd >= 0)
 		cache_unlock(p->lock_fd);
-	p->done(p->d, p->rc == 0 ? NULL : &p->err);
-	free(p->res.y_spec);
-	free(p);
+	uv_close((uv_handle_t *)&p->retry, retry_closed);
 }
 
 void probe_start(struct daemon *d, void (*done)(struct daemon *d, const struct proto_err *err))
@@ -179,6 +220,8 @@ void probe_start(struct daemon *d, void (*done)(struct daemon *d, const struct p
 	p->done = done;
 	p->lock_fd = -1;
 	p->work.data = p;
+	uv_timer_init(d->loop, &p->retry);
+	p->retry.data = p;
 	probe_key(p);
 	uv_queue_work(d->loop, &p->work, lookup_work, after);
 }

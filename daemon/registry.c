@@ -8,7 +8,13 @@
  * validation messages are the reference adapter's.
  *
  * Adapter definition files (*.adapter in --adapters DIR) are key = value
- * lines; see docs/operations.md.
+ * lines; see docs/operations.md.  The directory is read on the thread pool
+ * (a FIFO or a hung mount must not freeze the loop): regular files only,
+ * each size-capped; the loop thread then registers what was read.  On a
+ * reload, an adapter whose file is gone is unregistered, but one whose file
+ * or body cannot be read right now keeps its old definition (a warning says
+ * so): an editor's rename-and-replace, or a half-written edit, must not drop
+ * a live adapter.
  */
 #include "daemon.h"
 
@@ -17,6 +23,8 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,7 +110,7 @@ static void body_hash(struct adapter *a)
 	sha256_hex(d, a->body_sha);
 }
 
-static bool same_def(const struct adapter *a, const struct adapter_def *def)
+bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
 {
 	return strcmp(a->def.source, def->source) == 0 && strcmp(a->def.entry, def->entry) == 0 &&
 	       strcmp(a->def.strategy, def->strategy) == 0 && a->def.max_steps == def->max_steps &&
@@ -139,7 +147,7 @@ struct adapter *registry_register(struct daemon *d, struct adapter_def *def, boo
 	struct adapter *a;
 
 	*replaced = *unchanged = false;
-	if (old && same_def(old, def)) {
+	if (old && adapter_same_def(old, def)) {
 		free(def->source);
 		def->source = NULL;
 		old->def.from_dir = def->from_dir;
@@ -209,22 +217,33 @@ double adapter_latency_percentile(const struct adapter *a, double p)
 
 /* ---- adapter definition files ------------------------------------------ */
 
+/* A regular file's text, at most max bytes (errno EINVAL for a FIFO, EFBIG). Pool. */
 static char *read_text(const char *path, size_t max)
 {
-	FILE *f = fopen(path, "re");
-	char *buf;
-	size_t n;
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+	struct stat st;
+	char *buf = NULL;
+	size_t n = 0;
+	ssize_t r;
 
-	if (f == NULL)
+	if (fd < 0)
 		return NULL;
-	buf = malloc(max + 1);
-	n = buf ? fread(buf, 1, max + 1, f) : 0;
-	fclose(f);
-	if (buf == NULL || n > max) {
-		free(buf);
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+		close(fd);
+		errno = EINVAL;
+		return NULL;
+	}
+	if ((uint64_t)st.st_size > max) {
+		close(fd);
 		errno = EFBIG;
 		return NULL;
 	}
+	buf = malloc((size_t)st.st_size + 1);
+	while (buf && n < (size_t)st.st_size && (r = read(fd, buf + n, (size_t)st.st_size - n)) > 0)
+		n += (size_t)r;
+	close(fd);
+	if (buf == NULL)
+		return NULL;
 	buf[n] = '\0';
 	return buf;
 }
@@ -288,9 +307,13 @@ void adapter_def_defaults(struct adapter_def *def)
 	snprintf(def->entry, sizeof def->entry, "body");
 }
 
-/* Parses one *.adapter file; the body path is relative to its directory. */
+/*
+ * Parses one *.adapter file (pool); the body path is relative to its
+ * directory.  *body_unreadable tells that the file itself was fine (def.name
+ * is set) but its body could not be read.
+ */
 static int parse_file(const char *dir, const char *file, struct adapter_def *def,
-                      struct proto_err *err)
+                      bool *body_unreadable, struct proto_err *err)
 {
 	char path[PATH_MAX], body[PATH_MAX / 2] = "", full[PATH_MAX];
 	char *text, *line, *save = NULL;
@@ -328,9 +351,14 @@ static int parse_file(const char *dir, const char *file, struct adapter_def *def
 	snprintf(full, sizeof full, "%s%s%s", body[0] == '/' ? "" : dir, body[0] == '/' ? "" : "/",
 	         body);
 	def->source = read_text(full, ADAPTER_SOURCE_MAX);
-	if (def->source == NULL)
+	if (def->source == NULL) {
+		*body_unreadable = true;
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: body %s: %s", path,
-		                  full, strerror(errno));
+		                  full,
+		                  errno == EINVAL  ? "not a regular file"
+		                  : errno == EFBIG ? "larger than 1 MiB"
+		                                   : strerror(errno));
+	}
 	if (realpath(full, path) != NULL && strlen(path) < sizeof def->body_file)
 		memcpy(def->body_file, path, strlen(path) + 1);
 	return adapter_def_validate(def, err);
@@ -343,53 +371,131 @@ static int ends_with(const char *s, const char *suffix)
 	return n > m && strcmp(s + n - m, suffix) == 0;
 }
 
-/*
- * Registers every *.adapter file of dir.  On reload, adapters that came
- * from the directory but whose file is gone are unregistered.  Returns the
- * number of files that failed (each is logged).
- */
-int registry_load_dir(struct daemon *d, const char *dir, bool reload)
+/* One *.adapter file as read on the pool. */
+struct dir_entry {
+	char file[256];
+	struct adapter_def def; /* owns def.source */
+	bool ok, body_unreadable;
+	struct proto_err err;
+};
+
+struct dir_load {
+	uv_work_t work;
+	struct daemon *d;
+	char dir[PATH_MAX];
+	bool reload;
+	struct dir_entry *e;
+	size_t n;
+	int scan_errno;
+	void (*done)(struct daemon *d, int failed);
+};
+
+static void load_dir_work(uv_work_t *w)
 {
+	struct dir_load *l = w->data;
 	struct dirent **names;
-	int n = scandir(dir, &names, NULL, alphasort), failed = 0;
-	char seen[256][ADAPTER_NAME_MAX + 1];
-	int n_seen = 0;
+	int n = scandir(l->dir, &names, NULL, alphasort);
 
 	if (n < 0) {
-		log_error("adapters directory %s: %s", dir, strerror(errno));
-		return 1;
+		l->scan_errno = errno;
+		return;
 	}
+	l->e = calloc((size_t)n + 1, sizeof *l->e);
 	for (int i = 0; i < n; i++) {
-		struct adapter_def def;
-		struct proto_err err;
-		bool replaced, unchanged;
-		if (ends_with(names[i]->d_name, ".adapter")) {
-			if (parse_file(dir, names[i]->d_name, &def, &err) != 0) {
-				log_error("adapter file %s: %s", names[i]->d_name, err.message);
-				free(def.source);
-				failed++;
-			} else if (registry_register(d, &def, &replaced, &unchanged) != NULL) {
-				if (n_seen < 256)
-					snprintf(seen[n_seen++], sizeof seen[0], "%s", def.name);
-				log_line(LOG_INFO, 0, def.name, "%s from %s",
-				         unchanged  ? "unchanged"
-				         : replaced ? "replaced"
-				                    : "registered",
-				         names[i]->d_name);
-			}
+		struct dir_entry *e = l->e ? &l->e[l->n] : NULL;
+		if (e && ends_with(names[i]->d_name, ".adapter") &&
+		    strlen(names[i]->d_name) < sizeof e->file) {
+			snprintf(e->file, sizeof e->file, "%s", names[i]->d_name);
+			e->ok =
+			    parse_file(l->dir, e->file, &e->def, &e->body_unreadable, &e->err) == 0;
+			l->n++;
 		}
 		free(names[i]);
 	}
 	free(names);
-	for (struct adapter *a = d->reg.head, *next; reload && a; a = next) {
-		bool keep = !a->def.from_dir;
+}
+
+static bool named_in(const struct dir_load *l, const char *name)
+{
+	for (size_t i = 0; i < l->n; i++)
+		if (strcmp(l->e[i].def.name, name) == 0)
+			return true;
+	return false;
+}
+
+/* Loop: registers what the pool read; returns the number of failed files. */
+static int apply_dir(struct dir_load *l)
+{
+	struct daemon *d = l->d;
+	int failed = 0;
+
+	for (size_t i = 0; i < l->n; i++) {
+		struct dir_entry *e = &l->e[i];
+		bool replaced, unchanged;
+		if (!e->ok) {
+			failed++;
+			if (e->def.name[0] && registry_find(d, e->def.name, strlen(e->def.name)))
+				log_warn("adapter file %s: %s; keeping the registered %s", e->file,
+				         e->err.message, e->def.name);
+			else
+				log_error("adapter file %s: %s", e->file, e->err.message);
+			free(e->def.source);
+			continue;
+		}
+		if (registry_register(d, &e->def, &replaced, &unchanged) == NULL) {
+			free(e->def.source);
+			failed++;
+			continue;
+		}
+		log_line(LOG_INFO, 0, e->def.name, "%s from %s",
+		         unchanged  ? "unchanged"
+		         : replaced ? "replaced"
+		                    : "registered",
+		         e->file);
+	}
+	for (struct adapter *a = d->reg.head, *next; l->reload && a; a = next) {
 		next = a->next;
-		for (int i = 0; i < n_seen && !keep; i++)
-			keep = strcmp(seen[i], a->def.name) == 0;
-		if (!keep) {
+		if (a->def.from_dir && !named_in(l, a->def.name)) {
 			log_line(LOG_INFO, 0, a->def.name, "unregistered: its file is gone");
 			unlist(d, a);
 		}
 	}
 	return failed;
+}
+
+static void load_dir_done(uv_work_t *w, int status)
+{
+	struct dir_load *l = w->data;
+	int failed;
+
+	(void)status;
+	if (l->scan_errno) {
+		log_error("adapters directory %s: %s", l->dir, strerror(l->scan_errno));
+		failed = 1;
+	} else {
+		failed = apply_dir(l);
+	}
+	l->done(l->d, failed);
+	free(l->e);
+	free(l);
+}
+
+/*
+ * Reads every *.adapter file of dir on the pool, then registers them on the
+ * loop and calls done(d, number of files that failed).  On reload, adapters
+ * that came from the directory but whose file is gone are unregistered.
+ */
+int registry_load_dir(struct daemon *d, const char *dir, bool reload,
+                      void (*done)(struct daemon *d, int failed))
+{
+	struct dir_load *l = calloc(1, sizeof *l);
+
+	if (l == NULL)
+		return -1;
+	l->d = d;
+	l->reload = reload;
+	l->done = done;
+	l->work.data = l;
+	snprintf(l->dir, sizeof l->dir, "%s", dir);
+	return uv_queue_work(d->loop, &l->work, load_dir_work, load_dir_done) == 0 ? 0 : -1;
 }

@@ -38,6 +38,8 @@ void request_free(struct request *req)
 	msg_destroy(&req->msg);
 	frame_free(req->body);
 	req->conn->inflight--;
+	req->conn->last_activity = now_seconds();
+	conn_account_request(req->conn, -(int64_t)req->len);
 	conn_unref(req->conn);
 	daemon_request_done(req->d);
 	free(req);
@@ -55,6 +57,7 @@ struct outmsg *request_begin_result(struct request *req, uint32_t nfields)
 void request_reply(struct request *req, struct outmsg *out)
 {
 	out->keep_body = req->body; /* output tensors may alias input bytes */
+	out->body_size = req->body ? req->len : 0;
 	req->body = NULL;
 	conn_send(req->conn, out);
 	request_free(req);
@@ -164,6 +167,7 @@ static struct request *request_new(struct conn *c, uint8_t *body, uint32_t len)
 	conn_ref(c);
 	c->inflight++;
 	c->d->inflight++;
+	conn_account_request(c, (int64_t)len);
 	return req;
 }
 

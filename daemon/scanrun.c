@@ -143,7 +143,8 @@ static void run_work(uv_work_t *w)
 	double t0 = now_seconds();
 
 	size_openmp(j->req->d->cfg.omp_threads);
-	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->res, &j->err);
+	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->sp->expected_out,
+	                   j->res, &j->err);
 	j->run_us = (now_seconds() - t0) * 1e6;
 }
 
@@ -199,6 +200,8 @@ static void after_run(uv_work_t *w, int status)
 			request_reply(req, out);
 		}
 	}
+	if (j->rc != 0 && j->err.code == PROTO_E_ARTIFACT_CORRUPT && sp->state == SPEC_READY)
+		specs_invalidate(req->d, sp, j->err.message);
 	if (j->rc != 0)
 		request_fail(req, &j->err);
 	if (j->res)

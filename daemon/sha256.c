@@ -95,17 +95,25 @@ void sha256_hex(const uint8_t digest[32], char out[65])
 
 int sha256_file(const char *path, char hex[65], uint64_t *size)
 {
-	struct sha256 s;
-	uint8_t buf[65536], digest[32];
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	ssize_t n;
+	int rc;
 
 	if (fd < 0)
 		return -1;
+	rc = sha256_fd(fd, hex, size);
+	close(fd);
+	return rc;
+}
+
+int sha256_fd(int fd, char hex[65], uint64_t *size)
+{
+	struct sha256 s;
+	uint8_t buf[65536], digest[32];
+	ssize_t n;
+
 	sha256_init(&s);
 	while ((n = read(fd, buf, sizeof buf)) > 0)
 		sha256_update(&s, buf, (size_t)n);
-	close(fd);
 	if (n < 0)
 		return -1;
 	*size = s.len;

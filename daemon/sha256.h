@@ -18,6 +18,8 @@ void sha256_final(struct sha256 *s, uint8_t out[32]);
 /* Lower-case hex of the digest into out (65 bytes with the NUL). */
 void sha256_hex(const uint8_t digest[32], char out[65]);
 /* Hashes a whole file; returns 0, or -1 with errno set. size gets its length. */
+/* Hashes what is left to read of fd (the caller closes it); 0 or -1. */
+int sha256_fd(int fd, char hex[65], uint64_t *size);
 int sha256_file(const char *path, char hex[65], uint64_t *size);
 
 #endif

@@ -6,14 +6,24 @@
  * dlopens) -> READY; or on a miss, with the key's flock held, COMPILING
  * (the worker builds it) -> LOADING (pool: commit to the cache, dlopen) ->
  * READY.  Any failure -> FAILED: deterministic compile errors (the body's
- * fault) stay FAILED so the same request is not recompiled; transient ones
- * (worker crash, timeout, shutdown) remove the specialization so the next
- * request tries again.  Requests that arrive meanwhile wait on the
- * specialization (single flight) and get a progress event every 2 s.
+ * fault) stay FAILED so the same request is not recompiled -- at most
+ * --max-failed-specs per adapter, the least recently asked for forgotten
+ * first; transient ones (worker crash, timeout, shutdown, disk full) remove
+ * the specialization so the next request tries again.  A definition during
+ * whose compiles the worker died twice is refused from then on.  Requests
+ * that arrive meanwhile wait on the specialization (single flight) and get
+ * a progress event every 2 s.
+ *
+ * The key's lock (another daemon, or an unregistered adapter with the same
+ * definition, compiling the same key) is only ever tried, never waited on by
+ * a pool thread: a busy lock sends the lookup back to the loop, which looks
+ * again after a pause, for at most --compile-timeout seconds.
  *
  * Loop thread, except the uv_work callbacks marked "pool", which own the
  * struct load_job and touch only the specialization fields that no one else
- * reads while the state is LOADING (graph, y, n_in/out, expected).
+ * reads while the state is LOADING (graph, y, n_in/out, expected); values
+ * the loop also reads (compile_seconds) go into the job and are published
+ * by the completion callback.
  */
 #include "daemon.h"
 
@@ -25,13 +35,15 @@
 #include <string.h>
 #include <unistd.h>
 
-#define PROGRESS_MS 2000
+#define PROGRESS_MS   2000
+#define LOCK_RETRY_MS 250
 
 struct load_job {
 	uv_work_t work;
 	struct daemon *d;
 	struct specialization *sp;
-	bool need_compile, hit;
+	bool need_compile, hit, lock_busy;
+	double lock_wait_started, compile_seconds;
 	bool prewarm; /* load only; a miss is not compiled */
 	void (*prewarmed)(struct daemon *d);
 	int quarantined;
@@ -45,6 +57,8 @@ typedef void (*ready_fn)(struct request *req, struct specialization *sp);
 
 struct prewarm_rec;
 static void start_lookup(struct daemon *d, struct specialization *sp, struct load_job *j);
+static void lookup_work(uv_work_t *w);
+static void after_load(uv_work_t *w, int status);
 static void index_append(struct daemon *d, struct specialization *sp);
 static int index_record(const struct msg *m, msgpack_zone *zone, struct prewarm_rec *rec);
 
@@ -72,6 +86,7 @@ void spec_unref(struct specialization *sp)
 	if (sp->lock_fd >= 0)
 		cache_unlock(sp->lock_fd);
 	free(sp->expected);
+	free(sp->expected_out);
 	msgpack_zone_free(sp->zone);
 	adapter_unref(sp->adapter);
 	free(sp);
@@ -94,6 +109,8 @@ static void unlist_spec(struct specialization *sp)
 	*pp = sp->next;
 	if (counts_against_budget(sp) && a->held > 0)
 		a->held--;
+	if (sp->state == SPEC_FAILED && a->failed > 0)
+		a->failed--;
 	spec_unref(sp);
 }
 
@@ -102,6 +119,32 @@ void specs_drop_all(struct adapter *a)
 	while (a->specs)
 		unlist_spec(a->specs);
 	a->held = 0;
+	a->failed = 0;
+}
+
+void specs_invalidate(struct daemon *d, struct specialization *sp, const char *why)
+{
+	cache_quarantine(&d->cache, sp->key, why);
+	log_line(LOG_ERROR, 0, sp->adapter->def.name, "%s %s dropped: %s",
+	         sp->grad ? "grad" : "scan", sp->signature, why);
+	unlist_spec(sp);
+}
+
+/* Keeps at most max_failed FAILED specializations: forgets the least recently used. */
+static void bound_failed(struct daemon *d, struct adapter *a)
+{
+	while (a->failed > (unsigned)d->cfg.max_failed_specs) {
+		struct specialization *lru = NULL;
+		for (struct specialization *sp = a->specs; sp; sp = sp->next)
+			if (sp->state == SPEC_FAILED && sp->waiters == NULL &&
+			    (lru == NULL || sp->last_used < lru->last_used))
+				lru = sp;
+		if (lru == NULL)
+			return;
+		a->stats.failed_evictions++;
+		d->stats.failed_evictions++;
+		unlist_spec(lru);
+	}
 }
 
 unsigned specs_loaded(const struct daemon *d)
@@ -193,16 +236,19 @@ static void start_progress(struct daemon *d, struct specialization *sp)
 
 /* ---- finishing --------------------------------------------------------- */
 
-static bool transient(enum proto_code code)
+static bool transient(const struct proto_err *err)
 {
-	return code == PROTO_E_WORKER_CRASHED || code == PROTO_E_COMPILE_TIMEOUT ||
-	       code == PROTO_E_SHUTTING_DOWN || code == PROTO_E_INTERNAL ||
-	       code == PROTO_E_ARTIFACT_CORRUPT;
+	enum proto_code code = err->code;
+
+	return (err->flags & PROTO_ERR_TRANSIENT) || code == PROTO_E_WORKER_CRASHED ||
+	       code == PROTO_E_COMPILE_TIMEOUT || code == PROTO_E_SHUTTING_DOWN ||
+	       code == PROTO_E_INTERNAL || code == PROTO_E_ARTIFACT_CORRUPT;
 }
 
-static void spec_failed(struct specialization *sp, const struct proto_err *err)
+static void spec_failed(struct daemon *d, struct specialization *sp, const struct proto_err *err)
 {
 	struct adapter *a = sp->adapter;
+	bool remember;
 
 	if (sp->lock_fd >= 0) {
 		cache_unlock(sp->lock_fd);
@@ -212,12 +258,18 @@ static void spec_failed(struct specialization *sp, const struct proto_err *err)
 		a->held--;
 	sp->state = SPEC_FAILED;
 	sp->error = *err;
-	log_line(LOG_WARN, 0, a->def.name, "%s: %s: %s", sp->signature, proto_code_name(err->code),
-	         err->message);
+	remember = !transient(err) && a->live;
+	log_line(LOG_WARN, 0, a->def.name, "%s: %s: %s%s", sp->signature,
+	         proto_code_name(err->code), err->message,
+	         remember ? "" : " (not remembered: the next request tries again)");
+	if (remember)
+		a->failed++;
 	spec_ref(sp);
 	release_waiters(sp);
-	if (transient(err->code) || !a->live)
+	if (!remember)
 		unlist_spec(sp);
+	else
+		bound_failed(d, a);
 	spec_unref(sp);
 }
 
@@ -270,9 +322,12 @@ static int load_artifact(struct daemon *d, struct specialization *sp, const uint
 	msgpack_unpacked_destroy(&up);
 	if (rc != 0)
 		return -1;
-	cache_so_path(&d->cache, sp->key, so, sizeof so);
+	if (cache_load_link(&d->cache, sp->key, so, sizeof so, err) != 0)
+		return -1;
 	/* one model per pool thread, plus the loop thread's inline runs */
-	if (engine_load(so, (size_t)d->cfg.threads + 1, &sp->graph, err) != 0)
+	rc = engine_load(so, (size_t)d->cfg.threads + 1, &sp->graph, err);
+	unlink(so);
+	if (rc != 0)
 		return -1;
 	sp->n_in = engine_num_inputs(sp->graph);
 	sp->n_out = engine_num_outputs(sp->graph);
@@ -302,6 +357,37 @@ static void fill_expected(struct specialization *sp)
 	}
 }
 
+/* Shapes of one tree's tensor leaves, with T prepended when stacked. */
+static void expect_tree(const struct tree_node *t, int64_t stacked, struct engine_tensor *out,
+                        size_t *n)
+{
+	size_t first = *n;
+
+	spec_flatten(t, out, n);
+	for (size_t i = first; stacked > 0 && i < *n; i++) {
+		memmove(out[i].shape + 1, out[i].shape,
+		        (PROTO_MAX_NDIM - 1) * sizeof out[i].shape[0]);
+		out[i].shape[0] = stacked;
+		out[i].ndim++;
+	}
+}
+
+/* What the graph must return: final carry, stacked outputs (then the grads). */
+static void fill_expected_out(struct specialization *sp)
+{
+	size_t n = 0;
+
+	sp->expected_out = calloc(sp->n_out ? sp->n_out : 1, sizeof *sp->expected_out);
+	if (sp->expected_out == NULL)
+		return;
+	expect_tree(&sp->carry, 0, sp->expected_out, &n);
+	expect_tree(&sp->y, sp->steps, sp->expected_out, &n);
+	if (sp->grad) {
+		expect_tree(&sp->carry, 0, sp->expected_out, &n);
+		expect_tree(&sp->inputs, 0, sp->expected_out, &n);
+	}
+}
+
 static void lookup_work(uv_work_t *w)
 {
 	struct load_job *j = w->data;
@@ -315,8 +401,13 @@ static void lookup_work(uv_work_t *w)
 		return;
 	}
 	if (found == 0 && sp->lock_fd < 0) {
-		/* another daemon may be compiling this key: wait for it, look again */
-		if (cache_lock(&j->d->cache, sp->key, &sp->lock_fd, &j->err) != 0) {
+		/* someone else may be compiling this key: never wait here, look again later */
+		int locked = cache_trylock(&j->d->cache, sp->key, &sp->lock_fd, &j->err);
+		if (locked == 1) {
+			j->lock_busy = true;
+			return;
+		}
+		if (locked < 0) {
 			j->rc = -1;
 			return;
 		}
@@ -331,11 +422,12 @@ static void lookup_work(uv_work_t *w)
 		return;
 	}
 	j->hit = true;
-	sp->compile_seconds = meta.compile_seconds;
+	j->compile_seconds = meta.compile_seconds;
 	j->rc = load_artifact(j->d, sp, meta.y_spec, meta.y_spec_len, &j->err);
 	cache_meta_free(&meta);
 	if (j->rc == 0) {
 		fill_expected(sp);
+		fill_expected_out(sp);
 		if (!j->prewarm)
 			index_append(j->d, sp); /* compiled by an earlier daemon: remember it */
 	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
@@ -355,6 +447,7 @@ static void commit_work(uv_work_t *w)
 	meta.y_spec = j->res.y_spec;
 	meta.y_spec_len = j->res.y_spec_len;
 	j->rc = cache_commit(&j->d->cache, sp->key, j->res.so_path, &meta, &j->err);
+	cache_remove_job(j->job.output);
 	if (sp->lock_fd >= 0) {
 		cache_unlock(sp->lock_fd);
 		sp->lock_fd = -1;
@@ -363,6 +456,7 @@ static void commit_work(uv_work_t *w)
 		j->rc = load_artifact(j->d, sp, j->res.y_spec, j->res.y_spec_len, &j->err);
 	if (j->rc == 0) {
 		fill_expected(sp);
+		fill_expected_out(sp);
 		index_append(j->d, sp);
 	}
 }
@@ -395,6 +489,88 @@ static bool outputs_too_large(struct specialization *sp, struct proto_err *err)
 	return tree_visit(&sp->y, "outputs", 0, check_output_leaf, &b) != 0;
 }
 
+struct lock_retry {
+	uv_timer_t timer;
+	struct load_job *job;
+};
+
+static void lock_retry_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+static void on_lock_retry(uv_timer_t *t)
+{
+	struct lock_retry *r = t->data;
+
+	uv_queue_work(r->job->d->loop, &r->job->work, lookup_work, after_load);
+	uv_close((uv_handle_t *)t, lock_retry_closed);
+}
+
+/*
+ * The key's lock was busy: look again in LOCK_RETRY_MS, for at most
+ * --compile-timeout seconds in all.  Returns false (err filled) once that
+ * is over or the daemon is stopping.
+ */
+static bool retry_lookup(struct load_job *j)
+{
+	struct lock_retry *r;
+	double waited;
+
+	j->lock_busy = false;
+	if (j->lock_wait_started == 0)
+		j->lock_wait_started = now_seconds();
+	waited = now_seconds() - j->lock_wait_started;
+	if (j->d->shutting_down) {
+		proto_fail(&j->err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+		return false;
+	}
+	if (waited > (double)j->d->cfg.compile_timeout) {
+		proto_fail(&j->err, PROTO_E_COMPILE_TIMEOUT, NULL,
+		           "another compile of this graph (another daemon on this cache, or an "
+		           "earlier registration of the same definition) has held its lock for "
+		           "%.0f s, over --compile-timeout=%lld",
+		           waited, j->d->cfg.compile_timeout);
+		return false;
+	}
+	r = malloc(sizeof *r);
+	if (r == NULL) {
+		proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "out of memory");
+		return false;
+	}
+	r->job = j;
+	uv_timer_init(j->d->loop, &r->timer);
+	r->timer.data = r;
+	uv_timer_start(&r->timer, on_lock_retry, LOCK_RETRY_MS, 0);
+	return true;
+}
+
+/* Fills job for the worker; refuses a definition that crashed the worker twice. */
+static int prepare_compile(struct load_job *j, struct proto_err *err)
+{
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+
+	if (a->worker_crashes >= 2) {
+		*err = a->crash_err;
+		return -1;
+	}
+	memset(&j->job, 0, sizeof j->job);
+	j->job.body_source = a->def.source;
+	j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
+	j->job.entry = a->def.entry;
+	j->job.strategy = a->def.strategy;
+	j->job.kind = sp->grad ? "vjp" : "forward";
+	j->job.carry = &sp->carry;
+	j->job.inputs = &sp->inputs;
+	j->job.dtype = sp->dtype;
+	j->job.steps = sp->steps;
+	j->job.done = compile_done;
+	j->job.data = j;
+	cache_tmp_path(&j->d->cache, sp->key, j->job.output, sizeof j->job.output);
+	return 0;
+}
+
 static void after_load(uv_work_t *w, int status)
 {
 	struct load_job *j = w->data;
@@ -402,6 +578,13 @@ static void after_load(uv_work_t *w, int status)
 	struct adapter *a = sp->adapter;
 
 	(void)status;
+	if (j->rc == 0 && j->lock_busy) {
+		if (retry_lookup(j))
+			return; /* j lives on until the next lookup */
+		j->rc = -1;
+	}
+	if (j->rc == 0 && j->hit)
+		sp->compile_seconds = j->compile_seconds;
 	if (j->prewarm && (j->rc != 0 || j->need_compile)) {
 		j->prewarm = false;
 		j->prewarmed(j->d);
@@ -417,32 +600,21 @@ static void after_load(uv_work_t *w, int status)
 		j->need_compile = true;
 	}
 	if (j->rc != 0) {
-		spec_failed(sp, &j->err);
+		spec_failed(j->d, sp, &j->err);
+	} else if (j->need_compile && prepare_compile(j, &j->err) != 0) {
+		spec_failed(j->d, sp, &j->err);
 	} else if (j->need_compile) {
 		a->stats.cache_misses++;
 		a->stats.compiles++;
 		sp->state = SPEC_COMPILING;
 		j->need_compile = false;
-		memset(&j->job, 0, sizeof j->job);
-		j->job.body_source = a->def.source;
-		j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
-		j->job.entry = a->def.entry;
-		j->job.strategy = a->def.strategy;
-		j->job.kind = sp->grad ? "vjp" : "forward";
-		j->job.carry = &sp->carry;
-		j->job.inputs = &sp->inputs;
-		j->job.dtype = sp->dtype;
-		j->job.steps = sp->steps;
-		j->job.done = compile_done;
-		j->job.data = j;
-		cache_tmp_path(&j->d->cache, sp->key, j->job.output, sizeof j->job.output);
 		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s", sp->grad ? "grad" : "scan",
 		         sp->signature);
 		start_progress(j->d, sp);
 		compiler_submit(j->d->compiler, &j->job);
 		return; /* j lives on until compile_done */
 	} else if (outputs_too_large(sp, &j->err)) {
-		spec_failed(sp, &j->err);
+		spec_failed(j->d, sp, &j->err);
 	} else {
 		if (j->hit)
 			a->stats.cache_hits++;
@@ -458,6 +630,23 @@ static void after_load(uv_work_t *w, int status)
 	free(j);
 }
 
+/*
+ * The worker died while compiling this definition.  Once is a transient
+ * failure (the next request tries again); twice and the definition is
+ * refused -- remembered against this adapter until it is re-registered --
+ * so one body cannot keep the worker in a crash loop.
+ */
+static void note_worker_crash(struct adapter *a, struct proto_err *err)
+{
+	if (++a->worker_crashes < 2)
+		return;
+	proto_fail(&a->crash_err, PROTO_E_WORKER_CRASHED, NULL,
+	           "the compile worker died %u times compiling adapter %s's body; it is not "
+	           "compiled again until the adapter is re-registered",
+	           a->worker_crashes, a->def.name);
+	*err = a->crash_err;
+}
+
 static void compile_done(struct compile_job *cj, const struct compile_result *res,
                          const struct proto_err *err)
 {
@@ -465,8 +654,11 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 	struct specialization *sp = j->sp;
 
 	if (err != NULL) {
-		unlink(cj->output);
-		spec_failed(sp, err);
+		struct proto_err e = *err;
+		cache_remove_job(cj->output);
+		if (e.flags & PROTO_ERR_JOB_CRASH)
+			note_worker_crash(sp->adapter, &e);
+		spec_failed(j->d, sp, &e);
 		spec_unref(sp);
 		free(j);
 		return;
@@ -549,6 +741,7 @@ static struct specialization *spec_new(struct daemon *d, struct adapter *a,
 	a->held++;
 	sp->state = SPEC_LOADING;
 	sp->wait_started = now_seconds();
+	sp->last_used = ++d->reg.tick;
 	return sp;
 }
 
@@ -588,6 +781,8 @@ void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *
 	for (sp = a->specs; sp; sp = sp->next)
 		if (sp->grad == args->grad && strcmp(sp->signature, sig) == 0)
 			break;
+	if (sp)
+		sp->last_used = ++d->reg.tick;
 	if (sp && sp->state == SPEC_READY) {
 		spec_ref(sp);
 		ready(req, sp);
@@ -713,7 +908,8 @@ static int index_read(struct daemon *d, struct adapter *a, msgpack_zone *zone,
 			if (st != FRAME_READY)
 				continue;
 			body = frame_reader_take(&r, &len);
-			if (msg_parse(&m, body, len, MSG_ANY, &err) != 0 ||
+			/* a record that does not parse is skipped, never counted */
+			if (msg_parse(&m, body, len, MSG_ANY, &err) == 0 &&
 			    index_record(&m, zone, &recs[count]) == 0)
 				count++;
 			msg_destroy(&m);

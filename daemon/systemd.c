@@ -19,9 +19,13 @@ static void on_watchdog(uv_timer_t *t)
 	struct daemon *d = t->data;
 	char status[160];
 
-	snprintf(status, sizeof status,
-	         "WATCHDOG=1\nSTATUS=%s: %u adapters, %u graphs, %u in flight",
-	         d->ready ? "ready" : "starting", d->reg.count, specs_loaded(d), d->inflight);
+	/* a stuck thread pool cannot serve: let the service manager restart us */
+	snprintf(status, sizeof status, "%sSTATUS=%s: %u adapters, %u graphs, %u in flight",
+	         d->pool_stalled ? "" : "WATCHDOG=1\n",
+	         d->pool_stalled ? "thread pool stalled"
+	         : d->ready      ? "ready"
+	                         : "starting",
+	         d->reg.count, specs_loaded(d), d->inflight);
 	sd_notify(0, status);
 }
 

@@ -169,11 +169,17 @@ int msg_reply_error(const struct msg *m, struct proto_err *err)
 {
 	const msgpack_object *e = msg_field(m, "error");
 	const msgpack_object *code = msg_obj_field(e, "code");
+	const msgpack_object *transient = msg_obj_field(e, "transient");
 	int c = -1;
 
 	if (code != NULL && code->type == MSGPACK_OBJECT_STR)
 		c = proto_code_from_name(code->via.str.ptr, code->via.str.size);
+
 	err->code = c < 0 ? PROTO_E_INTERNAL : (enum proto_code)c;
+	err->flags =
+	    transient && transient->type == MSGPACK_OBJECT_BOOLEAN && transient->via.boolean
+	        ? PROTO_ERR_TRANSIENT
+	        : 0;
 	copy_str(err->message, sizeof err->message, msg_obj_field(e, "message"));
 	copy_str(err->path, sizeof err->path, msg_obj_field(e, "path"));
 	return 0;

@@ -82,6 +82,7 @@ int proto_fail(struct proto_err *err, enum proto_code code, const char *path, co
 	if (err == NULL)
 		return -1;
 	err->code = code;
+	err->flags = 0;
 	snprintf(err->path, sizeof err->path, "%s", path ? path : "");
 	va_start(ap, fmt);
 	vsnprintf(err->message, sizeof err->message, fmt, ap);
@@ -92,6 +93,7 @@ int proto_fail(struct proto_err *err, enum proto_code code, const char *path, co
 void proto_err_clear(struct proto_err *err)
 {
 	err->code = PROTO_E_OK;
+	err->flags = 0;
 	err->path[0] = '\0';
 	err->message[0] = '\0';
 }

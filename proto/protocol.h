@@ -65,6 +65,7 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	/* framing and msgpack (frame-level; some close the connection) */                         \
 	X(FRAME_TOO_LARGE, "FRAME_TOO_LARGE", "length prefix exceeds frame limit")                 \
 	X(FRAME_TRUNCATED, "FRAME_TRUNCATED", "stream ended inside a frame")                       \
+	X(FRAME_TIMEOUT, "FRAME_TIMEOUT", "a frame stopped arriving midway (frame-timeout)")       \
 	X(MSGPACK_INVALID, "MSGPACK_INVALID", "body is not exactly one msgpack value")             \
 	X(MSGPACK_COUNT_TOO_LARGE, "MSGPACK_COUNT_TOO_LARGE",                                      \
 	  "container count exceeds the bytes left in the frame")                                   \
@@ -145,9 +146,16 @@ enum proto_op {
  */
 struct proto_err {
 	enum proto_code code;
+	unsigned flags; /* PROTO_ERR_*: how the daemon treats it; never on the wire */
 	char path[PROTO_PATH_MAX];
 	char message[PROTO_MESSAGE_MAX];
 };
+
+/* A failure of the machine or of the worker, not of the request: never
+ * remembered against a specialization (disk full, timeout, crash). */
+#define PROTO_ERR_TRANSIENT 1u
+/* The compile worker died while running this very job. */
+#define PROTO_ERR_JOB_CRASH 2u
 
 const char *proto_code_name(enum proto_code code);
 /* Returns the code for a wire string, or -1 when unknown. */

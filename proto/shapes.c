@@ -39,7 +39,7 @@ void shapes_write(struct writer *w, const struct tree_node *n)
 
 static int bad_spec(struct proto_err *err, const char *what)
 {
-	return proto_fail(err, PROTO_E_COMPILE_FAILED, NULL, "malformed output spec: %s", what);
+	return proto_fail(err, PROTO_E_COMPILE_FAILED, NULL, "malformed spec tree: %s", what);
 }
 
 static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, struct tree_node *out,
@@ -73,6 +73,16 @@ static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree
 		char *copy;
 		if (k->type != MSGPACK_OBJECT_STR)
 			return bad_spec(err, "dict key");
+		if (k->via.str.size > PROTO_MAX_KEY_BYTES)
+			return bad_spec(err, "dict key longer than 256 bytes");
+		for (uint32_t p = 0; p < i; p++)
+			if (out->keys[p].len == k->via.str.size &&
+			    memcmp(out->keys[p].ptr, k->via.str.ptr, k->via.str.size) == 0)
+				return proto_fail(
+				    err, PROTO_E_DUPLICATE_KEY, NULL,
+				    "duplicate dict key \"%.*s\" in a spec tree",
+				    (int)(k->via.str.size > 64 ? 64 : k->via.str.size),
+				    k->via.str.ptr);
 		copy = msgpack_zone_malloc(zone, k->via.str.size + 1);
 		if (copy == NULL)
 			return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");

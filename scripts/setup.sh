@@ -17,7 +17,7 @@ msgpack_pkg() {
 }
 
 PKGS=(build-essential pkg-config libuv1-dev libcriterion-dev libsystemd-dev libjansson-dev
-      clang valgrind strace systemd python3-venv ca-certificates file)
+      clang clang-format valgrind strace systemd python3-venv ca-certificates file)
 
 missing_pkgs() {
 	local p

@@ -17,9 +17,13 @@ Errors map to protocol codes (proto/protocol.h); nothing falls back to eager.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import importlib.util
 import os
+import shutil
+import signal
 import struct
 import sys
 import time
@@ -36,11 +40,20 @@ PROTOCOL = 1
 class JobError(Exception):
     """A compile failure with a protocol error code and a leaf path."""
 
-    def __init__(self, code: str, message: str, path: str = "") -> None:
+    def __init__(self, code: str, message: str, path: str = "", transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.path = path
+        # A failure of the machine, not of the body (disk full, I/O error, out of
+        # memory): the daemon must not remember it against the specialization.
+        self.transient = transient
+
+    def reply(self, rid: Any) -> dict[str, Any]:
+        err = {"code": self.code, "message": self.message, "path": self.path}
+        if self.transient:
+            err["transient"] = True
+        return {"id": rid, "error": err}
 
 
 # ---- framing ---------------------------------------------------------------
@@ -350,6 +363,9 @@ def classify(exc: BaseException, phase: str) -> JobError:
         if isinstance(e, JobError):
             return e
     text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
+    resource = resource_failure(chain, text)
+    if resource is not None:
+        return resource
     short = f"{type(exc).__name__}: {str(exc).strip()[:1500]}"
     data_dependent = (
         "data-dependent" in text.lower()
@@ -373,38 +389,119 @@ def classify(exc: BaseException, phase: str) -> JobError:
     return JobError("COMPILE_FAILED", f"Inductor failed: {short}")
 
 
+# errno values and the texts g++/ld print for them: a full disk or a failing
+# device is the machine's fault, never the body's.
+RESOURCE_ERRNOS = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EIO: "Input/output error",
+    errno.ENOMEM: "Cannot allocate memory",
+    errno.EMFILE: "Too many open files",
+}
+
+
+def resource_failure(chain: list[BaseException], text: str) -> JobError | None:
+    """A transient COMPILE_FAILED whose message starts with the cause.
+
+    The cause goes first because the daemon's messages are bounded and a
+    compiler's output puts it last, after pages of command line.
+    """
+    cause = None
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS:
+            cause = RESOURCE_ERRNOS[e.errno]
+            break
+        if isinstance(e, MemoryError):
+            cause = RESOURCE_ERRNOS[errno.ENOMEM]
+            break
+    if cause is None:
+        cause = next((t for t in RESOURCE_ERRNOS.values() if t in text), None)
+    if cause is None:
+        return None
+    tail = text.strip().replace("\n", " ")[-600:]
+    return JobError(
+        "COMPILE_FAILED",
+        f"{cause} while compiling (a resource problem of this machine; the next request "
+        f"retries): ...{tail}",
+        transient=True,
+    )
+
+
 # ---- artifact checks ------------------------------------------------------
 
 
-def check_artifact(so_path: str) -> None:
-    """Refuses artifacts the C engine cannot (or should not) load."""
-    base = os.path.splitext(so_path)[0]
-    extern = [p for p in (base + ".json",) if os.path.exists(p)]
-    if extern:
-        ops = extern_ops(extern[0])
+PROXY_SYMBOL = b"aoti_torch_proxy_executor_call_function"
+
+
+def check_artifact(so_path: str, job_dir: str) -> None:
+    """Refuses artifacts the C engine cannot (or should not) load.
+
+    An op without a C shim is called through AOTI's C++ proxy executor: the
+    generated code imports aoti_torch_proxy_executor_call_function and
+    torch 2.14 writes the extern nodes to <key>.wrapper.json in the compile's
+    directory (not beside the output .so). Either sign refuses the artifact,
+    naming the aten ops from the json.
+    """
+    with open(so_path, "rb") as f:
+        data = f.read()
+    jsons = sorted(
+        os.path.join(root, name)
+        for root, _, names in os.walk(job_dir)
+        for name in names
+        if name.endswith(".wrapper.json") or name == os.path.basename(so_path)[:-3] + ".json"
+    )
+    ops = sorted({op for path in jsons for op in extern_ops(path)})
+    if ops or PROXY_SYMBOL in dynamic_imports(data):
         raise JobError(
             "PROXY_EXECUTOR_REQUIRED",
-            "the graph calls op(s) "
-            + (", ".join(ops) or "(unknown)")
+            "the graph calls "
+            + (", ".join(ops) or "an op without a C shim")
             + " through AOTI's C++ proxy executor, which a C daemon cannot provide; "
             "use ops Inductor lowers or that have a C shim",
         )
-    with open(so_path, "rb") as f:
-        data = f.read()
     problems = elf_problems(data)
     if problems:
         raise JobError("UNSAFE_ARTIFACT", f"{os.path.basename(so_path)}: {problems}")
 
 
 def extern_ops(path: str) -> list[str]:
+    """The aten ops of an AOTI extern-node file ({"nodes": [{"node": {"target"}}]})."""
     import json
 
     try:
         with open(path) as f:
             doc = json.load(f)
-        return sorted({n.get("name", "?") for n in doc.get("nodes", [])})
     except (OSError, ValueError):
         return []
+    ops = set()
+    for entry in doc.get("nodes", []):
+        node = entry.get("node") if isinstance(entry, dict) else None
+        target = node.get("target") if isinstance(node, dict) else None
+        if isinstance(target, str):
+            ops.add(target)
+    return sorted(ops)
+
+
+def dynamic_imports(data: bytes) -> set[bytes]:
+    """Names of the undefined symbols in an ELF64 object's .dynsym."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return set()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                for i in range(shnum)]
+    names: set[bytes] = set()
+    for sh in sections:
+        if sh[1] != 11:  # SHT_DYNSYM
+            continue
+        strtab = sections[sh[6]]
+        str_off = strtab[4]
+        for off in range(sh[4], sh[4] + sh[5], 24):
+            st_name, _, _, st_shndx = struct.unpack_from("<IBBH", data, off)
+            if st_shndx == 0 and st_name:
+                end = data.index(b"\0", str_off + st_name)
+                names.add(data[str_off + st_name:end])
+    return names
 
 
 def gnu_stack_offset(data: bytes) -> int | None:
@@ -559,6 +656,26 @@ def capture(
     return ep.module(), example
 
 
+def build_artifact(torch: Any, module: Any, example: tuple[Any, ...], so_path: str) -> str:
+    """AOT-compiles module into so_path; returns the .so's path."""
+    try:
+        so = torch._inductor.aot_compile(module, example, options=aoti_options(so_path))
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc, "inductor") from exc
+    built = so if isinstance(so, str) else so_path
+    if clear_exec_stack(built):
+        log(f"{built}: cleared the executable-stack flag ld set")
+    return built
+
+
+def check_body(job: dict[str, Any]) -> dict[str, Any]:
+    """Register-time check: the source imports and defines a callable entry."""
+    load_body(job)
+    return {"ok": True}
+
+
 def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -586,18 +703,19 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     scan.tracing = True
     module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)))
     out_path = job["output"]
+    # AOTI writes its intermediates (wrapper/kernel sources, objects, the
+    # extern-node json) beside output_path: give it a directory of its own,
+    # named after the output so the daemon can remove it whatever happens here.
+    job_dir = out_path + ".d"
+    os.makedirs(job_dir, mode=0o700)
     try:
-        so = torch._inductor.aot_compile(module, example, options=aoti_options(out_path))
-    except JobError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - classified below
-        raise classify(exc, "inductor") from exc
-    so_path = so if isinstance(so, str) else out_path
-    if clear_exec_stack(so_path):
-        log(f"{so_path}: cleared the executable-stack flag ld set")
-    check_artifact(so_path)
+        so_path = build_artifact(torch, module, example, os.path.join(job_dir, "graph.so"))
+        check_artifact(so_path, job_dir)
+        os.replace(so_path, out_path)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
     return {
-        "so": so_path,
+        "so": out_path,
         "y": strip_dtype(scan.y_spec),
         "n_inputs": len(example),
         "n_outputs": len(outs) + (n_in if kind == "vjp" else 0),
@@ -651,7 +769,22 @@ def hello() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch_ok": version >= MIN_TORCH,
         "torch_lib": os.path.join(os.path.dirname(torch.__file__), "lib"),
+        "isa": target_isa(),
     }
+
+
+def target_isa() -> str:
+    """What Inductor generates code for here: its vector ISA and -march.
+
+    Both follow the environment the daemon gives the worker
+    (ATEN_CPU_CAPABILITY, TORCHINDUCTOR_CPP_MARCH); the daemon puts this
+    string in every cache key.
+    """
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return f"vec={isa if isa else 'none'};march={config.cpp.march or 'native'}"
 
 
 def handle(req: dict[str, Any]) -> dict[str, Any]:
@@ -662,16 +795,36 @@ def handle(req: dict[str, Any]) -> dict[str, Any]:
             return {"id": rid, "result": hello()}
         if op == "compile":
             return {"id": rid, "result": compile_job(req)}
+        if op == "check":
+            return {"id": rid, "result": check_body(req)}
         raise JobError("UNKNOWN_OP", f"worker has no op {op!r}")
     except JobError as exc:
-        return {"id": rid, "error": {"code": exc.code, "message": exc.message, "path": exc.path}}
+        return exc.reply(rid)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
-        err = classify(exc, "inductor")
         log(traceback.format_exc())
-        return {"id": rid, "error": {"code": err.code, "message": err.message, "path": err.path}}
+        return classify(exc, "inductor").reply(rid)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_daemon() -> None:
+    """SIGKILL this worker when the daemon's spawning thread dies.
+
+    The daemon passes its pid in TORCHLOOPD_PID; if it is already gone
+    (we were reparented before prctl took effect), exit at once.
+    """
+    parent = os.environ.get("TORCHLOOPD_PID")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log(f"prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}")
+    if parent and os.getppid() != int(parent):
+        log("the daemon is gone; exiting")
+        os._exit(3)
 
 
 def main() -> int:
+    die_with_daemon()
     # Replies go to the real stdout; anything torch prints goes to stderr.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

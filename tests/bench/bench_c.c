@@ -75,7 +75,7 @@ static int inproc(const char *so, long n, long steps, int iters)
 	}
 	for (int i = -20; i < iters; i++) {
 		double t0 = now_us();
-		if (engine_run(g, in, 2, in, &res, &err) != 0) {
+		if (engine_run(g, in, 2, in, NULL, &res, &err) != 0) {
 			fprintf(stderr, "%s\n", err.message);
 			return 1;
 		}

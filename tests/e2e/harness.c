@@ -178,6 +178,28 @@ void hd_register_strategy(struct tl_client *c, const char *name, const char *bod
 	free(src);
 }
 
+json_t *h_call_json(struct tl_client *c, const char *op, const char *name)
+{
+	struct tl_error err;
+	char *text;
+	json_t *j;
+
+	cr_assert_eq(tl_call_json(c, op, name, &text, &err), 0, "%s: %s", op, err.message);
+	j = json_loads(text, 0, NULL);
+	free(text);
+	cr_assert_not_null(j);
+	return j;
+}
+
+uint64_t h_stat(struct tl_client *c, const char *key)
+{
+	json_t *j = h_call_json(c, "stats", NULL);
+	uint64_t v = (uint64_t)json_integer_value(json_object_get(j, key));
+
+	json_decref(j);
+	return v;
+}
+
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter)
 {
 	struct tl_error err;

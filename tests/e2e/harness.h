@@ -45,6 +45,10 @@ void hd_register(struct tl_client *c, const char *name, const char *body_file, c
 void hd_register_strategy(struct tl_client *c, const char *name, const char *body_file,
                           const char *entry, const char *strategy, int64_t max_steps,
                           int64_t max_elements, int64_t budget);
+/* An op's JSON result (tl_call_json), parsed; name may be NULL.  Asserts success. */
+json_t *h_call_json(struct tl_client *c, const char *op, const char *name);
+/* A top-level number of the stats op. */
+uint64_t h_stat(struct tl_client *c, const char *key);
 /* A counter of the adapter's describe output (e.g. "compiles"). */
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
 

@@ -205,6 +205,11 @@ static const struct usage_case USAGE[] = {
     {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "missing.npy", "--out", "o", NULL},
      "No such file"},
     {{"scan", "t5.x", "--carry", "{\"a\": 5}", "--inputs", "c.npy", "--out", "o", NULL}, "leaves"},
+    /* malformed JSON is reported as such, with where, not as a missing file */
+    {{"scan", "t5.x", "--carry", "{\"a\": \"c.npy\"", "--inputs", "c.npy", "--out", "o", NULL},
+     "invalid JSON tree at line 1"},
+    {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "[\"c.npy\",]", "--out", "o", NULL},
+     "invalid JSON tree at line 1, column"},
     {{"scan", "t5.x", "--bogus", NULL}, "unknown option"},
     {{"register", "t5.x", NULL}, "--body"},
     {{"register", "t5.x", "--body", "b.py", "--max-steps", "many", NULL}, "integer"},

@@ -86,19 +86,6 @@ static void scan_ok(struct fixture *f, struct tl_client *c)
 	tl_reply_free(r);
 }
 
-static json_t *call_json(struct tl_client *c, const char *op, const char *name)
-{
-	struct tl_error err;
-	char *text;
-	json_t *j;
-
-	cr_assert_eq(tl_call_json(c, op, name, &text, &err), 0, "%s: %s", op, err.message);
-	j = json_loads(text, 0, NULL);
-	free(text);
-	cr_assert_not_null(j);
-	return j;
-}
-
 static void write_adapter(const char *dir, const char *name)
 {
 	char path[600];
@@ -124,11 +111,11 @@ Test(daemon, every_op_answers)
 	setup(&f, NULL);
 	cr_assert_eq(tl_health(f.c, &ready, &err), 0);
 	cr_assert(ready);
-	j = call_json(f.c, "list", NULL);
+	j = h_call_json(f.c, "list", NULL);
 	cr_assert_eq(json_array_size(json_object_get(j, "adapters")), 1);
 	json_decref(j);
 	scan_ok(&f, f.c);
-	j = call_json(f.c, "describe", "t4.cumsum");
+	j = h_call_json(f.c, "describe", "t4.cumsum");
 	cr_assert_eq(json_integer_value(json_object_get(j, "max_steps")), 12);
 	cr_assert_eq(json_integer_value(json_object_get(j, "budget_used")), 1);
 	cr_assert_str_eq(
@@ -139,13 +126,13 @@ Test(daemon, every_op_answers)
 	cr_assert_eq(tl_compile(f.c, "t4.cumsum", f.carry_t, f.inputs_t, TL_FLOAT64, 0, &r, &err),
 	             0, "%s", err.message);
 	tl_reply_free(r);
-	j = call_json(f.c, "stats", NULL);
+	j = h_call_json(f.c, "stats", NULL);
 	cr_assert_geq(json_integer_value(json_object_get(j, "requests")), 5);
 	json_decref(j);
 	cr_assert_eq(tl_unregister(f.c, "t4.cumsum", &err), 0);
 	cr_assert_eq(tl_unregister(f.c, "t4.cumsum", &err), -1);
 	cr_assert_str_eq(err.code, "NOT_FOUND");
-	j = call_json(f.c, "shutdown", NULL);
+	j = h_call_json(f.c, "shutdown", NULL);
 	cr_assert(json_is_true(json_object_get(j, "stopping")));
 	json_decref(j);
 	tl_builder_free(f.b);
@@ -747,7 +734,7 @@ Test(daemon, preloaded_adapters_have_their_cached_graphs_loaded_before_ready)
 	hd_start(&f.d, cache, args);
 	hd_wait_ready(&f.d, 120);
 	f.c = hd_connect(&f.d);
-	j = call_json(f.c, "describe", "t4.cumsum"); /* before any scan */
+	j = h_call_json(f.c, "describe", "t4.cumsum"); /* before any scan */
 	sp = json_array_get(json_object_get(j, "specializations"), 0);
 	cr_assert_not_null(sp, "the graph was loaded at start");
 	cr_assert_str_eq(json_string_value(json_object_get(sp, "state")), "ready");
@@ -852,7 +839,7 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 {
 	struct fixture f;
 	int fds[2];
-	char results[3][48];
+	char results[4][48];
 
 	if (getuid() != 0)
 		cr_skip_test("needs root to switch uid");
@@ -865,7 +852,8 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 		struct tl_reply *r;
 		struct tl_adapter_def def = {
 		    "t4.evil", "def body(c, x):\n    return c, c\n", NULL, NULL, NULL, 0, 0, 0};
-		char out[3][48] = {"", "", ""};
+		struct tl_builder *b = tl_builder_new();
+		char out[4][48] = {"", "", "", ""};
 		if (setgid(65534) != 0 || setuid(65534) != 0)
 			_exit(2);
 		if (tl_connect(f.d.sock, 5000, &c, &err) != 0)
@@ -875,6 +863,14 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 		snprintf(out[2], 48, "%s",
 		         tl_scan(c, "t4.cumsum", f.carry_t, f.inputs_t, &r, &err) ? err.code
 		                                                                  : "OK");
+		/* compile spends budget without data: admin only */
+		snprintf(out[3], 48, "%s",
+		         tl_compile(c, "t4.cumsum",
+		                    tl_tensor(b, TL_FLOAT64, 1, (int64_t[]){5}, NULL),
+		                    tl_tensor(b, TL_FLOAT64, 2, (int64_t[]){3, 5}, NULL),
+		                    TL_FLOAT64, 0, &r, &err)
+		             ? err.code
+		             : "OK");
 		if (write(fds[1], out, sizeof out) != sizeof out)
 			_exit(4);
 		_exit(0);
@@ -886,6 +882,8 @@ Test(daemon, admin_ops_from_another_uid_are_refused_but_scans_work)
 	cr_assert_str_eq(results[0], "PERMISSION_DENIED");
 	cr_assert_str_eq(results[1], "PERMISSION_DENIED");
 	cr_assert_str_eq(results[2], "OK", "a non-admin peer can still scan");
+	cr_assert_str_eq(results[3], "PERMISSION_DENIED");
+	cr_assert_eq(hd_counter(f.c, "t4.cumsum", "graphs"), 1, "no budget was spent");
 	scan_ok(&f, f.c);
 	teardown(&f);
 }
@@ -905,7 +903,7 @@ Test(daemon, the_adapters_directory_is_registered_at_start_and_reloaded_on_sighu
 	hd_start(&d, NULL, args);
 	hd_wait_ready(&d, 120);
 	c = hd_connect(&d);
-	j = call_json(c, "list", NULL);
+	j = h_call_json(c, "list", NULL);
 	cr_assert_eq(json_array_size(json_object_get(j, "adapters")), 1);
 	json_decref(j);
 	write_adapter(dir, "dir.two");
@@ -913,7 +911,7 @@ Test(daemon, the_adapters_directory_is_registered_at_start_and_reloaded_on_sighu
 	unlink(path);
 	kill(d.pid, SIGHUP);
 	for (int k = 0; k < 50; k++) {
-		j = call_json(c, "list", NULL);
+		j = h_call_json(c, "list", NULL);
 		if (json_array_size(json_object_get(j, "adapters")) == 1 &&
 		    strcmp(json_string_value(json_object_get(
 		               json_array_get(json_object_get(j, "adapters"), 0), "name")),
@@ -990,15 +988,6 @@ static uint64_t check_scan_reply(struct fixture *f, int fd)
 	return id;
 }
 
-static uint64_t stat_u64(struct tl_client *c, const char *key)
-{
-	json_t *j = call_json(c, "stats", NULL);
-	uint64_t v = (uint64_t)json_integer_value(json_object_get(j, key));
-
-	json_decref(j);
-	return v;
-}
-
 /*
  * Thousands of small scans pipelined on one connection whose client does not
  * read: the replies pile up past --write-queue-cap, the daemon stops reading
@@ -1023,7 +1012,7 @@ Test(daemon, pipelined_scans_past_the_write_queue_cap_pause_then_all_arrive)
 
 	setup(&f, args);
 	scan_ok(&f, f.c);
-	breaches0 = stat_u64(f.c, "limit_breaches");
+	breaches0 = h_stat(f.c, "limit_breaches");
 	fd = raw_connect(f.d.sock);
 	frame = scan_frame_bytes(&f, 1, &one);
 	writer = fork();
@@ -1036,9 +1025,9 @@ Test(daemon, pipelined_scans_past_the_write_queue_cap_pause_then_all_arrive)
 		}
 		_exit(0);
 	}
-	for (int i = 0; i < 600 && stat_u64(f.c, "limit_breaches") == breaches0; i++)
+	for (int i = 0; i < 600 && h_stat(f.c, "limit_breaches") == breaches0; i++)
 		usleep(50 * 1000);
-	cr_assert_gt(stat_u64(f.c, "limit_breaches"), breaches0,
+	cr_assert_gt(h_stat(f.c, "limit_breaches"), breaches0,
 	             "the write queue passed its cap and the connection's reads paused");
 	scan_ok(&f, f.c); /* other connections are served meanwhile */
 	for (int i = 0; i < N_REQ; i++) {
@@ -1048,7 +1037,7 @@ Test(daemon, pipelined_scans_past_the_write_queue_cap_pause_then_all_arrive)
 		seen[id] = true;
 	}
 	cr_assert_eq(waitpid(writer, NULL, 0), writer);
-	cr_assert_gt(stat_u64(f.c, "inline_runs"), N_REQ / 2, "µs-scale runs stay on the loop");
+	cr_assert_gt(h_stat(f.c, "inline_runs"), N_REQ / 2, "µs-scale runs stay on the loop");
 	close(fd);
 	free(frame);
 	scan_ok(&f, f.c);
@@ -1064,7 +1053,7 @@ Test(daemon, inline_runs_can_be_switched_off)
 	setup(&f, args);
 	for (int i = 0; i < 20; i++)
 		scan_ok(&f, f.c);
-	cr_assert_eq(stat_u64(f.c, "inline_runs"), 0);
+	cr_assert_eq(h_stat(f.c, "inline_runs"), 0);
 	teardown(&f);
 }
 

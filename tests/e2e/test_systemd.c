@@ -17,6 +17,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 TestSuite(systemd, .timeout = 300);
@@ -56,6 +57,31 @@ Test(systemd, systemd_analyze_verify_accepts_the_units)
 	snprintf(log, sizeof log, "%s/verify.log", dir);
 	cr_assert_eq(h_run((const char *[]){"systemd-analyze", "verify", sock, svc, NULL}, log), 0,
 	             "see %s", log);
+}
+
+/* The unit's LimitNOFILE admits the default --max-connections: the daemon,
+ * started under exactly that limit, becomes ready (it refuses to start when
+ * the limit cannot hold its connections). */
+Test(systemd, the_units_descriptor_limit_fits_the_default_connection_limit)
+{
+	char path[600], line[256];
+	struct rlimit rl = {0, 0};
+	struct hd d;
+	FILE *f;
+
+	snprintf(path, sizeof path, "%s/systemd/torchloopd.service", h_root());
+	f = fopen(path, "r");
+	cr_assert_not_null(f);
+	while (fgets(line, sizeof line, f))
+		if (sscanf(line, "LimitNOFILE=%lu", &rl.rlim_cur) == 1)
+			break;
+	fclose(f);
+	cr_assert_gt(rl.rlim_cur, 0, "the unit sets LimitNOFILE");
+	rl.rlim_max = rl.rlim_cur;
+	cr_assert_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+	hd_start(&d, NULL, ARGS);
+	hd_wait_ready(&d, 120);
+	cr_assert_eq(hd_stop(&d), 0);
 }
 
 Test(systemd, the_service_scores_at_most_2_0_in_systemd_analyze_security)

@@ -1,11 +1,13 @@
 /*
  * fuzz_proto.c - libFuzzer harness: arbitrary bytes through the frame
  * reader (split at a data-chosen offset), then every complete frame through
- * the envelope parser and the tree decoder for every map value.  Any
+ * the envelope parser and, for every map value, the tensor-tree decoder and
+ * the shape-tree reader (the `compile` op's carry and inputs).  Any
  * sanitizer report or leak is a finding.
  */
 #include "frame.h"
 #include "msg.h"
+#include "shapes.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +25,9 @@ static void decode_body(const uint8_t *body, size_t len)
 				    0) {
 					(void)tree_count_leaves(&n);
 				}
+				if (shapes_read(&m.map->ptr[i].val, m.up.zone, PROTO_DTYPE_F64, &n,
+				                &err) == 0)
+					(void)tree_count_tensors(&n);
 			}
 		}
 		msg_destroy(&m);

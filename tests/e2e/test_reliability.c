@@ -1,0 +1,1448 @@
+/*
+ * test_reliability.c - the faults found by trying to break the daemon
+ * (issue 12), one test each: a timed-out compile and the jobs behind it, a
+ * compile lock never waited on by the pool, a pool that stays busy, memory
+ * a client can pin (pipelining without reading, a frame that stops
+ * arriving, idle connections), an untrusted or tampered cache, SIGPIPE in
+ * the client, a full disk, the adapters directory read off the loop, spec
+ * trees with duplicate keys, bounded failed specializations, a worker that
+ * cannot start or that a body kills, a worker's leftover processes, the
+ * worker's environment, proxy-executor artifacts, register-time import
+ * checks, descriptor limits and per-uid connection limits.
+ *
+ * Every test checks the specific error code and that the daemon still
+ * serves the next request.  Bodies that must misbehave are inline sources.
+ */
+#include "harness.h"
+
+#include "frame.h"
+#include "tree.h"
+#include "writer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+TestSuite(reliability, .timeout = 900);
+
+#define CUMSUM_SRC "def body(carry, x):\n    carry = carry + x\n    return carry, carry\n"
+#define SLOW_SRC   "import time\n\ndef body(c, x):\n    time.sleep(600)\n    return c + x, c\n"
+
+static int reg_src(struct tl_client *c, const char *name, const char *src, struct tl_error *err)
+{
+	struct tl_adapter_def def = {name, src, NULL, "body", NULL, 16, 1048576, 8};
+
+	return tl_register(c, &def, err);
+}
+
+static void reg_ok(struct tl_client *c, const char *name, const char *src)
+{
+	struct tl_error err;
+
+	cr_assert_eq(reg_src(c, name, src, &err), 0, "register %s: %s %s", name, err.code,
+	             err.message);
+}
+
+/*
+ * Scans carry [4] over inputs [T, 4] (a cumulative sum when the adapter is
+ * CUMSUM_SRC) and checks the numbers by hand when it succeeds.
+ */
+static int scan_sum(struct tl_client *c, const char *name, int T, struct tl_error *err)
+{
+	struct tl_builder *b = tl_builder_new();
+	double carry[4], xs[4 * 16];
+	int64_t cs[] = {4}, xsh[] = {T, 4};
+	struct tl_reply *r;
+	int rc;
+
+	h_fill(carry, TL_FLOAT64, 4, 5);
+	h_fill(xs, TL_FLOAT64, 4 * (size_t)T, 6);
+	rc = tl_scan(c, name, tl_tensor(b, TL_FLOAT64, 1, cs, carry),
+	             tl_tensor(b, TL_FLOAT64, 2, xsh, xs), &r, err);
+	if (rc == 0) {
+		const double *fin = tl_tree_data(tl_reply_tree(r, "carry"));
+		for (int k = 0; k < 4; k++) {
+			double acc = carry[k];
+			for (int s = 0; s < T; s++)
+				acc += xs[4 * s + k];
+			cr_assert_float_eq(fin[k], acc, 1e-12, "carry[%d]", k);
+		}
+		tl_reply_free(r);
+	}
+	tl_builder_free(b);
+	return rc;
+}
+
+static void scan_sum_ok(struct tl_client *c, const char *name, int T)
+{
+	struct tl_error err;
+
+	cr_assert_eq(scan_sum(c, name, T, &err), 0, "scan %s T=%d: %s %s", name, T, err.code,
+	             err.message);
+}
+
+static void expect_code(int rc, const struct tl_error *err, const char *code)
+{
+	cr_assert_eq(rc, -1, "expected %s, got success", code);
+	cr_assert_str_eq(err->code, code, "%s", err->message);
+}
+
+/* The daemon answers health, and says ready, within timeout_s. */
+static void still_serves(struct hd *d)
+{
+	hd_wait_ready(d, 60);
+}
+
+static json_t *health(struct tl_client *c)
+{
+	return h_call_json(c, "health", NULL);
+}
+
+static const char *jstr(json_t *j, const char *key)
+{
+	const char *s = json_string_value(json_object_get(j, key));
+
+	return s ? s : "";
+}
+
+/* The log file contains needle (after waiting up to timeout_s for it). */
+static bool log_has(const struct hd *d, const char *needle, int timeout_s)
+{
+	for (int k = 0; k <= timeout_s * 10; k++) {
+		FILE *f = fopen(d->log, "r");
+		char line[4096];
+		bool found = false;
+		while (f && !found && fgets(line, sizeof line, f))
+			found = strstr(line, needle) != NULL;
+		if (f)
+			fclose(f);
+		if (found)
+			return true;
+		usleep(100000);
+	}
+	return false;
+}
+
+/* Waits for the daemon to exit on its own; returns its exit status. */
+static int hd_exit_status(struct hd *d, int timeout_s)
+{
+	int status;
+
+	for (int k = 0; k < timeout_s * 10; k++) {
+		if (waitpid(d->pid, &status, WNOHANG) == d->pid) {
+			d->pid = 0;
+			return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+		}
+		usleep(100000);
+	}
+	cr_assert_fail("torchloopd did not exit within %d s; log %s", timeout_s, d->log);
+	return -1;
+}
+
+static bool pid_gone(pid_t pid, int timeout_s)
+{
+	char path[64];
+
+	snprintf(path, sizeof path, "/proc/%d", (int)pid);
+	for (int k = 0; k <= timeout_s * 10; k++) {
+		if (access(path, F_OK) != 0)
+			return true;
+		usleep(100000);
+	}
+	return false;
+}
+
+static long rss_kib(pid_t pid)
+{
+	char path[64], line[256];
+	long kib = -1;
+	FILE *f;
+
+	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+	f = fopen(path, "r");
+	while (f && fgets(line, sizeof line, f))
+		if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return kib;
+}
+
+/* A scan in a thread of its own (its own connection). */
+struct bg {
+	const char *sock, *adapter;
+	int T, rc;
+	struct tl_error err;
+	pthread_t th;
+};
+
+static void *bg_scan(void *arg)
+{
+	struct bg *s = arg;
+	struct tl_client *c;
+
+	s->rc = tl_connect(s->sock, 5000, &c, &s->err);
+	if (s->rc == 0) {
+		s->rc = scan_sum(c, s->adapter, s->T, &s->err);
+		tl_close(c);
+	}
+	return NULL;
+}
+
+static void bg_start(struct bg *s, struct hd *d, const char *adapter, int T)
+{
+	*s = (struct bg){.sock = d->sock, .adapter = adapter, .T = T};
+	pthread_create(&s->th, NULL, bg_scan, s);
+}
+
+/* A source that differs per test run: its graphs are compiled afresh here. */
+static void unique_src(char *out, size_t size, const char *src)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	snprintf(out, size, "%s# run %ld.%09ld pid %d\n", src, (long)ts.tv_sec, ts.tv_nsec,
+	         (int)getpid());
+}
+
+/* ---- the compile worker ------------------------------------------------------------ */
+
+struct hammer {
+	const char *sock;
+	volatile int stop;
+	int ok, failed;
+	char last[512];
+};
+
+/* Registers new definitions (each a "check" job for the worker) until told to stop. */
+static void *hammer_register(void *arg)
+{
+	struct hammer *h = arg;
+	struct tl_client *c;
+	struct tl_error err;
+
+	cr_assert_eq(tl_connect(h->sock, 5000, &c, &err), 0);
+	for (int n = 0; !h->stop; n++) {
+		char src[256], name[64];
+		snprintf(src, sizeof src, "%s# %d\n", CUMSUM_SRC, n);
+		snprintf(name, sizeof name, "hammer.%d", n % 4);
+		if (reg_src(c, name, src, &err) == 0) {
+			h->ok++;
+		} else {
+			h->failed++;
+			snprintf(h->last, sizeof h->last, "%s: %s", err.code, err.message);
+		}
+		usleep(20000);
+	}
+	tl_close(c);
+	return NULL;
+}
+
+/*
+ * A compile that times out kills its worker; jobs that arrive while that
+ * worker is being reaped must go to the next worker, and no job's timer may
+ * kill the fresh one (before the fix every later compile timed out).
+ */
+Test(reliability, jobs_behind_a_timed_out_compile_run_on_a_fresh_worker)
+{
+	const char *args[] = {"--no-probe", "--compile-timeout", "4", "--threads", "0", NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct hammer h = {0};
+	pthread_t th;
+	struct bg slow;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.slow", SLOW_SRC);
+	h.sock = d.sock;
+	pthread_create(&th, NULL, hammer_register, &h);
+	bg_start(&slow, &d, "rel.slow", 1);
+	pthread_join(slow.th, NULL);
+	expect_code(slow.rc, &slow.err, "COMPILE_TIMEOUT");
+	sleep(3); /* registrations go on across the kill and the new worker's start */
+	bg_start(&slow, &d, "rel.slow", 2);
+	pthread_join(slow.th, NULL);
+	expect_code(slow.rc, &slow.err, "COMPILE_TIMEOUT");
+	sleep(2);
+	h.stop = 1;
+	pthread_join(th, NULL);
+	/* each waits behind the compile in flight or a worker's start: a few, not many */
+	cr_assert_geq(h.ok, 3, "registrations went through (%d)", h.ok);
+	cr_assert_eq(h.failed, 0, "%d registrations failed; last: %s", h.failed, h.last);
+	cr_assert_eq(h_stat(c, "worker_restarts"), 2, "one new worker per timeout");
+	still_serves(&d);
+	reg_ok(c, "rel.after", CUMSUM_SRC);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/*
+ * Unregister + register the same definition and scan, 4 times, while the
+ * first compile of that key holds its lock: no pool thread may block on the
+ * lock (before the fix they all did, and warm scans and SIGTERM hung).  The
+ * waiting lookups find the first compile's artifact.
+ */
+Test(reliability, re_registering_mid_compile_never_blocks_a_pool_thread)
+{
+	const char *args[] = {"--no-probe", "--threads", "1", NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	struct bg scans[5];
+	char src[512];
+
+	unique_src(src, sizeof src, CUMSUM_SRC);
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.warm", CUMSUM_SRC);
+	scan_sum_ok(c, "rel.warm", 3); /* a warm graph to scan meanwhile */
+	reg_ok(c, "rel.wedge", src);
+	bg_start(&scans[0], &d, "rel.wedge", 3);
+	sleep(1);
+	for (int k = 1; k < 5; k++) {
+		cr_assert_eq(tl_unregister(c, "rel.wedge", &err), 0, "%s", err.message);
+		reg_ok(c, "rel.wedge", src);
+		bg_start(&scans[k], &d, "rel.wedge", 3);
+		usleep(300000);
+	}
+	for (int k = 0; k < 20; k++) /* the pool still runs graphs */
+		scan_sum_ok(c, "rel.warm", 3);
+	for (int k = 0; k < 5; k++) {
+		pthread_join(scans[k].th, NULL);
+		cr_assert_eq(scans[k].rc, 0, "scan %d: %s %s", k, scans[k].err.code,
+		             scans[k].err.message);
+	}
+	cr_assert_eq(hd_counter(c, "rel.wedge", "compiles"), 0,
+	             "the last registration found the first compile's artifact");
+	scan_sum_ok(c, "rel.wedge", 3);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0, "SIGTERM still stops it");
+}
+
+#define HEAVY_SRC                                                                                  \
+	"import torch\n\ndef body(c, x):\n    c = torch.tanh(c @ c * 1e-3 + x)\n"                  \
+	"    return c, c[0, :1]\n"
+
+static void *heavy_scan(void *arg)
+{
+	struct bg *s = arg;
+	struct tl_client *c;
+	struct tl_builder *b = tl_builder_new();
+	struct tl_reply *r;
+	double *carry = calloc(1024 * 1024, sizeof *carry), xs[96];
+	int64_t cs[] = {1024, 1024}, xsh[] = {96, 1};
+
+	h_fill(carry, TL_FLOAT64, 1024 * 1024, 3);
+	h_fill(xs, TL_FLOAT64, 96, 4);
+	s->rc = tl_connect(s->sock, 5000, &c, &s->err);
+	if (s->rc == 0) {
+		s->rc = tl_scan(c, s->adapter, tl_tensor(b, TL_FLOAT64, 2, cs, carry),
+		                tl_tensor(b, TL_FLOAT64, 2, xsh, xs), &r, &s->err);
+		if (s->rc == 0)
+			tl_reply_free(r);
+		tl_close(c);
+	}
+	tl_builder_free(b);
+	free(carry);
+	return NULL;
+}
+
+/*
+ * Runs of seconds on every pool thread at once: the pool's canary waits past
+ * --pool-stall-timeout, health says so ("pool": "stalled", not ready), and
+ * says ready again once the pool is free.
+ */
+Test(reliability, health_reports_a_thread_pool_that_takes_no_work)
+{
+	const char *args[] = {"--no-probe", "--threads", "1", "--pool-stall-timeout", "1", NULL};
+	struct tl_adapter_def def = {"rel.heavy", HEAVY_SRC, NULL, "body", "scan", 96, 1048576, 4};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	struct bg runs[4];
+	bool stalled = false;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	cr_assert_eq(tl_register(c, &def, &err), 0, "%s", err.message);
+	runs[0] = (struct bg){.sock = d.sock, .adapter = "rel.heavy"};
+	heavy_scan(&runs[0]); /* compiles (once per cache) and measures */
+	cr_assert_eq(runs[0].rc, 0, "%s %s", runs[0].err.code, runs[0].err.message);
+	for (int k = 0; k < 4; k++) {
+		runs[k] = (struct bg){.sock = d.sock, .adapter = "rel.heavy"};
+		pthread_create(&runs[k].th, NULL, heavy_scan, &runs[k]);
+	}
+	for (int k = 0; k < 300 && !stalled; k++) {
+		json_t *j = health(c);
+		stalled = strcmp(jstr(j, "pool"), "stalled") == 0;
+		if (stalled)
+			cr_assert(json_is_false(json_object_get(j, "ready")),
+			          "stalled is not ready");
+		json_decref(j);
+		usleep(100000);
+	}
+	for (int k = 0; k < 4; k++) {
+		pthread_join(runs[k].th, NULL);
+		cr_assert_eq(runs[k].rc, 0, "%s %s", runs[k].err.code, runs[k].err.message);
+	}
+	cr_assert(stalled, "health never reported the busy pool");
+	cr_assert_geq(h_stat(c, "pool_stalls"), 1);
+	still_serves(&d);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* Keeps sending scan frames for t4 (T=3) until n are out; the daemon may pause us. */
+struct pipeline {
+	int fd, n;
+	uint8_t *frame;
+	size_t len;
+	pthread_t th;
+};
+
+static void *send_all(void *arg)
+{
+	struct pipeline *p = arg;
+
+	for (int k = 0; k < p->n; k++)
+		raw_send(p->fd, p->frame, p->len);
+	return NULL;
+}
+
+static uint8_t *scan_frame(const char *adapter, size_t *len)
+{
+	static double carry[4] = {1, 2, 3, 4}, xs[12] = {1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+	struct tree_node cn = {.kind = TREE_TENSOR}, xn = {.kind = TREE_TENSOR};
+	struct writer w;
+	size_t n;
+	struct proto_err err;
+	uint8_t *out;
+
+	cn.tensor = (struct tree_tensor){PROTO_DTYPE_F64, 1, {4}, 0, 0, carry};
+	xn.tensor = (struct tree_tensor){PROTO_DTYPE_F64, 2, {3, 4}, 0, 0, xs};
+	cr_assert_eq(tree_tensor_sizes(&cn.tensor), 0);
+	cr_assert_eq(tree_tensor_sizes(&xn.tensor), 0);
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, 7, "scan", 3);
+	writer_key_str(&w, "adapter", adapter);
+	writer_str(&w, "carry");
+	tree_encode(&w, &cn);
+	writer_str(&w, "inputs");
+	tree_encode(&w, &xn);
+	out = writer_flatten(&w, &n, PROTO_FRAME_MAX, &err);
+	cr_assert_not_null(out, "%s", err.message);
+	writer_destroy(&w);
+	*len = n;
+	return out;
+}
+
+/*
+ * 100 000 scans pipelined by a client that does not read: the daemon holds
+ * their replies as bytes (not ~8 KiB of writer chunks each, 850 MB before
+ * the fix), stops reading that client once all clients together hold
+ * --max-queued-memory, and every reply arrives, with the right numbers,
+ * once the client reads.
+ */
+Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
+{
+	const char *args[] = {"--no-probe", "--max-queued-memory", "16777216", "--write-queue-cap",
+	                      "1073741824", "--max-inflight",      "4096",     NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct pipeline p = {.n = 100000};
+	long before, after;
+	uint64_t queued = 0;
+	int got = 0;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.pipe", CUMSUM_SRC);
+	scan_sum_ok(c, "rel.pipe", 3);
+	for (int k = 0; k < 5; k++)
+		scan_sum_ok(c, "rel.pipe", 3); /* runs inline from now on */
+	before = rss_kib(d.pid);
+	p.frame = scan_frame("rel.pipe", &p.len);
+	p.fd = raw_connect(d.sock);
+	pthread_create(&p.th, NULL, send_all, &p);
+	for (int k = 0; k < 600 && h_stat(c, "memory_pauses") == 0; k++)
+		usleep(100000);
+	cr_assert_geq(h_stat(c, "memory_pauses"), 1, "the non-reading client was paused");
+	sleep(1);
+	queued = h_stat(c, "queued_bytes");
+	after = rss_kib(d.pid);
+	cr_assert_leq(queued, (16u << 20) + (1u << 20), "held %llu bytes",
+	              (unsigned long long)queued);
+	cr_assert_lt(after - before, 100 * 1024, "RSS grew %ld KiB holding %llu reply bytes",
+	             after - before, (unsigned long long)queued);
+	scan_sum_ok(c, "rel.pipe", 3); /* others: served */
+	while (got < p.n) {
+		char code[64], msg[256];
+		long long id;
+		cr_assert_eq(raw_recv(p.fd, code, sizeof code, &id, msg, sizeof msg), 0,
+		             "reply %d of %d missing", got, p.n);
+		cr_assert_str_eq(code, "", "%s", msg);
+		got++;
+	}
+	pthread_join(p.th, NULL);
+	close(p.fd);
+	free(p.frame);
+	cr_assert_lt(h_stat(c, "queued_bytes"), 1u << 20, "memory released");
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* 1 MiB of a 60 MiB frame, then silence: FRAME_TIMEOUT and a close. */
+Test(reliability, a_frame_that_stops_arriving_is_closed_after_the_frame_timeout)
+{
+	const char *args[] = {"--no-probe", "--frame-timeout", "2", NULL};
+	struct hd d;
+	struct tl_client *c;
+	char code[64], msg[512];
+	long long id;
+	uint8_t head[4];
+	uint8_t *chunk = calloc(1, 1 << 20);
+	int fd;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	fd = raw_connect(d.sock);
+	frame_put_header(head, 60u << 20);
+	raw_send(fd, head, 4);
+	raw_send(fd, chunk, 1 << 20);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0, "an error frame");
+	cr_assert_str_eq(code, "FRAME_TIMEOUT", "%s", msg);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1, "then a close");
+	close(fd);
+	cr_assert_geq(h_stat(c, "stalled_closed"), 1);
+	cr_assert_lt(h_stat(c, "queued_bytes"), 1u << 20, "its frame's memory was released");
+	still_serves(&d);
+	free(chunk);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* Like send_all, but stops at the first error (the daemon closes on it). */
+static void *send_until_closed(void *arg)
+{
+	struct pipeline *p = arg;
+
+	for (int k = 0; k < p->n; k++)
+		if (send(p->fd, p->frame, p->len, MSG_NOSIGNAL) != (ssize_t)p->len)
+			break;
+	return NULL;
+}
+
+/* Reads to EOF; returns the number of whole frames (the last may be cut). */
+static int count_frames_to_eof(int fd)
+{
+	size_t cap = 1 << 20, len = 0, at = 0;
+	uint8_t *buf = malloc(cap);
+	ssize_t k;
+	int n = 0;
+
+	while ((k = recv(fd, buf + len, cap - len, 0)) > 0) {
+		len += (size_t)k;
+		if (len == cap)
+			buf = realloc(buf, cap *= 2);
+	}
+	while (at + 4 <= len) {
+		uint32_t body = (uint32_t)buf[at] << 24 | (uint32_t)buf[at + 1] << 16 |
+		                (uint32_t)buf[at + 2] << 8 | buf[at + 3];
+		if (at + 4 + body > len)
+			break;
+		at += 4 + body;
+		n++;
+	}
+	free(buf);
+	return n;
+}
+
+/* Replies that stop leaving (the client reads nothing) close the connection too. */
+Test(reliability, a_client_whose_replies_stop_moving_is_closed)
+{
+	const char *args[] = {"--no-probe", "--frame-timeout", "2", NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct pipeline p = {.n = 20000};
+	int got;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.pipe", CUMSUM_SRC);
+	scan_sum_ok(c, "rel.pipe", 3);
+	p.frame = scan_frame("rel.pipe", &p.len);
+	p.fd = raw_connect(d.sock);
+	pthread_create(&p.th, NULL, send_until_closed, &p);
+	for (int k = 0; k < 300 && h_stat(c, "stalled_closed") == 0; k++)
+		usleep(100000);
+	cr_assert_geq(h_stat(c, "stalled_closed"), 1, "the connection was closed");
+	pthread_join(p.th, NULL);
+	got = count_frames_to_eof(p.fd);
+	cr_assert_lt(got, p.n, "the daemon gave up on it before sending everything (%d)", got);
+	close(p.fd);
+	free(p.frame);
+	scan_sum_ok(c, "rel.pipe", 3);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+Test(reliability, idle_connections_are_closed_and_busy_ones_are_not)
+{
+	const char *args[] = {"--no-probe", "--idle-timeout", "2", NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	char code[64], msg[256];
+	long long id;
+	int fd, ready;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	fd = raw_connect(d.sock);
+	for (int k = 0; k < 10; k++) { /* 5 s of a request every 0.5 s */
+		cr_assert_eq(tl_health(c, &ready, &err), 0, "the busy connection: %s", err.message);
+		usleep(500000);
+	}
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1,
+	             "the idle connection was closed");
+	close(fd);
+	cr_assert_geq(h_stat(c, "idle_closed"), 1);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* ---- the cache -------------------------------------------------------------------- */
+
+Test(reliability, a_cache_directory_others_can_write_to_is_refused)
+{
+	char cache[512], objects[600];
+	struct hd d;
+
+	h_tmpdir(cache, sizeof cache, "opencache");
+	chmod(cache, 0777);
+	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
+	cr_assert_eq(hd_exit_status(&d, 60), 1);
+	cr_assert(log_has(&d, "world-writable", 0), "log %s", d.log);
+	chmod(cache, 0700);
+	snprintf(objects, sizeof objects, "%s/objects", cache);
+	mkdir(objects, 0700);
+	cr_assert_eq(chown(objects, 65534, 65534), 0);
+	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
+	cr_assert_eq(hd_exit_status(&d, 60), 1);
+	cr_assert(log_has(&d, "owned by uid 65534", 0), "log %s", d.log);
+}
+
+/* The cache key of adapter's specialization whose signature contains sig. */
+static void spec_key(struct tl_client *c, const char *adapter, const char *sig, char key[65])
+{
+	json_t *j = h_call_json(c, "describe", adapter), *sp;
+	size_t i;
+
+	key[0] = '\0';
+	json_array_foreach(json_object_get(j, "specializations"), i, sp)
+	{
+		if (strstr(jstr(sp, "signature"), sig))
+			snprintf(key, 65, "%s", jstr(sp, "key"));
+	}
+	json_decref(j);
+	cr_assert_eq(strlen(key), 64, "no specialization %s", sig);
+}
+
+static void run_py(const char *code, const char *a1, const char *a2, const char *a3)
+{
+	char py[1100];
+	const char *argv[] = {py, "-c", code, a1, a2, a3, NULL};
+
+	snprintf(py, sizeof py, "%s/.venv/bin/python", h_root());
+	cr_assert_eq(h_run(argv, NULL), 0, "python helper failed");
+}
+
+/* Moves objects/A.* and objects/B.* into each other's names. */
+static const char SWAP_PY[] =
+    "import os, sys\n"
+    "o, a, b = sys.argv[1:4]\n"
+    "for ext in ('so', 'meta'):\n"
+    "    pa, pb = f'{o}/{a}.{ext}', f'{o}/{b}.{ext}'\n"
+    "    os.rename(pa, pa + '.x'); os.rename(pb, pa); os.rename(pa + '.x', pb)\n";
+
+/* Makes entry A B's artifact with metadata that checks out (sha, size, A's key). */
+static const char FORGE_PY[] =
+    "import msgpack, os, shutil, sys\n"
+    "o, a, b = sys.argv[1:4]\n"
+    "m = msgpack.unpackb(open(f'{o}/{b}.meta', 'rb').read())\n"
+    "m['key'] = a\n"
+    "os.unlink(f'{o}/{a}.so'); shutil.copy(f'{o}/{b}.so', f'{o}/{a}.so')\n"
+    "open(f'{o}/{a}.meta', 'wb').write(msgpack.packb(m))\n";
+
+static void restart(struct hd *d, const char *cache, struct tl_client **c)
+{
+	tl_close(*c);
+	cr_assert_eq(hd_stop(d), 0);
+	hd_start(d, cache, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(d, 120);
+	*c = hd_connect(d);
+	reg_ok(*c, "rel.cache", CUMSUM_SRC);
+}
+
+/*
+ * Tampered entries: a swapped .so + .meta pair (each .meta names its key),
+ * an artifact whose metadata checks out but whose outputs are another
+ * graph's (checked against the signature before any data is returned:
+ * ARTIFACT_CORRUPT, then rebuilt), and a FIFO in place of a .meta (refused,
+ * never opened for a blocking read).
+ */
+Test(reliability, tampered_cache_entries_are_refused_and_rebuilt)
+{
+	char cache[512], objects[600], k3[65], k5[65], path[800];
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	json_t *j;
+
+	h_tmpdir(cache, sizeof cache, "tamper");
+	snprintf(objects, sizeof objects, "%s/objects", cache);
+	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.cache", CUMSUM_SRC);
+	scan_sum_ok(c, "rel.cache", 3);
+	scan_sum_ok(c, "rel.cache", 5);
+	spec_key(c, "rel.cache", "T=3 ", k3);
+	spec_key(c, "rel.cache", "T=5 ", k5);
+
+	restart(&d, cache, &c); /* forged: T=5's entry holds T=3's graph */
+	run_py(FORGE_PY, objects, k5, k3);
+	expect_code(scan_sum(c, "rel.cache", 5, &err), &err, "ARTIFACT_CORRUPT");
+	scan_sum_ok(c, "rel.cache", 5); /* dropped, quarantined, rebuilt */
+	scan_sum_ok(c, "rel.cache", 3);
+	cr_assert_eq(hd_counter(c, "rel.cache", "compiles"), 1);
+
+	restart(&d, cache, &c); /* swapped pair */
+	run_py(SWAP_PY, objects, k3, k5);
+	scan_sum_ok(c, "rel.cache", 3);
+	scan_sum_ok(c, "rel.cache", 5);
+	cr_assert_eq(hd_counter(c, "rel.cache", "compiles"), 2, "both entries were rebuilt");
+
+	restart(&d, cache, &c); /* a FIFO where the .meta was */
+	snprintf(path, sizeof path, "%s/%s.meta", objects, k3);
+	cr_assert_eq(unlink(path), 0);
+	cr_assert_eq(mkfifo(path, 0600), 0);
+	scan_sum_ok(c, "rel.cache", 3);
+	cr_assert_eq(hd_counter(c, "rel.cache", "compiles"), 1);
+	scan_sum_ok(c, "rel.cache", 5);
+	cr_assert_eq(hd_counter(c, "rel.cache", "cache_hits"), 1);
+	/* a graph loaded from the cache shows the compile time its .meta recorded */
+	j = h_call_json(c, "describe", "rel.cache");
+	{
+		json_t *sp;
+		size_t i;
+		json_array_foreach(json_object_get(j, "specializations"), i, sp)
+		{
+			if (strstr(jstr(sp, "signature"), "T=5 ")) {
+				cr_assert(json_is_true(json_object_get(sp, "from_cache")));
+				cr_assert_gt(
+				    json_number_value(json_object_get(sp, "compile_seconds")), 0);
+			}
+		}
+	}
+	json_decref(j);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* A record that does not parse in the warm-start index is skipped, not used. */
+Test(reliability, a_corrupt_warm_start_index_record_is_skipped)
+{
+	char cache[512], dir[512], idx[600], path[1200];
+	const char *args[] = {"--no-probe", "--adapters", dir, NULL};
+	static const uint8_t garbage[] = {0,    0, 0, 5, 0xc1, 0xc1, 0xc1, 0xc1,
+	                                  0xc1, 0, 0, 0, 3,    0x81, 0xa1, 'x'};
+	struct hd d;
+	struct tl_client *c;
+	json_t *j;
+	FILE *f;
+	DIR *dd;
+	struct dirent *e;
+
+	h_tmpdir(cache, sizeof cache, "idx");
+	h_tmpdir(dir, sizeof dir, "idxdir");
+	snprintf(path, sizeof path, "%s/rel.cache.adapter", dir);
+	f = fopen(path, "w");
+	fprintf(f, "name = rel.cache\nbody = %s/examples/bodies/cumsum.py\nmax_steps = 16\n",
+	        h_root());
+	fclose(f);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	scan_sum_ok(c, "rel.cache", 3);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	snprintf(idx, sizeof idx, "%s/index", cache);
+	dd = opendir(idx);
+	while ((e = readdir(dd)) != NULL) {
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof path, "%s/%s", idx, e->d_name);
+		f = fopen(path, "a");
+		fwrite(garbage, 1, sizeof garbage, f);
+		fclose(f);
+	}
+	closedir(dd);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	j = h_call_json(c, "describe", "rel.cache");
+	cr_assert_eq(json_array_size(json_object_get(j, "specializations")), 1,
+	             "the good record, loaded; nothing from the bad ones");
+	json_decref(j);
+	scan_sum_ok(c, "rel.cache", 3);
+	cr_assert_eq(hd_counter(c, "rel.cache", "compiles"), 0);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/*
+ * The disk fills up during a compile: COMPILE_FAILED whose message starts
+ * with the cause, nothing left in tmp/, and not remembered: once there is
+ * space the same request compiles.
+ */
+Test(reliability, a_full_disk_fails_the_compile_with_its_cause_and_is_not_remembered)
+{
+	char cache[512], filler[600], tmp[600];
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	struct statvfs vfs;
+	int fd;
+	DIR *dd;
+	struct dirent *e;
+	int left = 0;
+
+	h_tmpdir(cache, sizeof cache, "full");
+	if (mount("tmpfs", cache, "tmpfs", 0, "size=16m,mode=0700") != 0)
+		cr_skip_test("CANNOT TEST A FULL DISK HERE: mounting a tmpfs needs root (%s)",
+		             strerror(errno));
+	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.full", CUMSUM_SRC);
+	snprintf(filler, sizeof filler, "%s/filler", cache);
+	fd = open(filler, O_WRONLY | O_CREAT, 0600);
+	cr_assert_eq(statvfs(cache, &vfs), 0);
+	cr_assert_eq(posix_fallocate(fd, 0, (off_t)(vfs.f_bavail * vfs.f_frsize) - 4096), 0);
+	close(fd);
+	expect_code(scan_sum(c, "rel.full", 3, &err), &err, "COMPILE_FAILED");
+	cr_assert_not_null(strstr(err.message, "No space left on device"), "%s", err.message);
+	cr_assert_lt(strstr(err.message, "No space left on device") - err.message, 100,
+	             "the cause comes first: %s", err.message);
+	snprintf(tmp, sizeof tmp, "%s/tmp", cache);
+	dd = opendir(tmp);
+	while ((e = readdir(dd)) != NULL)
+		left += e->d_name[0] != '.';
+	closedir(dd);
+	cr_assert_eq(left, 0, "the failed compile left files in %s", tmp);
+	unlink(filler);
+	scan_sum_ok(c, "rel.full", 3);
+	cr_assert_eq(hd_counter(c, "rel.full", "compiles"), 2, "the failure was not remembered");
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	umount2(cache, MNT_DETACH);
+}
+
+/* ---- the worker ------------------------------------------------------------------- */
+
+/*
+ * A worker that dies at start (here: a wrapper that exits while a flag file
+ * exists) is retried with backoff, not in a tight loop; meanwhile jobs fail
+ * at once with WORKER_CRASHED and health is not ready; when the worker can
+ * start again, everything works.
+ */
+Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
+{
+	char dir[512], wrapper[600], flag[600];
+	const char *args[] = {"--no-probe", "--worker", wrapper, NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	FILE *f;
+	uint64_t tries;
+	bool backoff = false;
+	pid_t w;
+
+	h_tmpdir(dir, sizeof dir, "wrapper");
+	snprintf(wrapper, sizeof wrapper, "%s/worker.py", dir);
+	snprintf(flag, sizeof flag, "%s/broken", dir);
+	f = fopen(wrapper, "w");
+	fprintf(f,
+	        "import os, runpy, sys\n"
+	        "if os.path.exists(%s%s%s):\n    sys.exit(7)\n"
+	        "sys.argv[0] = %s%s/daemon/worker/compile_worker.py%s\n"
+	        "runpy.run_path(sys.argv[0], run_name='__main__')\n",
+	        "'", flag, "'", "'", h_root(), "'");
+	fclose(f);
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	close(open(flag, O_CREAT | O_WRONLY, 0600));
+	w = h_child_of(d.pid);
+	cr_assert_gt(w, 0);
+	kill(w, SIGKILL);
+	for (int k = 0; k < 100 && !backoff; k++) {
+		json_t *j = health(c);
+		backoff = strcmp(jstr(j, "worker_state"), "backoff") == 0 &&
+		          json_is_false(json_object_get(j, "ready"));
+		json_decref(j);
+		usleep(100000);
+	}
+	cr_assert(backoff, "health reports the worker in backoff");
+	expect_code(reg_src(c, "rel.nostart", CUMSUM_SRC, &err), &err, "WORKER_CRASHED");
+	cr_assert_not_null(strstr(err.message, "cannot start"), "%s", err.message);
+	tries = h_stat(c, "worker_start_failures");
+	sleep(4);
+	cr_assert_leq(h_stat(c, "worker_start_failures") - tries, 4,
+	              "backoff: a few tries in 4 s, not dozens");
+	unlink(flag);
+	hd_wait_ready(&d, 60); /* the next try (at most 32 s away) succeeds */
+	reg_ok(c, "rel.nostart", CUMSUM_SRC);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+#define KILLER_SRC                                                                                 \
+	"import os, signal\n\ndef body(c, x):\n    os.kill(os.getpid(), signal.SIGKILL)\n"         \
+	"    return c + x, c\n"
+
+/* A body that kills the worker: transient once, refused after the second time. */
+Test(reliability, a_body_that_kills_the_worker_twice_is_refused_until_re_registered)
+{
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.killer", KILLER_SRC);
+	expect_code(scan_sum(c, "rel.killer", 3, &err), &err, "WORKER_CRASHED");
+	expect_code(scan_sum(c, "rel.killer", 3, &err), &err, "WORKER_CRASHED");
+	cr_assert_not_null(strstr(err.message, "not compiled again"), "%s", err.message);
+	expect_code(scan_sum(c, "rel.killer", 4, &err), &err, "WORKER_CRASHED");
+	cr_assert_eq(hd_counter(c, "rel.killer", "compiles"), 2, "no third compile");
+	cr_assert_eq(hd_counter(c, "rel.killer", "worker_crashes"), 2);
+	still_serves(&d);
+	reg_ok(c, "rel.killer", CUMSUM_SRC); /* a new definition starts afresh */
+	scan_sum_ok(c, "rel.killer", 3);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* A timeout kills the worker's whole tree, a setsid'd grandchild included. */
+Test(reliability, a_timeout_kills_the_worker_and_everything_it_started)
+{
+	const char *args[] = {"--no-probe", "--compile-timeout", "5", NULL};
+	char dir[512], pidfile[600], src[1400];
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	FILE *f;
+	int pid = 0;
+
+	h_tmpdir(dir, sizeof dir, "tree");
+	snprintf(pidfile, sizeof pidfile, "%s/pid", dir);
+	snprintf(src, sizeof src,
+	         "import subprocess, time\n\ndef body(c, x):\n"
+	         "    p = subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+	         "    open('%s', 'w').write(str(p.pid))\n"
+	         "    time.sleep(600)\n    return c + x, c\n",
+	         pidfile);
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.tree", src);
+	expect_code(scan_sum(c, "rel.tree", 3, &err), &err, "COMPILE_TIMEOUT");
+	f = fopen(pidfile, "r");
+	cr_assert_not_null(f, "the body started its child");
+	cr_assert_eq(fscanf(f, "%d", &pid), 1);
+	fclose(f);
+	cr_assert(pid_gone(pid, 10), "the setsid'd sleep %d outlived the timeout", pid);
+	cr_assert_geq(h_stat(c, "worker_orphans_killed"), 1);
+	still_serves(&d);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* SIGKILL the daemon mid-compile: its worker dies too; the next start cleans tmp/. */
+Test(reliability, a_dead_daemons_worker_dies_and_its_leftovers_are_cleaned)
+{
+	char cache[512], stale[800], tmp[600];
+	struct hd d;
+	struct tl_client *c;
+	struct bg slow;
+	pid_t w, dead;
+	DIR *dd;
+	struct dirent *e;
+	int left = 0;
+
+	h_tmpdir(cache, sizeof cache, "orphan");
+	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.slow", SLOW_SRC);
+	bg_start(&slow, &d, "rel.slow", 1);
+	sleep(2);
+	w = h_child_of(d.pid);
+	cr_assert_gt(w, 0, "the worker is compiling");
+	dead = d.pid;
+	kill(d.pid, SIGKILL);
+	waitpid(d.pid, NULL, 0);
+	d.pid = 0;
+	pthread_join(slow.th, NULL);
+	cr_assert_eq(slow.rc, -1, "the scan failed with its daemon");
+	tl_close(c);
+	cr_assert(pid_gone(w, 10), "the worker %d outlived its daemon", (int)w);
+	/* what a compile of the dead daemon left behind */
+	snprintf(stale, sizeof stale, "%s/tmp/0123456789abcdef.%d.0.so.d", cache, (int)dead);
+	cr_assert_eq(mkdir(stale, 0700), 0);
+	strcat(stale, "/wrapper.cpp");
+	close(open(stale, O_CREAT | O_WRONLY, 0600));
+	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	snprintf(tmp, sizeof tmp, "%s/tmp", cache);
+	dd = opendir(tmp);
+	while ((e = readdir(dd)) != NULL)
+		left += e->d_name[0] != '.';
+	closedir(dd);
+	cr_assert_eq(left, 0, "tmp/ was cleaned at start");
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* The worker gets an allow-list of the daemon's environment, never the rest. */
+Test(reliability, the_worker_sees_only_an_allow_listed_environment)
+{
+	static const char src[] =
+	    "import os\n"
+	    "assert 'TL_TEST_SECRET' not in os.environ, 'the environment leaked'\n"
+	    "assert os.environ.get('PATH'), 'PATH must reach the worker'\n"
+	    "assert os.environ.get('OMP_TEST_VAR') == '3', 'OMP_* must reach the "
+	    "worker'\n" CUMSUM_SRC;
+	struct hd d;
+	struct tl_client *c;
+
+	setenv("TL_TEST_SECRET", "hunter2", 1);
+	setenv("OMP_TEST_VAR", "3", 1);
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.env", src); /* the import runs in the worker at register time */
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/*
+ * torch.linalg.solve has no C shim in torch 2.14: the artifact would need
+ * AOTI's C++ proxy executor.  Refused at compile time, naming the aten op,
+ * using no budget, remembered.
+ */
+Test(reliability, a_graph_that_needs_the_proxy_executor_is_refused_at_compile_time)
+{
+	static const char src[] = "import torch\n\ndef body(c, x):\n"
+	                          "    a = x + 3 * torch.eye(3, dtype=x.dtype)\n"
+	                          "    c = torch.linalg.solve(a, c)\n    return c, c\n";
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	struct tl_builder *b = tl_builder_new();
+	double carry[3] = {1, 2, 3}, xs[18];
+	int64_t cs[] = {3}, xsh[] = {2, 3, 3};
+	struct tl_reply *r;
+
+	h_fill(xs, TL_FLOAT64, 18, 9);
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.solve", src);
+	for (int k = 0; k < 2; k++) {
+		expect_code(tl_scan(c, "rel.solve", tl_tensor(b, TL_FLOAT64, 1, cs, carry),
+		                    tl_tensor(b, TL_FLOAT64, 3, xsh, xs), &r, &err),
+		            &err, "PROXY_EXECUTOR_REQUIRED");
+		cr_assert_not_null(strstr(err.message, "aten::_linalg_solve_ex"), "%s",
+		                   err.message);
+	}
+	cr_assert_eq(hd_counter(c, "rel.solve", "compiles"), 1, "remembered");
+	cr_assert_eq(hd_counter(c, "rel.solve", "graphs"), 0, "no budget used");
+	still_serves(&d);
+	tl_builder_free(b);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* register imports the body first: errors are BODY_ERROR and nothing is registered. */
+Test(reliability, register_refuses_a_body_that_does_not_import)
+{
+	static const struct {
+		const char *src, *entry, *needle;
+	} bad[] = {
+	    {"def body(c, x)\n    return c, x\n", "body", "SyntaxError"},
+	    {CUMSUM_SRC, "step", "has no function 'step'"},
+	    {"raise ImportError('no such solver')\n" CUMSUM_SRC, "body", "no such solver"},
+	    {"body = 3\n", "body", "has no function"},
+	};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	json_t *j;
+
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		struct tl_adapter_def def = {"rel.bad", bad[i].src, "bad.py", bad[i].entry,
+		                             NULL,      0,          0,        0};
+		expect_code(tl_register(c, &def, &err), &err, "BODY_ERROR");
+		cr_assert_not_null(strstr(err.message, bad[i].needle), "case %zu: %s", i,
+		                   err.message);
+	}
+	j = h_call_json(c, "list", NULL);
+	cr_assert_eq(json_array_size(json_object_get(j, "adapters")), 0, "nothing registered");
+	json_decref(j);
+	reg_ok(c, "rel.bad", CUMSUM_SRC);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* ---- limits ----------------------------------------------------------------------- */
+
+Test(reliability, max_connections_over_the_descriptor_limit_is_refused_at_start)
+{
+	struct rlimit rl = {256, 256};
+	struct hd d;
+
+	cr_assert_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", "--max-connections", "1000", NULL});
+	cr_assert_eq(hd_exit_status(&d, 60), 1);
+	cr_assert(log_has(&d, "LimitNOFILE", 0), "log %s", d.log);
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", "--max-connections", "100", NULL});
+	hd_wait_ready(&d, 120);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+static int hello_as(const char *sock, uid_t uid)
+{
+	pid_t pid = fork();
+	int status;
+
+	if (pid == 0) {
+		struct tl_client *c;
+		struct tl_error err;
+		if (setgid(uid) != 0 || setuid(uid) != 0)
+			_exit(3);
+		if (tl_connect(sock, 5000, &c, &err) != 0 || tl_hello(c, &err) != 0)
+			_exit(1);
+		tl_close(c);
+		_exit(0);
+	}
+	waitpid(pid, &status, 0);
+	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+Test(reliability, one_uid_cannot_take_every_connection)
+{
+	const char *args[] = {
+	    "--no-probe", "--max-connections-per-uid", "3", "--socket-mode", "0666", NULL};
+	struct hd d;
+	struct tl_client *c[3];
+	char code[64], msg[256];
+	long long id;
+	int fd;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	chmod(d.dir, 0755);
+	for (int k = 0; k < 3; k++)
+		c[k] = hd_connect(&d);
+	fd = raw_connect(d.sock);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "BUSY", "%s", msg);
+	cr_assert_not_null(strstr(msg, "max-connections-per-uid"), "%s", msg);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1, "then a close");
+	close(fd);
+	cr_assert_eq(hello_as(d.sock, 65534), 0, "another uid still gets in");
+	tl_close(c[2]);
+	usleep(200000);
+	c[2] = hd_connect(&d); /* a slot came free */
+	for (int k = 0; k < 3; k++)
+		tl_close(c[k]);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* The client library reports a daemon that closed on it; it never raises SIGPIPE. */
+Test(reliability, a_daemon_that_closes_mid_request_is_an_error_not_a_sigpipe)
+{
+	const char *args[] = {"--no-probe", "--max-frame", "1048576", NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	struct tl_builder *b = tl_builder_new();
+	double carry[4] = {0};
+	double *xs = calloc(4 * 131072, sizeof *xs); /* 4 MiB: over --max-frame */
+	int64_t cs[] = {4}, xsh[] = {4, 131072};
+	struct tl_reply *r;
+	int rc;
+
+	signal(SIGPIPE, SIG_DFL); /* what a solver process has */
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	rc = tl_scan(c, "rel.any", tl_tensor(b, TL_FLOAT64, 1, cs, carry),
+	             tl_tensor(b, TL_FLOAT64, 2, xsh, xs), &r, &err);
+	cr_assert_eq(rc, -1);
+	cr_assert(strcmp(err.code, "FRAME_TOO_LARGE") == 0 || strcmp(err.code, "IO") == 0, "%s %s",
+	          err.code, err.message);
+	tl_close(c);
+	still_serves(&d);
+	tl_builder_free(b);
+	free(xs);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* ---- requests and registrations -------------------------------------------------- */
+
+/* A compile request whose carry is the shape tree given as raw msgpack. */
+static void send_compile(int fd, const uint8_t *carry, size_t carry_len)
+{
+	struct writer w;
+	size_t len;
+	struct proto_err err;
+	uint8_t *frame;
+
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, 9, "compile", 4);
+	writer_key_str(&w, "adapter", "rel.dup");
+	writer_key_str(&w, "dtype", "float64");
+	writer_str(&w, "carry");
+	writer_raw(&w, carry, carry_len);
+	writer_str(&w, "inputs");
+	msgpack_pack_map(&w.pk, 2);
+	writer_key_str(&w, "k", "T");
+	writer_str(&w, "s");
+	msgpack_pack_array(&w.pk, 2);
+	msgpack_pack_int(&w.pk, 3);
+	msgpack_pack_int(&w.pk, 4);
+	frame = writer_flatten(&w, &len, PROTO_FRAME_MAX, &err);
+	cr_assert_not_null(frame);
+	raw_send(fd, frame, len);
+	free(frame);
+	writer_destroy(&w);
+}
+
+static const char HEALTH[] = "\x82\xa2id\x01\xa2op\xa6"
+                             "health";
+
+/* Shape trees obey the tree rules (unique keys); an error names its cause once. */
+Test(reliability, compile_refuses_duplicate_keys_and_names_the_cause_once)
+{
+	/* {"k": "dict", "keys": ["a", "a"], "c": [T[4], T[4]]} */
+	static const uint8_t dup[] = {0x83, 0xa1, 'k',  0xa4, 'd',  'i',  'c',  't',  0xa4, 'k',
+	                              'e',  'y',  's',  0x92, 0xa1, 'a',  0xa1, 'a',  0xa1, 'c',
+	                              0x92, 0x82, 0xa1, 'k',  0xa1, 'T',  0xa1, 's',  0x91, 0x04,
+	                              0x82, 0xa1, 'k',  0xa1, 'T',  0xa1, 's',  0x91, 0x04};
+	/* {"k": "bogus", "c": []} */
+	static const uint8_t bogus[] = {0x82, 0xa1, 'k', 0xa5, 'b', 'o',
+	                                'g',  'u',  's', 0xa1, 'c', 0x90};
+	struct hd d;
+	struct tl_client *c;
+	char code[64], msg[1024];
+	long long id;
+	int fd;
+
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.dup", CUMSUM_SRC);
+	fd = raw_connect(d.sock);
+	send_compile(fd, dup, sizeof dup);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "DUPLICATE_KEY", "%s", msg);
+	cr_assert_not_null(strstr(msg, "\"a\""), "%s", msg);
+	send_compile(fd, bogus, sizeof bogus);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "INVALID_ARGUMENT", "%s", msg);
+	cr_assert_str_eq(msg, "carry: malformed spec tree: node kind");
+	cr_assert_eq(hd_counter(c, "rel.dup", "compiles"), 0);
+	raw_send_frame(fd, HEALTH, sizeof HEALTH - 1); /* the connection serves on */
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "");
+	close(fd);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/*
+ * Failed specializations are remembered (no recompile of the same bad
+ * request) but at most --max-failed-specs per adapter, least recently used
+ * forgotten first (before the fix: unbounded, 33 000 of them from one uid).
+ */
+Test(reliability, failed_specializations_are_bounded_per_adapter)
+{
+	static const char raises[] = "def body(c, x):\n    raise RuntimeError('diverged')\n";
+	const char *args[] = {"--no-probe", "--max-failed-specs", "4", NULL};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	json_t *j;
+
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	reg_ok(c, "rel.fail", raises);
+	for (int T = 1; T <= 10; T++)
+		expect_code(scan_sum(c, "rel.fail", T, &err), &err, "BODY_ERROR");
+	cr_assert_eq(hd_counter(c, "rel.fail", "failed_specs"), 4);
+	cr_assert_eq(hd_counter(c, "rel.fail", "failed_evictions"), 6);
+	cr_assert_eq(h_stat(c, "failed_evictions"), 6);
+	expect_code(scan_sum(c, "rel.fail", 10, &err), &err, "BODY_ERROR");
+	cr_assert_eq(hd_counter(c, "rel.fail", "compiles"), 10, "T=10 is remembered");
+	expect_code(scan_sum(c, "rel.fail", 1, &err), &err, "BODY_ERROR");
+	cr_assert_eq(hd_counter(c, "rel.fail", "compiles"), 11, "T=1 was forgotten");
+	j = h_call_json(c, "describe", "rel.fail");
+	cr_assert_eq(json_array_size(json_object_get(j, "specializations")), 4);
+	json_decref(j);
+	still_serves(&d);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+static void write_adapter_file(const char *dir, const char *name, const char *body)
+{
+	char path[1200];
+	FILE *f;
+
+	snprintf(path, sizeof path, "%s/%s.adapter", dir, name);
+	f = fopen(path, "w");
+	cr_assert_not_null(f);
+	fprintf(f, "name = %s\nbody = %s\nmax_steps = 16\n", name, body);
+	fclose(f);
+}
+
+static size_t adapter_count(struct tl_client *c)
+{
+	json_t *j = h_call_json(c, "list", NULL);
+	size_t n = json_array_size(json_object_get(j, "adapters"));
+
+	json_decref(j);
+	return n;
+}
+
+static bool listed(struct tl_client *c, const char *name)
+{
+	json_t *j = h_call_json(c, "list", NULL), *a;
+	size_t i;
+	bool found = false;
+
+	json_array_foreach(json_object_get(j, "adapters"), i, a)
+	{
+		found |= strcmp(jstr(a, "name"), name) == 0;
+	}
+	json_decref(j);
+	return found;
+}
+
+/* How many lines of the daemon's log contain needle. */
+static int log_count(const struct hd *d, const char *needle)
+{
+	FILE *f = fopen(d->log, "r");
+	char line[4096];
+	int seen = 0;
+
+	while (f && fgets(line, sizeof line, f))
+		seen += strstr(line, needle) != NULL;
+	if (f)
+		fclose(f);
+	return seen;
+}
+
+/* SIGHUP, then waits until the daemon logs that this reload is done. */
+static void reload(struct hd *d, int *reloads)
+{
+	kill(d->pid, SIGHUP);
+	(*reloads)++;
+	for (int k = 0; k < 300 && log_count(d, "SIGHUP: reload done") < *reloads; k++)
+		usleep(100000);
+	cr_assert_geq(log_count(d, "SIGHUP: reload done"), *reloads, "reload %d never finished",
+	              *reloads);
+}
+
+/*
+ * The adapters directory is read off the event loop: 300 files (over the old
+ * 256 cap) survive a reload; a FIFO as a body does not freeze the daemon; a
+ * body that is missing for a moment keeps its adapter; a removed file
+ * unregisters its adapter.
+ */
+Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cannot_read)
+{
+	char dir[512], bodies[512], body[800], fifo[800], path[1200];
+	const char *args[] = {"--no-probe", "--adapters", dir, NULL};
+	struct hd d;
+	struct tl_client *c;
+	int reloads = 0, ready;
+	struct tl_error err;
+
+	h_tmpdir(dir, sizeof dir, "hupdir");
+	h_tmpdir(bodies, sizeof bodies, "hupbodies");
+	snprintf(body, sizeof body, "%s/cumsum.py", bodies);
+	snprintf(path, sizeof path, "cp %s/examples/bodies/cumsum.py %s", h_root(), body);
+	cr_assert_eq(system(path), 0);
+	snprintf(path, sizeof path, "%s/examples/bodies/cumsum.py", h_root());
+	for (int k = 0; k < 300; k++) { /* hup.005 has a body of its own, removed below */
+		char name[32];
+		snprintf(name, sizeof name, "hup.%03d", k);
+		write_adapter_file(dir, name, k == 5 ? body : path);
+	}
+	hd_start(&d, NULL, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	cr_assert_eq(adapter_count(c), 300);
+	reload(&d, &reloads);
+	cr_assert_eq(adapter_count(c), 300, "all 300 survive a reload");
+
+	snprintf(fifo, sizeof fifo, "%s/fifo.py", bodies);
+	cr_assert_eq(mkfifo(fifo, 0600), 0);
+	write_adapter_file(dir, "hup.fifo", fifo);
+	reload(&d, &reloads);
+	cr_assert_eq(tl_health(c, &ready, &err), 0, "the loop answers: %s", err.message);
+	cr_assert(log_has(&d, "not a regular file", 10), "log %s", d.log);
+	cr_assert(!listed(c, "hup.fifo"));
+	cr_assert_eq(adapter_count(c), 300);
+
+	cr_assert_eq(unlink(body), 0); /* hup.005's body is missing for a moment */
+	snprintf(path, sizeof path, "%s/hup.007.adapter", dir);
+	cr_assert_eq(unlink(path), 0); /* hup.007's file is gone */
+	reload(&d, &reloads);
+	cr_assert(listed(c, "hup.005"), "kept while its body cannot be read");
+	cr_assert(log_has(&d, "keeping the registered hup.005", 10), "log %s", d.log);
+	cr_assert(!listed(c, "hup.007"), "unregistered: its file is gone");
+	cr_assert_eq(adapter_count(c), 299);
+	scan_sum_ok(c, "hup.005", 3);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
