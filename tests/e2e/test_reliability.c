@@ -105,6 +105,21 @@ static void still_serves(struct hd *d)
 	hd_wait_ready(d, 60);
 }
 
+/* A daemon (shared cache when cache is NULL), ready, and a client of it. */
+static struct tl_client *up(struct hd *d, const char *cache, const char *const *args)
+{
+	hd_start(d, cache, args);
+	hd_wait_ready(d, 120);
+	return hd_connect(d);
+}
+
+/* Closes the client and stops the daemon, which must exit 0. */
+static void down(struct hd *d, struct tl_client *c)
+{
+	tl_close(c);
+	cr_assert_eq(hd_stop(d), 0, "clean exit; log %s", d->log);
+}
+
 static json_t *health(struct tl_client *c)
 {
 	return h_call_json(c, "health", NULL);
@@ -264,9 +279,7 @@ Test(reliability, jobs_behind_a_timed_out_compile_run_on_a_fresh_worker)
 	pthread_t th;
 	struct bg slow;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	reg_ok(c, "rel.slow", SLOW_SRC);
 	h.sock = d.sock;
 	pthread_create(&th, NULL, hammer_register, &h);
@@ -286,8 +299,7 @@ Test(reliability, jobs_behind_a_timed_out_compile_run_on_a_fresh_worker)
 	cr_assert_eq(h_stat(c, "worker_restarts"), 2, "one new worker per timeout");
 	still_serves(&d);
 	reg_ok(c, "rel.after", CUMSUM_SRC);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /*
@@ -306,9 +318,7 @@ Test(reliability, re_registering_mid_compile_never_blocks_a_pool_thread)
 	char src[512];
 
 	unique_src(src, sizeof src, CUMSUM_SRC);
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	reg_ok(c, "rel.warm", CUMSUM_SRC);
 	scan_sum_ok(c, "rel.warm", 3); /* a warm graph to scan meanwhile */
 	reg_ok(c, "rel.wedge", src);
@@ -377,9 +387,7 @@ Test(reliability, health_reports_a_thread_pool_that_takes_no_work)
 	struct bg runs[4];
 	bool stalled = false;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	cr_assert_eq(tl_register(c, &def, &err), 0, "%s", err.message);
 	runs[0] = (struct bg){.sock = d.sock, .adapter = "rel.heavy"};
 	heavy_scan(&runs[0]); /* compiles (once per cache) and measures */
@@ -404,8 +412,7 @@ Test(reliability, health_reports_a_thread_pool_that_takes_no_work)
 	cr_assert(stalled, "health never reported the busy pool");
 	cr_assert_geq(h_stat(c, "pool_stalls"), 1);
 	still_serves(&d);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* Keeps sending scan frames for t4 (T=3) until n are out; the daemon may pause us. */
@@ -470,9 +477,7 @@ Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
 	uint64_t queued = 0;
 	int got = 0;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	reg_ok(c, "rel.pipe", CUMSUM_SRC);
 	scan_sum_ok(c, "rel.pipe", 3);
 	for (int k = 0; k < 5; k++)
@@ -504,8 +509,7 @@ Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
 	close(p.fd);
 	free(p.frame);
 	cr_assert_lt(h_stat(c, "queued_bytes"), 1u << 20, "memory released");
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* 1 MiB of a 60 MiB frame, then silence: FRAME_TIMEOUT and a close. */
@@ -520,9 +524,7 @@ Test(reliability, a_frame_that_stops_arriving_is_closed_after_the_frame_timeout)
 	uint8_t *chunk = calloc(1, 1 << 20);
 	int fd;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	fd = raw_connect(d.sock);
 	frame_put_header(head, 60u << 20);
 	raw_send(fd, head, 4);
@@ -535,8 +537,7 @@ Test(reliability, a_frame_that_stops_arriving_is_closed_after_the_frame_timeout)
 	cr_assert_lt(h_stat(c, "queued_bytes"), 1u << 20, "its frame's memory was released");
 	still_serves(&d);
 	free(chunk);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* Like send_all, but stops at the first error (the daemon closes on it). */
@@ -584,9 +585,7 @@ Test(reliability, a_client_whose_replies_stop_moving_is_closed)
 	struct pipeline p = {.n = 20000};
 	int got;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	reg_ok(c, "rel.pipe", CUMSUM_SRC);
 	scan_sum_ok(c, "rel.pipe", 3);
 	p.frame = scan_frame("rel.pipe", &p.len);
@@ -601,8 +600,7 @@ Test(reliability, a_client_whose_replies_stop_moving_is_closed)
 	close(p.fd);
 	free(p.frame);
 	scan_sum_ok(c, "rel.pipe", 3);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 Test(reliability, idle_connections_are_closed_and_busy_ones_are_not)
@@ -615,9 +613,7 @@ Test(reliability, idle_connections_are_closed_and_busy_ones_are_not)
 	long long id;
 	int fd, ready;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	fd = raw_connect(d.sock);
 	for (int k = 0; k < 10; k++) { /* 5 s of a request every 0.5 s */
 		cr_assert_eq(tl_health(c, &ready, &err), 0, "the busy connection: %s", err.message);
@@ -627,8 +623,7 @@ Test(reliability, idle_connections_are_closed_and_busy_ones_are_not)
 	             "the idle connection was closed");
 	close(fd);
 	cr_assert_geq(h_stat(c, "idle_closed"), 1);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* ---- the cache -------------------------------------------------------------------- */
@@ -721,9 +716,7 @@ Test(reliability, tampered_cache_entries_are_refused_and_rebuilt)
 
 	h_tmpdir(cache, sizeof cache, "tamper");
 	snprintf(objects, sizeof objects, "%s/objects", cache);
-	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, cache, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.cache", CUMSUM_SRC);
 	scan_sum_ok(c, "rel.cache", 3);
 	scan_sum_ok(c, "rel.cache", 5);
@@ -766,8 +759,7 @@ Test(reliability, tampered_cache_entries_are_refused_and_rebuilt)
 		}
 	}
 	json_decref(j);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* A record that does not parse in the warm-start index is skipped, not used. */
@@ -791,12 +783,9 @@ Test(reliability, a_corrupt_warm_start_index_record_is_skipped)
 	fprintf(f, "name = rel.cache\nbody = %s/examples/bodies/cumsum.py\nmax_steps = 16\n",
 	        h_root());
 	fclose(f);
-	hd_start(&d, cache, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, cache, args);
 	scan_sum_ok(c, "rel.cache", 3);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 	snprintf(idx, sizeof idx, "%s/index", cache);
 	dd = opendir(idx);
 	while ((e = readdir(dd)) != NULL) {
@@ -808,17 +797,14 @@ Test(reliability, a_corrupt_warm_start_index_record_is_skipped)
 		fclose(f);
 	}
 	closedir(dd);
-	hd_start(&d, cache, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, cache, args);
 	j = h_call_json(c, "describe", "rel.cache");
 	cr_assert_eq(json_array_size(json_object_get(j, "specializations")), 1,
 	             "the good record, loaded; nothing from the bad ones");
 	json_decref(j);
 	scan_sum_ok(c, "rel.cache", 3);
 	cr_assert_eq(hd_counter(c, "rel.cache", "compiles"), 0);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /*
@@ -842,9 +828,7 @@ Test(reliability, a_full_disk_fails_the_compile_with_its_cause_and_is_not_rememb
 	if (mount("tmpfs", cache, "tmpfs", 0, "size=16m,mode=0700") != 0)
 		cr_skip_test("CANNOT TEST A FULL DISK HERE: mounting a tmpfs needs root (%s)",
 		             strerror(errno));
-	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, cache, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.full", CUMSUM_SRC);
 	snprintf(filler, sizeof filler, "%s/filler", cache);
 	fd = open(filler, O_WRONLY | O_CREAT, 0600);
@@ -864,8 +848,7 @@ Test(reliability, a_full_disk_fails_the_compile_with_its_cause_and_is_not_rememb
 	unlink(filler);
 	scan_sum_ok(c, "rel.full", 3);
 	cr_assert_eq(hd_counter(c, "rel.full", "compiles"), 2, "the failure was not remembered");
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 	umount2(cache, MNT_DETACH);
 }
 
@@ -900,9 +883,7 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	        "runpy.run_path(sys.argv[0], run_name='__main__')\n",
 	        "'", flag, "'", "'", h_root(), "'");
 	fclose(f);
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	close(open(flag, O_CREAT | O_WRONLY, 0600));
 	w = h_child_of(d.pid);
 	cr_assert_gt(w, 0);
@@ -924,8 +905,7 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	unlink(flag);
 	hd_wait_ready(&d, 60); /* the next try (at most 32 s away) succeeds */
 	reg_ok(c, "rel.nostart", CUMSUM_SRC);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 #define KILLER_SRC                                                                                 \
@@ -939,9 +919,7 @@ Test(reliability, a_body_that_kills_the_worker_twice_is_refused_until_re_registe
 	struct tl_client *c;
 	struct tl_error err;
 
-	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.killer", KILLER_SRC);
 	expect_code(scan_sum(c, "rel.killer", 3, &err), &err, "WORKER_CRASHED");
 	expect_code(scan_sum(c, "rel.killer", 3, &err), &err, "WORKER_CRASHED");
@@ -952,8 +930,7 @@ Test(reliability, a_body_that_kills_the_worker_twice_is_refused_until_re_registe
 	still_serves(&d);
 	reg_ok(c, "rel.killer", CUMSUM_SRC); /* a new definition starts afresh */
 	scan_sum_ok(c, "rel.killer", 3);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* A timeout kills the worker's whole tree, a setsid'd grandchild included. */
@@ -975,9 +952,7 @@ Test(reliability, a_timeout_kills_the_worker_and_everything_it_started)
 	         "    open('%s', 'w').write(str(p.pid))\n"
 	         "    time.sleep(600)\n    return c + x, c\n",
 	         pidfile);
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	reg_ok(c, "rel.tree", src);
 	expect_code(scan_sum(c, "rel.tree", 3, &err), &err, "COMPILE_TIMEOUT");
 	f = fopen(pidfile, "r");
@@ -987,8 +962,7 @@ Test(reliability, a_timeout_kills_the_worker_and_everything_it_started)
 	cr_assert(pid_gone(pid, 10), "the setsid'd sleep %d outlived the timeout", pid);
 	cr_assert_geq(h_stat(c, "worker_orphans_killed"), 1);
 	still_serves(&d);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* SIGKILL the daemon mid-compile: its worker dies too; the next start cleans tmp/. */
@@ -1004,9 +978,7 @@ Test(reliability, a_dead_daemons_worker_dies_and_its_leftovers_are_cleaned)
 	int left = 0;
 
 	h_tmpdir(cache, sizeof cache, "orphan");
-	hd_start(&d, cache, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, cache, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.slow", SLOW_SRC);
 	bg_start(&slow, &d, "rel.slow", 1);
 	sleep(2);
@@ -1050,12 +1022,9 @@ Test(reliability, the_worker_sees_only_an_allow_listed_environment)
 
 	setenv("TL_TEST_SECRET", "hunter2", 1);
 	setenv("OMP_TEST_VAR", "3", 1);
-	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.env", src); /* the import runs in the worker at register time */
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /*
@@ -1077,9 +1046,7 @@ Test(reliability, a_graph_that_needs_the_proxy_executor_is_refused_at_compile_ti
 	struct tl_reply *r;
 
 	h_fill(xs, TL_FLOAT64, 18, 9);
-	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.solve", src);
 	for (int k = 0; k < 2; k++) {
 		expect_code(tl_scan(c, "rel.solve", tl_tensor(b, TL_FLOAT64, 1, cs, carry),
@@ -1092,8 +1059,7 @@ Test(reliability, a_graph_that_needs_the_proxy_executor_is_refused_at_compile_ti
 	cr_assert_eq(hd_counter(c, "rel.solve", "graphs"), 0, "no budget used");
 	still_serves(&d);
 	tl_builder_free(b);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* register imports the body first: errors are BODY_ERROR and nothing is registered. */
@@ -1112,9 +1078,7 @@ Test(reliability, register_refuses_a_body_that_does_not_import)
 	struct tl_error err;
 	json_t *j;
 
-	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
 		struct tl_adapter_def def = {"rel.bad", bad[i].src, "bad.py", bad[i].entry,
 		                             NULL,      0,          0,        0};
@@ -1126,8 +1090,7 @@ Test(reliability, register_refuses_a_body_that_does_not_import)
 	cr_assert_eq(json_array_size(json_object_get(j, "adapters")), 0, "nothing registered");
 	json_decref(j);
 	reg_ok(c, "rel.bad", CUMSUM_SRC);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /* ---- limits ----------------------------------------------------------------------- */
@@ -1210,9 +1173,7 @@ Test(reliability, a_daemon_that_closes_mid_request_is_an_error_not_a_sigpipe)
 	int rc;
 
 	signal(SIGPIPE, SIG_DFL); /* what a solver process has */
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	rc = tl_scan(c, "rel.any", tl_tensor(b, TL_FLOAT64, 1, cs, carry),
 	             tl_tensor(b, TL_FLOAT64, 2, xsh, xs), &r, &err);
 	cr_assert_eq(rc, -1);
@@ -1275,9 +1236,7 @@ Test(reliability, compile_refuses_duplicate_keys_and_names_the_cause_once)
 	long long id;
 	int fd;
 
-	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.dup", CUMSUM_SRC);
 	fd = raw_connect(d.sock);
 	send_compile(fd, dup, sizeof dup);
@@ -1293,8 +1252,7 @@ Test(reliability, compile_refuses_duplicate_keys_and_names_the_cause_once)
 	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
 	cr_assert_str_eq(code, "");
 	close(fd);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 /*
@@ -1311,9 +1269,7 @@ Test(reliability, failed_specializations_are_bounded_per_adapter)
 	struct tl_error err;
 	json_t *j;
 
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	reg_ok(c, "rel.fail", raises);
 	for (int T = 1; T <= 10; T++)
 		expect_code(scan_sum(c, "rel.fail", T, &err), &err, "BODY_ERROR");
@@ -1328,8 +1284,7 @@ Test(reliability, failed_specializations_are_bounded_per_adapter)
 	cr_assert_eq(json_array_size(json_object_get(j, "specializations")), 4);
 	json_decref(j);
 	still_serves(&d);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
 
 static void write_adapter_file(const char *dir, const char *name, const char *body)
@@ -1418,9 +1373,7 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 		snprintf(name, sizeof name, "hup.%03d", k);
 		write_adapter_file(dir, name, k == 5 ? body : path);
 	}
-	hd_start(&d, NULL, args);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	c = up(&d, NULL, args);
 	cr_assert_eq(adapter_count(c), 300);
 	reload(&d, &reloads);
 	cr_assert_eq(adapter_count(c), 300, "all 300 survive a reload");
@@ -1443,6 +1396,5 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 	cr_assert(!listed(c, "hup.007"), "unregistered: its file is gone");
 	cr_assert_eq(adapter_count(c), 299);
 	scan_sum_ok(c, "hup.005", 3);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	down(&d, c);
 }
