@@ -23,7 +23,7 @@
 	X("max-connections", max_connections, 1, 1024, 65536, "concurrent client connections")     \
 	X("max-connections-per-uid", max_conns_per_uid, 1, 256, 65536,                             \
 	  "concurrent connections of one peer uid")                                                \
-	X("idle-timeout", idle_timeout, 0, 600, 86400,                                             \
+	X("idle-timeout", idle_timeout, 0, 3600, 86400,                                            \
 	  "seconds a connection with nothing in flight may stay silent (0: forever)")              \
 	X("frame-timeout", frame_timeout, 1, 30, 3600,                                             \
 	  "seconds a partly received frame may go without a byte before the connection closes")    \

@@ -108,18 +108,32 @@ static void check_memory(struct conn *c)
 		pause_reading(c);
 }
 
-/* Memory went down somewhere: resume what can go on. */
+/*
+ * Resumes every paused connection that is under half its limits again.  Runs
+ * from an idle handle, i.e. at the top of a loop iteration: resuming feeds
+ * staged frames to their ops, which must not happen inside another request's
+ * completion (request_free is where most memory is released).
+ */
+static void on_resume_idle(uv_idle_t *h)
+{
+	struct daemon *d = h->data;
+
+	uv_idle_stop(h);
+	for (struct conn *o = d->conns, *next; o && d->n_paused; o = next) {
+		next = o->next;
+		if (o->paused && !o->closing && under_half(o))
+			resume_reading(o);
+	}
+}
+
+/* Memory went down somewhere: resume what can go on, at the next safe point. */
 static void memory_freed(struct conn *c)
 {
 	struct daemon *d = c->d;
 
-	if (c->paused && !c->closing && under_half(c))
-		resume_reading(c);
-	if (d->n_paused == 0 || d->queued_bytes >= (uint64_t)d->cfg.max_queued_memory / 2)
-		return;
-	for (struct conn *o = d->conns; o && d->n_paused; o = o->next)
-		if (o->paused && under_half(o))
-			resume_reading(o);
+	if (d->n_paused > 0 && d->resume_idle.type == UV_IDLE &&
+	    !uv_is_closing((uv_handle_t *)&d->resume_idle))
+		uv_idle_start(&d->resume_idle, on_resume_idle);
 }
 
 void conn_account_request(struct conn *c, int64_t delta)
@@ -185,6 +199,8 @@ void conns_close_all(struct daemon *d)
 		conn_close(d->conns);
 	if (d->conn_sweep.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d->conn_sweep))
 		uv_close((uv_handle_t *)&d->conn_sweep, NULL);
+	if (d->resume_idle.type == UV_IDLE && !uv_is_closing((uv_handle_t *)&d->resume_idle))
+		uv_close((uv_handle_t *)&d->resume_idle, NULL);
 }
 
 struct outmsg *outmsg_new(struct conn *c)
@@ -586,6 +602,8 @@ static void on_sweep(uv_timer_t *t)
 
 void conns_start_sweep(struct daemon *d)
 {
+	uv_idle_init(d->loop, &d->resume_idle);
+	d->resume_idle.data = d;
 	uv_timer_init(d->loop, &d->conn_sweep);
 	d->conn_sweep.data = d;
 	uv_timer_start(&d->conn_sweep, on_sweep, SWEEP_MS, SWEEP_MS);

@@ -201,6 +201,7 @@ struct daemon {
 	bool ready, shutting_down, worker_ok;
 	int exit_code;
 	uv_timer_t conn_sweep; /* conn.c: frame/write stalls and idle connections */
+	uv_idle_t resume_idle; /* conn.c: resumes paused connections at a safe point */
 	unsigned n_paused;     /* connections whose reads are paused */
 	uv_signal_t sigterm, sigint, sighup, sigusr2;
 	bool test_hooks;

@@ -401,6 +401,8 @@ static void load_dir_work(uv_work_t *w)
 		return;
 	}
 	l->e = calloc((size_t)n + 1, sizeof *l->e);
+	if (l->e == NULL)
+		l->scan_errno = ENOMEM; /* never "no files": a reload would drop them all */
 	for (int i = 0; i < n; i++) {
 		struct dir_entry *e = l->e ? &l->e[l->n] : NULL;
 		if (e && ends_with(names[i]->d_name, ".adapter") &&
