@@ -1008,22 +1008,31 @@ Test(reliability, a_dead_daemons_worker_dies_and_its_leftovers_are_cleaned)
 	cr_assert_eq(hd_stop(&d), 0);
 }
 
-/* The worker gets an allow-list of the daemon's environment, never the rest. */
+/*
+ * The worker gets an allow-list of the daemon's environment, never the rest:
+ * checked at import (register) and inside the body while it is compiled.
+ */
 Test(reliability, the_worker_sees_only_an_allow_listed_environment)
 {
 	static const char src[] =
-	    "import os\n"
-	    "assert 'TL_TEST_SECRET' not in os.environ, 'the environment leaked'\n"
-	    "assert os.environ.get('PATH'), 'PATH must reach the worker'\n"
-	    "assert os.environ.get('OMP_TEST_VAR') == '3', 'OMP_* must reach the "
-	    "worker'\n" CUMSUM_SRC;
+	    "import os\n\n"
+	    "def check():\n"
+	    "    assert 'TL_TEST_SECRET' not in os.environ, 'the environment leaked'\n"
+	    "    assert os.environ.get('PATH'), 'PATH must reach the worker'\n"
+	    "    assert os.environ.get('OMP_TEST_VAR') == '3', 'OMP_* must reach the worker'\n\n"
+	    "check()\n\n"
+	    "def body(carry, x):\n"
+	    "    check()\n"
+	    "    carry = carry + x\n"
+	    "    return carry, carry\n";
 	struct hd d;
 	struct tl_client *c;
 
 	setenv("TL_TEST_SECRET", "hunter2", 1);
 	setenv("OMP_TEST_VAR", "3", 1);
 	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
-	reg_ok(c, "rel.env", src); /* the import runs in the worker at register time */
+	reg_ok(c, "rel.env", src);    /* the import runs in the worker at register time */
+	scan_sum_ok(c, "rel.env", 3); /* and the body while it is traced */
 	down(&d, c);
 }
 
