@@ -492,10 +492,20 @@ Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
 	sleep(1);
 	queued = h_stat(c, "queued_bytes");
 	after = rss_kib(d.pid);
+	cr_log_info("paused after %llu requests: RSS +%ld KiB holding %llu accounted bytes",
+	            (unsigned long long)h_stat(c, "requests"), after - before,
+	            (unsigned long long)queued);
 	cr_assert_leq(queued, (16u << 20) + (1u << 20), "held %llu bytes",
 	              (unsigned long long)queued);
-	cr_assert_lt(after - before, 100 * 1024, "RSS grew %ld KiB holding %llu reply bytes",
-	             after - before, (unsigned long long)queued);
+	if (getenv("TORCHLOOP_TEST_SAN"))
+		/* ASan keeps freed memory in its quarantine (256 MB) and pads every
+		 * block: RSS says nothing about the daemon's own use there */
+		cr_log_warn("RSS bound not checked under the sanitizers (RSS +%ld KiB)",
+		            after - before);
+	else
+		cr_assert_lt(after - before, 100 * 1024,
+		             "RSS grew %ld KiB holding %llu reply bytes", after - before,
+		             (unsigned long long)queued);
 	scan_sum_ok(c, "rel.pipe", 3); /* others: served */
 	while (got < p.n) {
 		char code[64], msg[256];
