@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# run-tests.sh BUILD BIN... - runs each Criterion test binary, prints its
-# output, and ends with one summary line "N passed, N failed".  Exits 1 if
+# run-tests.sh BUILD BIN... - runs each Criterion test binary, then the
+# Python package's pytest suite, prints their output, and ends with one
+# summary line "N passed, N failed".  Exits 1 if
 # any test failed or crashed, or if a binary exited non-zero.
 set -uo pipefail
 build=$1; shift
@@ -27,6 +28,18 @@ for bin in "$@"; do
 	passed=$((passed + ${p:-0}))
 	failed=$((failed + ${t:-0} - ${p:-0}))
 done
+# the Python package (client/python) against the same build, with pytest
+echo "=== pytest tests/python"
+out=$(.venv/bin/python -m pytest -q -p no:cacheprovider tests/python 2>&1); rc=$?
+printf '%s\n' "$out" | tail -25
+line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
+count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' | head -1; }
+p=$(count passed)
+f=$(count failed)
+e=$(count error)
+if [ -z "$line" ] || [ "$rc" != 0 ]; then status=1; fi
+passed=$((passed + ${p:-0}))
+failed=$((failed + ${f:-0} + ${e:-0}))
 [ "$failed" = 0 ] || status=1
 echo "compiles in this run: $(grep -h 'compiling ' "$TORCHLOOP_TEST_TMP"/*/log 2>/dev/null | wc -l) (cache: $TORCHLOOP_TEST_CACHE)"
 echo "test time: $(( $(date +%s) - start )) s"

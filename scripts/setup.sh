@@ -85,6 +85,19 @@ PY
 	cp requirements.txt "$stamp"
 }
 
+# The torchloop Python package (client/python), editable, so tests and
+# solvers in this checkout import the source tree.
+install_python_client() {
+	local want
+	want="$(pwd)/client/python/torchloop"
+	if .venv/bin/python -c "import os, sys, torchloop; sys.exit(os.path.dirname(torchloop.__file__) != '$want')" 2>/dev/null; then
+		return 0
+	fi
+	log "installing the torchloop Python package (editable) into .venv"
+	.venv/bin/pip install -q --no-deps --no-build-isolation -e client/python
+}
+
 install_debs
 install_venv
+install_python_client
 log "ok"

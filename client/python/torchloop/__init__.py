@@ -1,0 +1,23 @@
+"""torchloop: the Python client of torchloopd.
+
+    import torchloop
+    adapter = torchloop.loop_adapter(max_steps=64)
+    final, ys = adapter.scan(body, carry, inputs)   # body: a module-level function
+
+docs/python.md has the details; docs/protocol.md the wire format.
+"""
+
+from .adapter import LoopAdapter, loop_adapter
+from .client import Client, default_socket
+from .errors import ConnectionLost, TorchloopError, TorchloopTypeError, TorchloopValueError
+
+__all__ = [
+    "Client",
+    "ConnectionLost",
+    "LoopAdapter",
+    "TorchloopError",
+    "TorchloopTypeError",
+    "TorchloopValueError",
+    "default_socket",
+    "loop_adapter",
+]

@@ -1,0 +1,239 @@
+"""The torchloopd wire format (docs/protocol.md), for torch tensors.
+
+A frame is a 4-byte big-endian length and one msgpack map.  Tensors are
+ext32 type 1: dtype (1 = float32, 2 = float64), ndim, pad, a reserved byte,
+ndim little-endian int64 dims, pad zero bytes, then the data.  Tuples are
+arrays led by an empty ext type 2.
+
+The encoder is written here rather than taken from the msgpack package so
+that it can (1) pad each tensor so its data lands 64-byte aligned in the
+daemon's frame buffer (which then wraps it without a copy) and (2) send the
+tensors' memory by reference (sendmsg over a list of buffers).  The decoder
+reads a reply frame into one bytearray and returns tensors that are views
+into it (torch.frombuffer), so reply data is not copied either.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from typing import Any
+
+import torch
+
+EXT_TENSOR, EXT_TUPLE = 1, 2
+ALIGN = 64
+FRAME_MAX = 1 << 30
+DTYPE_CODES = {torch.float32: 1, torch.float64: 2}
+CODE_DTYPES = {1: torch.float32, 2: torch.float64}
+
+if sys.byteorder != "little":  # pragma: no cover - the daemon is x86-64/arm64 Linux
+    raise ImportError("torchloop's wire format is little-endian; this host is not")
+
+
+class Encoder:
+    """Builds one frame as a list of buffers (small bytes + tensor memory)."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.small = bytearray()
+        self.size = 0  # body bytes so far (the 4-byte length is not counted)
+        self.keep: list[Any] = []  # what the referenced memory belongs to
+
+    def _put(self, b: bytes) -> None:
+        self.small += b
+        self.size += len(b)
+
+    def _ref(self, view: memoryview) -> None:
+        if self.small:
+            self.parts.append(bytes(self.small))
+            self.small = bytearray()
+        self.parts.append(view)
+        self.size += view.nbytes
+
+    def value(self, v: Any) -> None:
+        if v is None:
+            self._put(b"\xc0")
+        elif v is True or v is False:
+            self._put(b"\xc3" if v else b"\xc2")
+        elif isinstance(v, int):
+            self._int(v)
+        elif isinstance(v, float):
+            self._put(b"\xcb" + struct.pack(">d", v))
+        elif isinstance(v, str):
+            self._str(v)
+        elif isinstance(v, torch.Tensor):
+            self.tensor(v)
+        elif isinstance(v, tuple):
+            self._array_header(len(v) + 1)
+            self._put(b"\xc7\x00" + bytes([EXT_TUPLE]))  # ext8, length 0
+            for item in v:
+                self.value(item)
+        elif isinstance(v, list):
+            self._array_header(len(v))
+            for item in v:
+                self.value(item)
+        elif isinstance(v, dict):
+            self._map_header(len(v))
+            for key, item in v.items():
+                if not isinstance(key, str):
+                    raise TypeError(f"dict keys must be strings, got {type(key).__name__}")
+                self._str(key)
+                self.value(item)
+        else:
+            raise TypeError(f"cannot send a {type(v).__name__}")
+
+    def _int(self, v: int) -> None:
+        if 0 <= v < 128:
+            self._put(bytes([v]))
+        elif 0 <= v < 1 << 32:
+            self._put(b"\xce" + struct.pack(">I", v))
+        elif 0 <= v < 1 << 64:
+            self._put(b"\xcf" + struct.pack(">Q", v))
+        elif -(1 << 63) <= v < 0:
+            self._put(b"\xd3" + struct.pack(">q", v))
+        else:
+            raise OverflowError(f"integer {v} does not fit 64 bits")
+
+    def _str(self, s: str) -> None:
+        b = s.encode()
+        if len(b) < 32:
+            self._put(bytes([0xA0 | len(b)]) + b)
+        else:
+            self._put(b"\xdb" + struct.pack(">I", len(b)) + b)
+
+    def _array_header(self, n: int) -> None:
+        self._put(bytes([0x90 | n]) if n < 16 else b"\xdd" + struct.pack(">I", n))
+
+    def _map_header(self, n: int) -> None:
+        self._put(bytes([0x80 | n]) if n < 16 else b"\xdf" + struct.pack(">I", n))
+
+    def tensor(self, t: torch.Tensor) -> None:
+        if t.dtype not in DTYPE_CODES:
+            raise TypeError(f"tensors must be float32 or float64, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise TypeError(f"tensors must be on the CPU, got {t.device}")
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        ndim = t.dim()
+        head = 4 + 8 * ndim
+        # ext32 marker (1) + length (4) + type (1), then the header: pad so
+        # that the data starts at a multiple of 64 from the body's start
+        pad = (-(self.size + 6 + head)) % ALIGN
+        nbytes = t.numel() * t.element_size()
+        self._put(b"\xc9" + struct.pack(">I", head + pad + nbytes) + bytes([EXT_TENSOR]))
+        self._put(bytes([DTYPE_CODES[t.dtype], ndim, pad, 0]))
+        self._put(b"".join(struct.pack("<q", d) for d in t.shape) + bytes(pad))
+        if nbytes:
+            self.keep.append(t)
+            self._ref(memoryview(t.reshape(-1).numpy()).cast("B"))
+
+    def frame(self) -> list[Any]:
+        """The frame's buffers, length prefix first."""
+        if self.small:
+            self.parts.append(bytes(self.small))
+            self.small = bytearray()
+        if self.size > FRAME_MAX:
+            raise ValueError(f"request of {self.size} bytes exceeds the 1 GiB frame limit")
+        return [struct.pack(">I", self.size)] + self.parts
+
+
+class _TupleMarker:
+    pass
+
+
+TUPLE_MARKER = _TupleMarker()
+
+
+class Decoder:
+    """Parses one reply body (a bytearray); tensors are views into it."""
+
+    def __init__(self, body: bytearray) -> None:
+        self.body = body
+        self.view = memoryview(body)
+        self.pos = 0
+
+    def _take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.body):
+            raise ValueError("truncated msgpack in a reply")
+        v = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return v
+
+    def _u(self, fmt: str) -> int:
+        size = struct.calcsize(fmt)
+        (v,) = struct.unpack_from(fmt, self.body, self.pos)
+        self.pos += size
+        return v
+
+    def value(self) -> Any:  # noqa: C901 - one branch per msgpack type byte
+        b = self.body[self.pos]
+        self.pos += 1
+        if b <= 0x7F:
+            return b
+        if 0x80 <= b <= 0x8F:
+            return self._map(b & 0x0F)
+        if 0x90 <= b <= 0x9F:
+            return self._array(b & 0x0F)
+        if 0xA0 <= b <= 0xBF:
+            return str(self._take(b & 0x1F), "utf-8")
+        if b >= 0xE0:
+            return b - 0x100
+        simple = {0xC0: None, 0xC2: False, 0xC3: True}
+        if b in simple:
+            return simple[b]
+        sized = {0xC4: ">B", 0xC5: ">H", 0xC6: ">I"}  # bin
+        if b in sized:
+            return bytes(self._take(self._u(sized[b])))
+        if b in (0xC7, 0xC8, 0xC9):  # ext8/16/32
+            n = self._u({0xC7: ">B", 0xC8: ">H", 0xC9: ">I"}[b])
+            return self._ext(self._u(">b"), n)
+        if 0xD4 <= b <= 0xD8:  # fixext
+            return self._ext(self._u(">b"), 1 << (b - 0xD4))
+        ints = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
+                0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+        if b in ints:
+            return self._u(ints[b])
+        if b in (0xD9, 0xDA, 0xDB):
+            return str(self._take(self._u({0xD9: ">B", 0xDA: ">H", 0xDB: ">I"}[b])), "utf-8")
+        if b in (0xDC, 0xDD):
+            return self._array(self._u(">H" if b == 0xDC else ">I"))
+        if b in (0xDE, 0xDF):
+            return self._map(self._u(">H" if b == 0xDE else ">I"))
+        raise ValueError(f"msgpack type byte 0x{b:02x} in a reply")
+
+    def _array(self, n: int) -> Any:
+        items = [self.value() for _ in range(n)]
+        if items and items[0] is TUPLE_MARKER:
+            return tuple(items[1:])
+        return items
+
+    def _map(self, n: int) -> dict:
+        out = {}
+        for _ in range(n):
+            key = self.value()
+            out[key] = self.value()
+        return out
+
+    def _ext(self, code: int, n: int) -> Any:
+        start = self.pos
+        self.pos += n
+        if code == EXT_TUPLE:
+            return TUPLE_MARKER
+        if code != EXT_TENSOR:
+            raise ValueError(f"unknown ext type {code} in a reply")
+        dtype_code, ndim, pad = self.body[start], self.body[start + 1], self.body[start + 2]
+        dtype = CODE_DTYPES[dtype_code]
+        shape = struct.unpack_from(f"<{ndim}q", self.body, start + 4)
+        data = start + 4 + 8 * ndim + pad
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.body, dtype=dtype, count=numel, offset=data).view(shape)
+
+
+def decode(body: bytearray) -> Any:
+    return Decoder(body).value()

@@ -1,0 +1,65 @@
+"""Exceptions carrying the daemon's error code, message and leaf path.
+
+Codes that describe a bad value (bounds, lengths, shapes) raise a subclass
+of ValueError and codes that describe a bad type (dtype, tree node kinds) a
+subclass of TypeError, as the in-process reference adapter does; everything
+else is a TorchloopError (a RuntimeError).  docs/protocol.md lists the codes.
+"""
+
+from __future__ import annotations
+
+VALUE_CODES = frozenset(
+    {
+        "INVALID_BOUNDS",
+        "INVALID_NAME",
+        "NO_INPUTS",
+        "BAD_RANK",
+        "LENGTH_MISMATCH",
+        "TOO_MANY_STEPS",
+        "TOO_MANY_ELEMENTS",
+        "SPEC_MISMATCH",
+        "COTANGENT_MISMATCH",
+        "CARRY_MISMATCH",
+        "BAD_SHAPE",
+        "SHAPE_OVERFLOW",
+        "DEPTH_EXCEEDED",
+        "TOO_MANY_LEAVES",
+        "KEY_TOO_LONG",
+        "DUPLICATE_KEY",
+    }
+)
+TYPE_CODES = frozenset({"DTYPE_MISMATCH", "BAD_DTYPE", "UNKNOWN_TYPE", "NON_STRING_KEY"})
+
+
+class TorchloopError(RuntimeError):
+    """A request the daemon (or the connection to it) failed."""
+
+    def __init__(self, code: str, message: str, path: str = "") -> None:
+        super().__init__(f"{code}: {message}" if code else message)
+        self.code = code
+        self.message = message
+        self.path = path
+
+
+class TorchloopValueError(TorchloopError, ValueError):
+    """A bad value: bounds, lengths, shapes, element counts."""
+
+
+class TorchloopTypeError(TorchloopError, TypeError):
+    """A bad type: dtype, tree node kind, dict key type."""
+
+
+class ConnectionLost(TorchloopError, ConnectionError):
+    """The daemon cannot be reached or closed the connection."""
+
+
+def from_reply(error: dict) -> TorchloopError:
+    """The exception for a reply's {"code", "message", "path"} map."""
+    code = str(error.get("code", "INTERNAL"))
+    message = str(error.get("message", ""))
+    path = str(error.get("path", "") or "")
+    if code in VALUE_CODES:
+        return TorchloopValueError(code, message, path)
+    if code in TYPE_CODES:
+        return TorchloopTypeError(code, message, path)
+    return TorchloopError(code, message, path)

@@ -1,0 +1,15 @@
+"""Adapter bodies for the Python client's tests (module-level: the daemon imports this source)."""
+
+import torch
+
+
+def ema(carry, x):
+    carry = 0.9 * carry + 0.1 * torch.sin(x)
+    return carry, carry * carry
+
+
+def rnn(carry, x):
+    """carry (h, None), inputs {"f": tensor}; outputs a dict with a None leaf."""
+    h, aux = carry
+    h = torch.tanh(0.5 * h + x["f"])
+    return (h, aux), {"y": h.sum(-1, keepdim=True), "skip": None, "h2": [h * 2.0]}

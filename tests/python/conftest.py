@@ -1,0 +1,57 @@
+"""A real torchloopd for the Python client's tests: one per test session, on
+a private socket, sharing the run's compile cache (TORCHLOOP_TEST_CACHE) so
+each specialization compiles once per checkout.  The daemon binary is the
+build under test (TORCHLOOP_TEST_BUILD: build, or build-san for make sanitize).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _wait_ready(sock: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    import torchloop
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"torchloopd exited ({proc.returncode}) during start-up:\n{log.read_text()}")
+        try:
+            with torchloop.Client(sock) as c:
+                if c.health().get("ready"):
+                    return
+        except torchloop.TorchloopError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"torchloopd not ready within {timeout} s:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The socket of a running daemon (stopped, and checked to exit 0, at the end)."""
+    build = os.environ.get("TORCHLOOP_TEST_BUILD", "build")
+    cache = os.environ.get("TORCHLOOP_TEST_CACHE", str(ROOT / "build" / "test-cache"))
+    tmp = tmp_path_factory.mktemp("daemon")
+    sock, log = str(tmp / "sock"), tmp / "log"
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(ROOT / build / "torchloopd"), "--socket", sock, "--cache-dir", cache, "--no-probe"],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_ready(sock, proc, log)
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    assert rc == 0, f"torchloopd exit {rc}:\n{log.read_text()}"
