@@ -77,7 +77,8 @@ static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree
 			return bad_spec(err, "dict key longer than 256 bytes");
 		for (uint32_t p = 0; p < i; p++)
 			if (out->keys[p].len == k->via.str.size &&
-			    memcmp(out->keys[p].ptr, k->via.str.ptr, k->via.str.size) == 0)
+			    (k->via.str.size == 0 ||
+			     memcmp(out->keys[p].ptr, k->via.str.ptr, k->via.str.size) == 0))
 				return proto_fail(
 				    err, PROTO_E_DUPLICATE_KEY, NULL,
 				    "duplicate dict key \"%.*s\" in a spec tree",
@@ -86,7 +87,8 @@ static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree
 		copy = msgpack_zone_malloc(zone, k->via.str.size + 1);
 		if (copy == NULL)
 			return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-		memcpy(copy, k->via.str.ptr, k->via.str.size);
+		if (k->via.str.size) /* an empty string's pointer may be NULL */
+			memcpy(copy, k->via.str.ptr, k->via.str.size);
 		copy[k->via.str.size] = '\0';
 		out->keys[i].ptr = copy;
 		out->keys[i].len = k->via.str.size;

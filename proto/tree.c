@@ -173,7 +173,8 @@ static int key_cmp(const void *a, const void *b)
 
 	if (x->len != y->len)
 		return x->len < y->len ? -1 : 1;
-	return memcmp(x->ptr, y->ptr, x->len);
+	/* msgpack-c gives an empty string a NULL pointer: memcmp must not see it */
+	return x->len == 0 ? 0 : memcmp(x->ptr, y->ptr, x->len);
 }
 
 /* Duplicate keys: sort a scratch copy; O(n log n) even for hostile dicts. */
@@ -191,7 +192,8 @@ static int check_duplicates(struct dec *d, const struct tree_key *keys, uint32_t
 	qsort(tmp, n, sizeof *tmp, key_cmp);
 	for (uint32_t i = 1; i < n; i++) {
 		if (key_cmp(&tmp[i - 1], &tmp[i]) == 0) {
-			snprintf(detail, sizeof detail, " \"%.*s\"", (int)tmp[i].len, tmp[i].ptr);
+			snprintf(detail, sizeof detail, " \"%.*s\"", (int)tmp[i].len,
+			         tmp[i].len ? tmp[i].ptr : "");
 			free(tmp);
 			return dec_fail(d, PROTO_E_DUPLICATE_KEY, "%s: duplicate dict key%s",
 			                detail);

@@ -248,6 +248,16 @@ static void duplicate_key(struct tbuf *b)
 	tbuf_str(b, "x");
 	msgpack_pack_nil(&b->pk);
 }
+/* Empty strings decode with a NULL pointer: the comparison must not pass it
+ * to memcmp (UBSan found this through the fuzzer). */
+static void empty_key_twice(struct tbuf *b)
+{
+	msgpack_pack_map(&b->pk, 2);
+	tbuf_str(b, "");
+	msgpack_pack_nil(&b->pk);
+	tbuf_str(b, "");
+	msgpack_pack_nil(&b->pk);
+}
 static void many_keys_one_duplicate(struct tbuf *b)
 {
 	char k[16];
@@ -330,6 +340,7 @@ static const struct bad_case BAD[] = {
     {"short tensor header", short_header, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
     {"duplicate key", duplicate_key, PROTO_E_DUPLICATE_KEY, "carry"},
     {"duplicate among many", many_keys_one_duplicate, PROTO_E_DUPLICATE_KEY, "carry"},
+    {"the empty key twice", empty_key_twice, PROTO_E_DUPLICATE_KEY, "carry"},
     {"non-string key", int_key, PROTO_E_NON_STRING_KEY, "carry"},
     {"257-byte key", long_key, PROTO_E_KEY_TOO_LONG, "carry"},
     {"unknown ext tag", unknown_ext, PROTO_E_UNKNOWN_TYPE, "carry[0]"},
