@@ -133,18 +133,25 @@ static const char *jstr(json_t *j, const char *key)
 	return s ? s : "";
 }
 
-/* The log file contains needle (after waiting up to timeout_s for it). */
+/* How many lines of the daemon's log contain needle. */
+static int log_count(const struct hd *d, const char *needle)
+{
+	FILE *f = fopen(d->log, "r");
+	char line[4096];
+	int seen = 0;
+
+	while (f && fgets(line, sizeof line, f))
+		seen += strstr(line, needle) != NULL;
+	if (f)
+		fclose(f);
+	return seen;
+}
+
+/* The log contains needle (after waiting up to timeout_s for it). */
 static bool log_has(const struct hd *d, const char *needle, int timeout_s)
 {
 	for (int k = 0; k <= timeout_s * 10; k++) {
-		FILE *f = fopen(d->log, "r");
-		char line[4096];
-		bool found = false;
-		while (f && !found && fgets(line, sizeof line, f))
-			found = strstr(line, needle) != NULL;
-		if (f)
-			fclose(f);
-		if (found)
+		if (log_count(d, needle) > 0)
 			return true;
 		usleep(100000);
 	}
@@ -1342,20 +1349,6 @@ static bool listed(struct tl_client *c, const char *name)
 	}
 	json_decref(j);
 	return found;
-}
-
-/* How many lines of the daemon's log contain needle. */
-static int log_count(const struct hd *d, const char *needle)
-{
-	FILE *f = fopen(d->log, "r");
-	char line[4096];
-	int seen = 0;
-
-	while (f && fgets(line, sizeof line, f))
-		seen += strstr(line, needle) != NULL;
-	if (f)
-		fclose(f);
-	return seen;
 }
 
 /* SIGHUP, then waits until the daemon logs that this reload is done. */
