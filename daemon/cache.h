@@ -100,6 +100,8 @@ void cache_quarantine(const struct cache *c, const char *key, const char *why);
  * holder has it (*fd = -1; retry later), -1 with err.
  */
 int cache_trylock(const struct cache *c, const char *key, int *fd, struct proto_err *err);
+/* How long a caller waits before trying a busy lock again (from the loop). */
+#define CACHE_LOCK_RETRY_MS 250
 void cache_unlock(int fd);
 
 #endif

@@ -169,7 +169,7 @@ static void after(uv_work_t *w, int status)
 		if (p->lock_wait_started == 0)
 			p->lock_wait_started = now_seconds();
 		if (now_seconds() - p->lock_wait_started <= (double)p->d->cfg.compile_timeout) {
-			uv_timer_start(&p->retry, on_retry, 250, 0);
+			uv_timer_start(&p->retry, on_retry, CACHE_LOCK_RETRY_MS, 0);
 			return;
 		}
 		p->rc = proto_fail(&p->err, PROTO_E_COMPILE_TIMEOUT, NULL,

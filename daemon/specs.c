@@ -35,8 +35,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#define PROGRESS_MS   2000
-#define LOCK_RETRY_MS 250
+#define PROGRESS_MS 2000
 
 struct load_job {
 	uv_work_t work;
@@ -508,7 +507,7 @@ static void on_lock_retry(uv_timer_t *t)
 }
 
 /*
- * The key's lock was busy: look again in LOCK_RETRY_MS, for at most
+ * The key's lock was busy: look again in CACHE_LOCK_RETRY_MS, for at most
  * --compile-timeout seconds in all.  Returns false (err filled) once that
  * is over or the daemon is stopping.
  */
@@ -541,7 +540,7 @@ static bool retry_lookup(struct load_job *j)
 	r->job = j;
 	uv_timer_init(j->d->loop, &r->timer);
 	r->timer.data = r;
-	uv_timer_start(&r->timer, on_lock_retry, LOCK_RETRY_MS, 0);
+	uv_timer_start(&r->timer, on_lock_retry, CACHE_LOCK_RETRY_MS, 0);
 	return true;
 }
 
