@@ -9,6 +9,7 @@
 #include "frame.h"
 #include "msg.h"
 #include "shapes.h"
+#include "shmalloc.h"
 #include "tree.h"
 #include "writer.h"
 
@@ -30,6 +31,15 @@
  * straight into their aligned buffer. */
 #define TL_RBUF 16384
 
+/* What the daemon said an op's outputs need in the region (out_needed), so
+ * the next request of the same adapter and op names an area that fits. */
+#define TL_HINTS 16
+struct out_hint {
+	char adapter[64];
+	int grad;
+	uint64_t needed;
+};
+
 struct tl_client {
 	int fd;
 	int timeout_ms;
@@ -38,6 +48,10 @@ struct tl_client {
 	uint64_t next_id;
 	tl_progress_fn progress;
 	void *user;
+	struct shm_region *shm; /* attached region, or NULL */
+	uint64_t shm_threshold;
+	struct out_hint hints[TL_HINTS];
+	unsigned next_hint;
 };
 
 struct tl_builder {
@@ -50,6 +64,8 @@ struct tl_reply {
 	struct tree_node trees[4];
 	const char *names[4];
 	int n;
+	struct shm_region *shm; /* holds a reference while area is in use */
+	uint64_t area;          /* the output area's block, or UINT64_MAX */
 };
 
 #define NODE(t)  ((struct tree_node *)(t))
@@ -154,6 +170,7 @@ void tl_close(struct tl_client *c)
 {
 	if (c) {
 		close(c->fd);
+		shm_region_unref(c->shm);
 		free(c);
 	}
 }
@@ -330,8 +347,13 @@ const struct tl_tree *tl_tree_get(const struct tl_tree *t, const char *key)
 
 /* ---- transport ----------------------------------------------------------------- */
 
-static int send_frame(struct tl_client *c, struct writer *w, struct tl_error *err)
+/* Sends the frame in w; pass_fd >= 0 rides on its first bytes (SCM_RIGHTS). */
+static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, struct tl_error *err)
 {
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} ctl;
 	size_t n = writer_iovcnt(w), off = 0;
 	struct iovec *iov = malloc(n * sizeof *iov);
 	struct proto_err perr;
@@ -350,7 +372,20 @@ static int send_frame(struct tl_client *c, struct writer *w, struct tl_error *er
 		struct msghdr mh = {.msg_iov = iov + off,
 		                    .msg_iovlen =
 		                        (size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off};
-		ssize_t k = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+		ssize_t k;
+
+		if (pass_fd >= 0) {
+			memset(&ctl, 0, sizeof ctl);
+			mh.msg_control = ctl.buf;
+			mh.msg_controllen = sizeof ctl.buf;
+			CMSG_FIRSTHDR(&mh)->cmsg_level = SOL_SOCKET;
+			CMSG_FIRSTHDR(&mh)->cmsg_type = SCM_RIGHTS;
+			CMSG_FIRSTHDR(&mh)->cmsg_len = CMSG_LEN(sizeof(int));
+			memcpy(CMSG_DATA(CMSG_FIRSTHDR(&mh)), &pass_fd, sizeof(int));
+		}
+		k = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+		if (k > 0)
+			pass_fd = -1; /* sent with the first bytes */
 		if (k < 0 && errno == EINTR)
 			continue;
 		if (k < 0) {
@@ -469,6 +504,9 @@ void tl_reply_free(struct tl_reply *r)
 		if (r->body)
 			msg_destroy(&r->msg);
 		frame_free(r->body);
+		if (r->shm && r->area != UINT64_MAX)
+			shm_region_free(r->shm, r->area);
+		shm_region_unref(r->shm);
 		free(r);
 	}
 }
@@ -488,16 +526,18 @@ static int reply_error(struct tl_reply *r, struct tl_error *err)
 	return -1;
 }
 
-/* Sends the request in w (already begun with nfields) and reads the reply. */
-static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
-                     struct tl_error *err)
+/* Sends the request in w (already begun with nfields), with pass_fd when
+ * >= 0, and reads the reply. */
+static int roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint64_t id,
+                        struct tl_reply **out, struct tl_error *err)
 {
 	struct tl_reply *r = calloc(1, sizeof *r);
 	int rc;
 
 	if (r == NULL)
 		return fail(err, "IO", NULL, "out of memory");
-	rc = send_frame(c, w, err);
+	r->area = UINT64_MAX;
+	rc = send_frame_fd(c, w, pass_fd, err);
 	if (rc == 0)
 		rc = read_reply(c, id, r, err);
 	if (rc == 0 && r->msg.is_error)
@@ -512,6 +552,12 @@ static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct 
 	else
 		tl_reply_free(r);
 	return 0;
+}
+
+static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
+                     struct tl_error *err)
+{
+	return roundtrip_fd(c, w, -1, id, out, err);
 }
 
 static int begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields,
@@ -625,12 +671,18 @@ static int read_trees(struct tl_reply *r, struct tl_error *err)
 	static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
 	const msgpack_object *res = msg_field(&r->msg, "result");
 	struct proto_err perr;
+	struct tree_region region = {0};
 
+	if (r->shm) {
+		region.base = r->shm->base;
+		region.size = r->shm->size;
+	}
 	for (size_t i = 0; i < 4; i++) {
 		const msgpack_object *o = msg_obj_field(res, keys[i]);
 		if (o == NULL)
 			continue;
-		if (tree_decode(o, r->msg.up.zone, keys[i], &r->trees[r->n], &perr) != 0)
+		if (tree_decode_in(o, r->msg.up.zone, keys[i], r->shm ? &region : NULL,
+		                   &r->trees[r->n], &perr) != 0)
 			return fail(err, proto_code_name(perr.code), perr.path, "%s", perr.message);
 		r->names[r->n++] = keys[i];
 	}
@@ -645,15 +697,139 @@ const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key)
 	return NULL;
 }
 
+/* ---- shared memory ------------------------------------------------------------ */
+
+/* Below this many bytes a tensor travels inline: measured with
+ * `build/bench_c --threshold` (docs/performance.md). */
+#define TL_SHM_THRESHOLD_DEFAULT (64u << 10)
+
+int tl_shm_attach(struct tl_client *c, size_t bytes, struct tl_error *err)
+{
+	struct shm_region *r;
+	struct writer w;
+	uint64_t id = 0;
+	int rc;
+
+	if (c->shm != NULL)
+		return fail(err, "SHM_ALREADY_ATTACHED", NULL,
+		            "this client has a region already; connect again for another");
+	r = shm_region_new(bytes);
+	if (r == NULL)
+		return fail(err, "IO", NULL, "memfd of %zu bytes: %s", bytes, strerror(errno));
+	if (begin(c, &w, "attach", 1, &id, err) != 0) {
+		shm_region_unref(r);
+		return -1;
+	}
+	writer_key_u64(&w, "size", r->size);
+	rc = roundtrip_fd(c, &w, r->fd, id, NULL, err);
+	writer_destroy(&w);
+	close(r->fd); /* the daemon holds its own mapping now */
+	r->fd = -1;
+	if (rc != 0) {
+		shm_region_unref(r);
+		return -1;
+	}
+	c->shm = r;
+	if (c->shm_threshold == 0)
+		c->shm_threshold = TL_SHM_THRESHOLD_DEFAULT;
+	return 0;
+}
+
+size_t tl_shm_size(const struct tl_client *c)
+{
+	return c->shm ? (size_t)c->shm->size : 0;
+}
+
+void tl_shm_set_threshold(struct tl_client *c, size_t bytes)
+{
+	c->shm_threshold = bytes ? bytes : 1;
+}
+
+void *tl_shm_alloc(struct tl_client *c, size_t nbytes)
+{
+	uint64_t off = c->shm ? shm_region_alloc(c->shm, nbytes) : UINT64_MAX;
+
+	return off == UINT64_MAX ? NULL : c->shm->base + off;
+}
+
+void tl_shm_free(struct tl_client *c, void *p)
+{
+	uint64_t off;
+
+	if (p && c->shm && shm_region_contains(c->shm, p, 0, &off))
+		shm_region_free(c->shm, off);
+}
+
+/* Request tensors of at least the threshold go by reference: in place when
+ * the caller's buffer lies in the region, else copied into a staged block. */
+struct stage {
+	struct tl_client *c;
+	uint64_t *blocks;
+	size_t n, cap;
+	uint64_t bytes; /* of tensors sent by reference */
+};
+
+static int stage_place(const struct tree_tensor *t, uint64_t *offset, void *arg)
+{
+	struct stage *st = arg;
+	struct shm_region *r = st->c->shm;
+	uint64_t off;
+
+	if (r == NULL || t->nbytes < st->c->shm_threshold || t->data == NULL)
+		return 0;
+	if (!shm_region_contains(r, t->data, t->nbytes, &off) || off % PROTO_TENSOR_ALIGN) {
+		if (st->n == st->cap) {
+			size_t cap = st->cap ? st->cap * 2 : 8;
+			uint64_t *b = realloc(st->blocks, cap * sizeof *b);
+			if (b == NULL)
+				return 0;
+			st->blocks = b;
+			st->cap = cap;
+		}
+		off = shm_region_alloc(r, t->nbytes);
+		if (off == UINT64_MAX)
+			return 0; /* region full: inline */
+		memcpy(r->base + off, t->data, t->nbytes);
+		st->blocks[st->n++] = off;
+	}
+	st->bytes += t->nbytes;
+	*offset = off;
+	return 1;
+}
+
+static struct out_hint *find_hint(struct tl_client *c, const char *adapter, int grad)
+{
+	for (unsigned i = 0; i < TL_HINTS; i++)
+		if (c->hints[i].adapter[0] && c->hints[i].grad == grad &&
+		    strncmp(c->hints[i].adapter, adapter, sizeof c->hints[i].adapter) == 0)
+			return &c->hints[i];
+	return NULL;
+}
+
+static void remember_hint(struct tl_client *c, const char *adapter, int grad, uint64_t needed)
+{
+	struct out_hint *h = find_hint(c, adapter, grad);
+
+	if (strlen(adapter) >= sizeof h->adapter)
+		return;
+	if (h == NULL)
+		h = &c->hints[c->next_hint++ % TL_HINTS];
+	snprintf(h->adapter, sizeof h->adapter, "%s", adapter);
+	h->grad = grad;
+	h->needed = needed;
+}
+
 static int run_op(struct tl_client *c, const char *op, const char *adapter,
                   const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
                   struct tl_reply **out, struct tl_error *err)
 {
 	struct writer w;
-	uint64_t id = 0;
-	int rc;
+	struct stage st = {.c = c};
+	uint64_t id = 0, area = UINT64_MAX, area_size = 0;
+	int grad = strcmp(op, "grad") == 0, rc;
+	const struct out_hint *h;
 
-	if (begin(c, &w, op, 1 + n, &id, err) != 0)
+	if (begin(c, &w, op, 1 + n + (c->shm != NULL), &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "adapter", adapter);
 	for (uint32_t i = 0; i < n; i++) {
@@ -661,10 +837,38 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 		if (trees[i] == NULL)
 			msgpack_pack_nil(&w.pk);
 		else
-			tree_encode(&w, CNODE(trees[i]));
+			tree_encode_placed(&w, CNODE(trees[i]), stage_place, &st);
+	}
+	if (c->shm) {
+		/* outputs like the inputs unless the daemon told us better */
+		h = find_hint(c, adapter, grad);
+		area_size = h ? h->needed : (grad ? 2 : 1) * (st.bytes ? st.bytes : 1);
+		area = area_size ? shm_region_alloc(c->shm, area_size) : UINT64_MAX;
+		writer_str(&w, "out");
+		if (area == UINT64_MAX) {
+			msgpack_pack_nil(&w.pk);
+		} else {
+			msgpack_pack_map(&w.pk, 3);
+			writer_key_u64(&w, "offset", area);
+			writer_key_u64(&w, "size", area_size);
+			writer_key_u64(&w, "min_bytes", c->shm_threshold);
+		}
 	}
 	rc = roundtrip(c, &w, id, out, err);
 	writer_destroy(&w);
+	for (size_t i = 0; i < st.n; i++)
+		shm_region_free(c->shm, st.blocks[i]);
+	free(st.blocks);
+	if (rc == 0 && c->shm) {
+		double needed = tl_reply_number(*out, "out_needed");
+		(*out)->shm = c->shm;
+		shm_region_ref(c->shm);
+		(*out)->area = area;
+		if (!isnan(needed) && (uint64_t)needed != area_size)
+			remember_hint(c, adapter, grad, (uint64_t)needed);
+	} else if (area != UINT64_MAX) {
+		shm_region_free(c->shm, area);
+	}
 	if (rc == 0 && read_trees(*out, err) != 0) {
 		tl_reply_free(*out);
 		*out = NULL;

@@ -112,6 +112,25 @@ int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *c
 int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,
                  struct tl_error *err);
 
+/*
+ * ---- shared memory (docs/protocol.md "Shared memory") ----
+ * tl_shm_attach creates a sealed memfd of `bytes` (rounded up to a page) and
+ * passes it to the daemon, once per client.  From then on tensors of at
+ * least the threshold (tl_shm_set_threshold; default 64 KiB, measured in
+ * docs/performance.md) travel by reference instead of through the socket:
+ * a buffer from tl_shm_alloc is used in place, any other is copied into
+ * the region for the request; result tensors of that size are written by
+ * the daemon into the region and stay valid until tl_reply_free (the
+ * region outlives tl_close while replies hold it).  When the region is
+ * full, tensors travel inline as before.
+ */
+int tl_shm_attach(struct tl_client *c, size_t bytes, struct tl_error *err);
+size_t tl_shm_size(const struct tl_client *c);
+void tl_shm_set_threshold(struct tl_client *c, size_t bytes);
+/* A 64-byte aligned buffer in the region (NULL when none or full). */
+void *tl_shm_alloc(struct tl_client *c, size_t nbytes);
+void tl_shm_free(struct tl_client *c, void *p);
+
 const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key);
 /* A number or bool field of the result (NaN when absent). */
 double tl_reply_number(const struct tl_reply *r, const char *key);

@@ -139,6 +139,24 @@ static int set_path(char *dst, size_t size, const char *arg, const char *flag)
 	return 0;
 }
 
+/* Directories the compile worker also uses are made absolute: the worker and
+ * Inductor's compiler run in other working directories. */
+static int set_dir(char *dst, size_t size, const char *arg, const char *flag)
+{
+	char cwd[PATH_MAX];
+
+	if (arg[0] == '/' || arg[0] == '\0')
+		return set_path(dst, size, arg, flag);
+	if (getcwd(cwd, sizeof cwd) == NULL || strlen(cwd) + 1 + strlen(arg) >= size) {
+		fprintf(stderr, "torchloopd: %s path too long\n", flag);
+		return -1;
+	}
+	memcpy(dst, cwd, strlen(cwd));
+	dst[strlen(cwd)] = '/';
+	memcpy(dst + strlen(cwd) + 1, arg, strlen(arg) + 1);
+	return 0;
+}
+
 static int parse_other(struct config *c, int opt, const char *arg)
 {
 	static const char *const levels[] = {"debug", "info", "warn", "error"};
@@ -148,9 +166,9 @@ static int parse_other(struct config *c, int opt, const char *arg)
 	case OPT_SOCKET:
 		return set_path(c->socket_path, sizeof c->socket_path, arg, "--socket");
 	case OPT_CACHE:
-		return set_path(c->cache_dir, sizeof c->cache_dir, arg, "--cache-dir");
+		return set_dir(c->cache_dir, sizeof c->cache_dir, arg, "--cache-dir");
 	case OPT_ADAPTERS:
-		return set_path(c->adapters_dir, sizeof c->adapters_dir, arg, "--adapters");
+		return set_dir(c->adapters_dir, sizeof c->adapters_dir, arg, "--adapters");
 	case OPT_PYTHON:
 		return set_path(c->python, sizeof c->python, arg, "--python");
 	case OPT_WORKER:
@@ -247,5 +265,6 @@ int config_parse(struct config *c, int argc, char **argv)
 	if (c->threads == 0)
 		c->threads = cores;
 	c->omp_threads = cores / c->threads > 1 ? (int)(cores / c->threads) : 1;
+	c->cores = (int)cores;
 	return 0;
 }

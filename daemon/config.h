@@ -36,7 +36,11 @@
 	X("inline-run-us", inline_run_us, 0, 50, 100000,                                           \
 	  "graphs measured at most this many microseconds run on the event loop (0: never)")       \
 	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \
-	  "failed specializations one adapter remembers (least recently used dropped first)")
+	  "failed specializations one adapter remembers (least recently used dropped first)")      \
+	X("max-shm", max_shm, 0, 1LL << 30, 64LL << 30,                                            \
+	  "bytes of shared memory one connection may attach (0: attach refused)")                  \
+	X("max-shm-total", max_shm_total, 0, 16LL << 30, 1LL << 40,                                \
+	  "bytes of shared memory all connections together may attach")
 
 /* What compiled graphs are generated for (--target-isa): the host's own CPU,
  * or a fixed x86-64 level that runs on other machines and under valgrind. */
@@ -57,7 +61,8 @@ struct config {
 	bool probe;
 	int log_level;
 	unsigned socket_mode;
-	int omp_threads; /* OpenMP team per run: cores / threads, at least 1 */
+	int omp_threads; /* OpenMP team per run when every pool thread runs one */
+	int cores;       /* online CPUs at start */
 	enum target_isa target_isa;
 };
 

@@ -24,8 +24,10 @@
 #include "daemon.h"
 
 #include "log.h"
+#include "shm.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -162,6 +164,9 @@ void conn_unref(struct conn *c)
 {
 	if (--c->refs > 0)
 		return;
+	if (c->pending_fd >= 0)
+		close(c->pending_fd);
+	shm_detach(c->d, &c->region); /* no request or reply of this connection is left */
 	frame_reader_free(&c->reader);
 	free(c);
 }
@@ -430,11 +435,48 @@ static void feed_stage(struct conn *c)
 		c->stage_off = c->stage_len = 0;
 }
 
+static void free_handle(uv_handle_t *h)
+{
+	free(h);
+}
+
+/*
+ * Descriptors passed with SCM_RIGHTS (the pipe is an IPC pipe for this)
+ * wait in libuv until accepted.  Each is taken at once: the first, while the
+ * connection has no region, is kept for its attach request; any other is
+ * closed, so a client cannot make the daemon hold descriptors.
+ */
+static void take_fds(struct conn *c)
+{
+	while (uv_pipe_pending_count(&c->handle) > 0) {
+		uv_pipe_t *tmp = malloc(sizeof *tmp);
+		uv_os_fd_t fd = -1;
+		int own = -1;
+
+		if (tmp == NULL)
+			return;
+		uv_pipe_init(c->d->loop, tmp, 0);
+		if (uv_accept((uv_stream_t *)&c->handle, (uv_stream_t *)tmp) == 0 &&
+		    uv_fileno((uv_handle_t *)tmp, &fd) == 0)
+			own = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+		uv_close((uv_handle_t *)tmp, free_handle); /* closes libuv's copy */
+		if (own < 0)
+			continue;
+		if (c->pending_fd < 0 && c->region.base == NULL) {
+			c->pending_fd = own;
+		} else {
+			close(own);
+			c->d->stats.shm_stray_fds++;
+		}
+	}
+}
+
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
 	struct conn *c = s->data;
 	struct proto_err err;
 
+	take_fds(c);
 	if (nread == 0)
 		return;
 	c->last_read = now_seconds();
@@ -506,10 +548,11 @@ static void on_connection(uv_stream_t *server, int status)
 	c = calloc(1, sizeof *c);
 	if (c == NULL)
 		return;
-	uv_pipe_init(d->loop, &c->handle, 0);
+	uv_pipe_init(d->loop, &c->handle, 1); /* IPC: descriptors may come (attach) */
 	c->handle.data = c;
 	c->d = d;
 	c->refs = 1;
+	c->pending_fd = -1;
 	if (uv_accept(server, (uv_stream_t *)&c->handle) != 0) {
 		uv_close((uv_handle_t *)&c->handle, conn_closed);
 		return;

@@ -336,13 +336,19 @@ static const char *const *target_env(enum target_isa isa)
 }
 
 /*
- * Every connection is a descriptor: raise the soft RLIMIT_NOFILE to the hard
- * one if needed, and refuse to start when --max-connections cannot fit.
+ * Every connection is a descriptor, plus one memfd it may have passed and not
+ * yet attached, plus the descriptors of one read in flight (libuv takes up to
+ * 64 per recvmsg; conn.c closes strays at once): raise the soft
+ * RLIMIT_NOFILE to the hard one if needed, and refuse to start when
+ * --max-connections cannot fit.
  */
+#define FD_PER_READ 64
+
 static int check_fd_limit(const struct config *cfg)
 {
 	struct rlimit rl;
-	rlim_t need = (rlim_t)cfg->max_connections + FD_RESERVE + 2 * (rlim_t)cfg->threads;
+	rlim_t need =
+	    2 * (rlim_t)cfg->max_connections + FD_RESERVE + FD_PER_READ + 2 * (rlim_t)cfg->threads;
 
 	if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
 		return 0;

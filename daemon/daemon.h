@@ -132,7 +132,19 @@ struct conn {
 	gid_t gid;
 	pid_t pid;
 	uint64_t serial;
+	/* shared memory (shm.c): a descriptor received but not yet attached, and
+	 * the mapped region; unmapped with the last reference to the connection */
+	int pending_fd;
+	struct tree_region region;
 	struct conn *next, *prev;
+};
+
+/* The output area a scan or grad names in the connection's region (`out`,
+ * shm.c): result tensors of at least min_bytes are written there. */
+struct shm_out {
+	bool set;
+	uint64_t offset, size, min_bytes;
+	uint8_t *base; /* region base + offset */
 };
 
 struct request {
@@ -148,7 +160,8 @@ struct request {
 	struct adapter *adapter; /* set by ops that run on one; holds a reference */
 	struct request *next_waiter;
 	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
-	void *state;                                            /* op-specific, owned by the op */
+	struct shm_out out;
+	void *state; /* op-specific, owned by the op */
 	void (*state_free)(void *state);
 };
 
@@ -184,6 +197,7 @@ extern const struct op_desc *const OP_TABLE[PROTO_OP__COUNT];
 struct daemon_stats {
 	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy, inline_runs;
 	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses, failed_evictions;
+	uint64_t shm_attaches, shm_stray_fds;
 	uint64_t error_codes[PROTO_E__COUNT];
 };
 
@@ -213,6 +227,9 @@ struct daemon {
 	double canary_sent;
 	/* memory held by connections: replies queued + frames being read (conn.c) */
 	uint64_t queued_bytes;
+	/* shared memory mapped for connections (shm.c) */
+	uint64_t shm_bytes;
+	unsigned shm_regions;
 	unsigned inflight;
 	double started;
 	char worker_sha[CACHE_KEY_HEX];

@@ -32,9 +32,16 @@ static int runtime_fail(const struct engine_graph *g, struct proto_err *err, con
 {
 	const char *detail = NULL;
 
-	if (g->last_error != NULL && g->last_error(&detail) == 0 && detail && *detail)
+	if (g->last_error != NULL && g->last_error(&detail) == 0 && detail && *detail) {
+		/* the inputs matched the signature (checked before Run): a graph that
+		 * finds them unmatched was compiled for another one */
+		if (strstr(detail, "input_handles[") && strstr(detail, "unmatched"))
+			return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+			                  "%s is not the graph its metadata describes: %s", g->path,
+			                  detail);
 		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s: %s", g->path, what,
 		                  detail);
+	}
 	return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: %s failed", g->path, what);
 }
 
@@ -82,6 +89,14 @@ static int resolve(struct engine_graph *g, size_t concurrency, struct proto_err 
 		return runtime_fail(g, err, "creating the model container");
 	if (n_in(g->container, &g->n_in) != 0 || n_out(g->container, &g->n_out) != 0)
 		return runtime_fail(g, err, "reading the graph's arity");
+	/* out-variant graphs: the result buffers follow the data inputs */
+	if (g->n_in < g->n_out)
+		return proto_fail(
+		    err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+		    "%s takes %zu inputs for %zu outputs: not a graph that writes its "
+		    "results into buffers it is given",
+		    g->path, g->n_in, g->n_out);
+	g->n_in -= g->n_out;
 	return 0;
 }
 
@@ -210,11 +225,42 @@ static void strided_copy(char *dst, const char *src, uint32_t ndim, const int64_
 	}
 }
 
-static int read_output(struct engine_result *res, size_t i, struct proto_err *err)
+/* Bytes of a contiguous tensor of t's dtype and shape (its nbytes field is
+ * not trusted: the graph writes exactly this many). */
+static uint64_t tensor_bytes(const struct engine_tensor *t)
+{
+	uint64_t n = proto_dtype_size(t->dtype);
+
+	for (uint32_t k = 0; k < t->ndim; k++)
+		n *= (uint64_t)t->shape[k];
+	return n;
+}
+
+uint64_t engine_out_layout(const struct engine_tensor *out, size_t n, uint64_t *offsets)
+{
+	uint64_t at = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		at = (at + PROTO_TENSOR_ALIGN - 1) / PROTO_TENSOR_ALIGN * PROTO_TENSOR_ALIGN;
+		if (offsets)
+			offsets[i] = at;
+		at += tensor_bytes(&out[i]);
+	}
+	return at;
+}
+
+/*
+ * Reads output i: it must have the signature's dtype and shape (else the
+ * artifact is not the graph its metadata describes), and its bytes end up in
+ * slot i of the result buffers -- where the graph wrote them, or copied there
+ * when a graph returned other storage.
+ */
+static int read_output(struct engine_result *res, size_t i, const struct engine_tensor *want,
+                       struct proto_err *err)
 {
 	AtenTensorHandle h = res->handles[i];
 	struct engine_tensor *t = &res->tensors[i];
-	int64_t dim, *sizes, *strides, want[PROTO_MAX_NDIM];
+	int64_t dim, *sizes, *strides, cont[PROTO_MAX_NDIM];
 	int32_t dtype;
 	void *data;
 
@@ -222,101 +268,85 @@ static int read_output(struct engine_result *res, size_t i, struct proto_err *er
 	    aoti_torch_get_strides(h, &strides) != 0 || aoti_torch_get_dtype(h, &dtype) != 0 ||
 	    aoti_torch_get_data_ptr(h, &data) != 0)
 		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "cannot read output %zu", i);
-	if (dim < 0 || dim > PROTO_MAX_NDIM)
-		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "output %zu has rank %lld", i,
-		                  (long long)dim);
-	if (dtype != aoti_torch_dtype_float32() && dtype != aoti_torch_dtype_float64())
-		return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL,
-		                  "output %zu is not float32/float64", i);
-	t->dtype = dtype == aoti_torch_dtype_float32() ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
-	t->ndim = (uint32_t)dim;
-	t->nbytes = proto_dtype_size(t->dtype);
-	for (int64_t k = 0; k < dim; k++) {
-		t->shape[k] = sizes[k];
-		t->nbytes *= (uint64_t)sizes[k];
-	}
-	contiguous_strides(t->ndim, t->shape, want);
-	t->data = data;
-	if (t->nbytes == 0 || memcmp(want, strides, (size_t)dim * sizeof *want) == 0)
+	if (dim != want->ndim || dtype != torch_dtype(want->dtype) ||
+	    memcmp(sizes, want->shape, (size_t)dim * sizeof *sizes) != 0)
+		return proto_fail(
+		    err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+		    "output %zu of the graph has rank %lld, but its signature needs %s "
+		    "rank %u of other dims: the artifact is not the graph its "
+		    "metadata describes",
+		    i, (long long)dim, proto_dtype_name(want->dtype), want->ndim);
+	if (data == t->data || t->nbytes == 0)
 		return 0;
-	res->copies[i] = aligned_alloc(PROTO_TENSOR_ALIGN, (t->nbytes + 63) & ~(uint64_t)63);
-	if (res->copies[i] == NULL)
-		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	strided_copy(res->copies[i], data, t->ndim, t->shape, strides, proto_dtype_size(t->dtype));
-	t->data = res->copies[i];
-	return 0;
-}
-
-static int alloc_result(struct engine_result *res, size_t n, struct proto_err *err)
-{
-	res->n = n;
-	res->tensors = calloc(n ? n : 1, sizeof *res->tensors);
-	res->handles = calloc(n ? n : 1, sizeof *res->handles);
-	res->copies = calloc(n ? n : 1, sizeof *res->copies);
-	if (!res->tensors || !res->handles || !res->copies) {
-		engine_result_free(res);
-		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	}
-	return 0;
-}
-
-static int check_outputs(const struct engine_result *res, const struct engine_tensor *want,
-                         struct proto_err *err)
-{
-	for (size_t i = 0; i < res->n; i++) {
-		const struct engine_tensor *a = &res->tensors[i], *e = &want[i];
-		if (a->dtype != e->dtype || a->ndim != e->ndim ||
-		    memcmp(a->shape, e->shape, a->ndim * sizeof a->shape[0]) != 0)
-			return proto_fail(
-			    err, PROTO_E_ARTIFACT_CORRUPT, NULL,
-			    "output %zu of the graph has %s rank %u, but its signature "
-			    "needs %s rank %u of other dims: the artifact is not the "
-			    "graph its metadata describes",
-			    i, proto_dtype_name(a->dtype), a->ndim, proto_dtype_name(e->dtype),
-			    e->ndim);
-	}
+	contiguous_strides(t->ndim, t->shape, cont);
+	if (memcmp(cont, strides, (size_t)dim * sizeof *cont) == 0)
+		memcpy(t->data, data, t->nbytes);
+	else
+		strided_copy(t->data, data, t->ndim, t->shape, strides, proto_dtype_size(t->dtype));
 	return 0;
 }
 
 int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
                const struct engine_tensor *expected, const struct engine_tensor *expected_out,
-               struct engine_result *res, struct proto_err *err)
+               uint8_t *out_base, struct engine_result *res, struct proto_err *err)
 {
+	size_t n_all = n_in + g->n_out, made = 0;
 	AtenTensorHandle *handles;
 	void **copies;
+	uint64_t *offsets = NULL, total;
 	int rc = -1;
-	size_t made = 0;
 
 	memset(res, 0, sizeof *res);
 	if (check_inputs(g, in, n_in, expected, err) != 0)
 		return -1;
-	handles = calloc(n_in ? n_in : 1, sizeof *handles);
-	copies = calloc(n_in ? n_in : 1, sizeof *copies);
-	if (handles == NULL || copies == NULL || alloc_result(res, g->n_out, err) != 0) {
+	handles = calloc(n_all ? n_all : 1, sizeof *handles);
+	copies = calloc(n_all ? n_all : 1, sizeof *copies);
+	offsets = calloc(g->n_out ? g->n_out : 1, sizeof *offsets);
+	res->n = g->n_out;
+	res->tensors = calloc(g->n_out ? g->n_out : 1, sizeof *res->tensors);
+	res->handles = calloc(g->n_out ? g->n_out : 1, sizeof *res->handles);
+	if (!handles || !copies || !offsets || !res->tensors || !res->handles) {
 		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
 		goto out;
 	}
-	for (; made < n_in; made++)
-		if (wrap_input(&in[made], &handles[made], &copies[made], err) != 0)
+	total = engine_out_layout(expected_out, g->n_out, offsets);
+	if (out_base == NULL) {
+		res->block =
+		    aligned_alloc(PROTO_TENSOR_ALIGN, (total + PROTO_TENSOR_ALIGN) & ~(uint64_t)63);
+		if (res->block == NULL) {
+			proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory for the results");
 			goto out;
-	if (g->run(g->container, handles, n_in, (AtenTensorHandle *)res->handles, g->n_out, NULL,
+		}
+		out_base = res->block;
+	}
+	for (size_t i = 0; i < g->n_out; i++) {
+		res->tensors[i] = expected_out[i];
+		res->tensors[i].nbytes = tensor_bytes(&expected_out[i]);
+		res->tensors[i].data = out_base + offsets[i];
+	}
+	for (; made < n_all; made++) {
+		const struct engine_tensor *t =
+		    made < n_in ? &in[made] : &res->tensors[made - n_in];
+		if (wrap_input(t, &handles[made], &copies[made], err) != 0)
+			goto out;
+	}
+	if (g->run(g->container, handles, n_all, (AtenTensorHandle *)res->handles, g->n_out, NULL,
 	           NULL) != 0) {
 		runtime_fail(g, err, "running the graph");
 		goto out;
 	}
 	rc = 0;
 	for (size_t i = 0; i < g->n_out && rc == 0; i++)
-		rc = read_output(res, i, err);
-	if (rc == 0 && expected_out != NULL)
-		rc = check_outputs(res, expected_out, err);
+		rc = read_output(res, i, &expected_out[i], err);
 out:
 	for (size_t i = 0; handles && i < made; i++)
 		if (handles[i] != NULL) /* Run took what it NULLed */
 			aoti_torch_delete_tensor_object(handles[i]);
-	for (size_t i = 0; copies && i < n_in; i++)
+	for (size_t i = 0; copies && i < n_all; i++)
 		free(copies[i]);
 	free(handles);
 	free(copies);
+	free(offsets);
 	if (rc != 0)
 		engine_result_free(res);
 	return rc;
@@ -324,15 +354,12 @@ out:
 
 void engine_result_free(struct engine_result *res)
 {
-	for (size_t i = 0; i < res->n; i++) {
+	for (size_t i = 0; i < res->n; i++)
 		if (res->handles && res->handles[i])
 			aoti_torch_delete_tensor_object(res->handles[i]);
-		if (res->copies)
-			free(res->copies[i]);
-	}
 	free(res->tensors);
 	free(res->handles);
-	free(res->copies);
+	free(res->block);
 	memset(res, 0, sizeof *res);
 }
 

@@ -23,15 +23,14 @@ struct engine_tensor {
 };
 
 /*
- * Outputs of one run.  Each tensor's data stays valid until
- * engine_result_free: it is the output's own storage when contiguous, else
- * a contiguous copy.
+ * Outputs of one run, in the result buffers: the caller's (engine_run's
+ * out_base) or `block`, allocated here and freed with the result.
  */
 struct engine_result {
 	size_t n;
 	struct engine_tensor *tensors;
-	void **handles; /* AtenTensorHandle, owned */
-	void **copies;  /* malloc'ed contiguous copies, owned */
+	void **handles; /* AtenTensorHandle (aliases of the result buffers), owned */
+	void *block;    /* the result buffers when the caller gave none, owned */
 };
 
 /*
@@ -43,22 +42,32 @@ struct engine_result {
 int engine_load(const char *so_path, size_t concurrency, struct engine_graph **out,
                 struct proto_err *err);
 void engine_unload(struct engine_graph *g);
+/* Data inputs (the graph also takes one result buffer per output, after them). */
 size_t engine_num_inputs(const struct engine_graph *g);
 size_t engine_num_outputs(const struct engine_graph *g);
+
+/*
+ * Lays the outputs out one after another, each PROTO_TENSOR_ALIGN-aligned:
+ * fills offsets (may be NULL) and returns the bytes they take.
+ */
+uint64_t engine_out_layout(const struct engine_tensor *out, size_t n, uint64_t *offsets);
 
 /*
  * Runs the graph.  `expected` holds the signature the graph was compiled
  * for (dtype and shape per input); inputs that differ are refused with
  * SPEC_MISMATCH before Run, because generated code does not check shapes.
- * `expected_out` (when not NULL) holds what the graph must return: outputs
- * that differ in count, dtype or shape (an artifact that is not the graph
- * its metadata says) fail with ARTIFACT_CORRUPT before anything is read.
- * Inputs are wrapped without copying when PROTO_TENSOR_ALIGN-aligned, else
- * copied.  Returns 0 with res filled (free with engine_result_free), or -1.
+ * `expected_out` holds the outputs' dtypes and shapes: the graph writes its
+ * results straight into buffers laid out by engine_out_layout at out_base
+ * (a client's shared memory, 64-byte aligned), or, with out_base NULL, in a
+ * block allocated for the result.  Outputs that differ from expected_out
+ * (an artifact that is not the graph its metadata says) fail with
+ * ARTIFACT_CORRUPT.  Inputs are wrapped without copying when
+ * PROTO_TENSOR_ALIGN-aligned, else copied.  Returns 0 with res filled
+ * (free with engine_result_free), or -1.
  */
 int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
                const struct engine_tensor *expected, const struct engine_tensor *expected_out,
-               struct engine_result *res, struct proto_err *err);
+               uint8_t *out_base, struct engine_result *res, struct proto_err *err);
 void engine_result_free(struct engine_result *res);
 
 /* How many distinct libgomp images are mapped into this process (1 is right). */

@@ -26,6 +26,12 @@ int main(int argc, char **argv)
 	/* graph runs + cache I/O and dlopen, which must not queue behind runs */
 	snprintf(pool, sizeof pool, "%lld", d.cfg.threads + 2);
 	setenv("UV_THREADPOOL_SIZE", pool, 1);
+	/* Generated graphs check their inputs' shapes against the ones they were
+	 * compiled for only with this set (read once per graph, at its first run).
+	 * The daemon checks requests against the signature itself; this catches an
+	 * artifact that is not the graph its metadata says (results are written
+	 * into buffers the daemon lays out from the metadata). */
+	setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
 	if (daemon_start(&d) != 0)
 		d.exit_code = 1;
 	uv_run(d.loop, UV_RUN_DEFAULT);

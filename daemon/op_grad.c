@@ -6,6 +6,7 @@
  * the adapter's budget.
  */
 #include "scanrun.h"
+#include "shm.h"
 #include "spec.h"
 
 #include <stdlib.h>
@@ -152,7 +153,8 @@ static void op_grad(struct request *req)
 	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
 	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
 	    optional_tree(req, "cot_carry", &req->cot_carry, &err) != 0 ||
-	    optional_tree(req, "cot_outputs", &req->cot_outputs, &err) != 0) {
+	    optional_tree(req, "cot_outputs", &req->cot_outputs, &err) != 0 ||
+	    shm_out_decode(req, &req->out, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

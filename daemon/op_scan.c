@@ -1,5 +1,6 @@
 /* op_scan.c - scan: run (compiling first if needed) one adapter's scan. */
 #include "scanrun.h"
+#include "shm.h"
 
 static void scan_ready(struct request *req, struct specialization *sp)
 {
@@ -21,7 +22,8 @@ static void op_scan(struct request *req)
 	struct proto_err err;
 
 	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
-	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0) {
+	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
+	    shm_out_decode(req, &req->out, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

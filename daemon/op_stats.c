@@ -4,7 +4,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 20);
+	struct outmsg *out = request_begin_result(req, 24);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -27,6 +27,10 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "stalled_closed", d->stats.stalled_frames_closed);
 	writer_key_u64(&out->w, "memory_pauses", d->stats.memory_pauses);
 	writer_key_u64(&out->w, "queued_bytes", d->queued_bytes);
+	writer_key_u64(&out->w, "shm_bytes", d->shm_bytes);
+	writer_key_u64(&out->w, "shm_regions", d->shm_regions);
+	writer_key_u64(&out->w, "shm_attaches", d->stats.shm_attaches);
+	writer_key_u64(&out->w, "shm_stray_fds", d->stats.shm_stray_fds);
 	writer_key_u64(&out->w, "failed_evictions", d->stats.failed_evictions);
 	writer_key_u64(&out->w, "busy", d->stats.busy);
 	for (int c = 1; c < PROTO_E__COUNT; c++)

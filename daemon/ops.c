@@ -17,6 +17,7 @@ X(grad, "")
 X(compile, "")
 X(stats, "")
 X(shutdown, "")
+X(attach, "")
 #undef X
 
 const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {
@@ -25,5 +26,5 @@ const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {
     [PROTO_OP_LIST] = &op_list_desc,         [PROTO_OP_DESCRIBE] = &op_describe_desc,
     [PROTO_OP_SCAN] = &op_scan_desc,         [PROTO_OP_GRAD] = &op_grad_desc,
     [PROTO_OP_COMPILE] = &op_compile_desc,   [PROTO_OP_STATS] = &op_stats_desc,
-    [PROTO_OP_SHUTDOWN] = &op_shutdown_desc,
+    [PROTO_OP_SHUTDOWN] = &op_shutdown_desc, [PROTO_OP_ATTACH] = &op_attach_desc,
 };

@@ -61,7 +61,7 @@ static int probe_run(struct probe *p)
 	memcpy(xin, x, sizeof x);
 	cache_so_path(&p->d->cache, p->key, so, sizeof so);
 	if (engine_load(so, 1, &g, &p->err) == 0 &&
-	    engine_run(g, in, 2, in, in, &res, &p->err) == 0) {
+	    engine_run(g, in, 2, in, in, NULL, &res, &p->err) == 0) {
 		rc = res.n == 2 &&
 		             memcmp(res.tensors[0].data, want_carry, sizeof want_carry) == 0 &&
 		             memcmp(res.tensors[1].data, want_y, sizeof want_y) == 0
@@ -84,7 +84,7 @@ static void lookup_work(uv_work_t *w)
 
 	if (p->res.so_path[0]) { /* after a compile: commit first */
 		memset(&meta, 0, sizeof meta);
-		meta.n_inputs = 2;
+		meta.n_inputs = 4; /* carry, inputs and their two result buffers */
 		meta.n_outputs = 2;
 		snprintf(meta.strategy, sizeof meta.strategy, "unroll");
 		meta.y_spec = p->res.y_spec;

@@ -190,6 +190,8 @@ void request_dispatch(struct conn *c, uint8_t *body, uint32_t len)
 	req->has_id = true;
 	req->id = req->msg.id;
 	req->op = req->msg.op;
+	if (c->region.base != NULL)
+		req->msg.region = &c->region;
 	if (req->op < 0) {
 		request_fail_code(req, PROTO_E_UNKNOWN_OP, NULL, "unknown op '%.*s'",
 		                  (int)req->msg.op_len, req->msg.op_name);

@@ -12,9 +12,12 @@
 #include "scanrun.h"
 
 #include "log.h"
+#include "shm.h"
 #include "spec.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,20 +124,34 @@ struct run_job {
 	struct proto_err err;
 	int rc;
 	double t0, run_us;
+	/* outputs written into the request's shared-memory area (shm.c) */
+	uint64_t *placed, out_needed;
+	size_t next_placed;
 };
 
-/* Sizes OpenMP per pool thread so concurrent runs share the cores. */
-static void size_openmp(int threads)
-{
-	static __thread int done;
-	void (*set)(int);
+/*
+ * Sizes each run's OpenMP team by how many runs are going on at once: a lone
+ * run gets every core, concurrent runs share them (cores / runs, at least
+ * one each).  omp_set_num_threads sets the calling thread's own value, so
+ * it is set before every run; libgomp keeps its thread pool across sizes.
+ */
+static atomic_int runs_active;
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+static void (*omp_set)(int);
 
-	if (done)
-		return;
-	done = 1;
-	*(void **)&set = dlsym(RTLD_DEFAULT, "omp_set_num_threads");
-	if (set)
-		set(threads);
+static void find_omp(void)
+{
+	*(void **)&omp_set = dlsym(RTLD_DEFAULT, "omp_set_num_threads");
+}
+
+static void size_openmp(const struct config *cfg, int running)
+{
+	int n = running < cfg->threads ? running : (int)cfg->threads;
+	int team = cfg->cores / (n > 0 ? n : 1);
+
+	pthread_once(&omp_once, find_omp);
+	if (omp_set)
+		omp_set(team > 1 ? team : 1);
 }
 
 static void run_work(uv_work_t *w)
@@ -142,10 +159,39 @@ static void run_work(uv_work_t *w)
 	struct run_job *j = w->data;
 	double t0 = now_seconds();
 
-	size_openmp(j->req->d->cfg.omp_threads);
-	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->sp->expected_out,
+	size_openmp(&j->req->d->cfg, atomic_fetch_add(&runs_active, 1) + 1);
+	uint8_t *base = NULL;
+
+	/* results go straight into the client's area when they all fit */
+	if (j->req->out.set) {
+		j->out_needed = engine_out_layout(j->sp->expected_out, j->sp->n_out, NULL);
+		if (j->out_needed <= j->req->out.size) {
+			j->placed = malloc((j->sp->n_out ? j->sp->n_out : 1) * sizeof *j->placed);
+			if (j->placed != NULL) {
+				engine_out_layout(j->sp->expected_out, j->sp->n_out, j->placed);
+				base = j->req->out.base;
+			}
+		}
+	}
+	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->sp->expected_out, base,
 	                   j->res, &j->err);
+	atomic_fetch_sub(&runs_active, 1);
 	j->run_us = (now_seconds() - t0) * 1e6;
+}
+
+/* Result tensors come to the encoder in the engine's order: when the graph
+ * wrote them into the client's area, those of at least min_bytes go back as
+ * references to where they are (smaller ones inline, as the client asked). */
+static int place_next(const struct tree_tensor *t, uint64_t *offset, void *arg)
+{
+	struct run_job *j = arg;
+	size_t k = j->next_placed++;
+
+	if (j->placed == NULL || k >= j->res->n || t->nbytes == 0 ||
+	    t->nbytes < j->req->out.min_bytes)
+		return 0;
+	*offset = j->req->out.offset + j->placed[k];
+	return 1;
 }
 
 static void free_result(void *arg)
@@ -157,15 +203,15 @@ static void free_result(void *arg)
 }
 
 /* Writes result trees of the spec's shapes from the flat outputs. */
-static int put_tree(struct outmsg *out, struct request *req, const char *key,
-                    const struct tree_node *spec, const struct engine_result *res, size_t *pos)
+static int put_tree(struct outmsg *out, struct run_job *j, const char *key,
+                    const struct tree_node *spec, size_t *pos)
 {
 	struct tree_node node;
 
-	if (spec_fill(spec, res->tensors, res->n, pos, req->msg.up.zone, &node) != 0)
+	if (spec_fill(spec, j->res->tensors, j->res->n, pos, j->req->msg.up.zone, &node) != 0)
 		return -1;
 	writer_str(&out->w, key);
-	tree_encode(&out->w, &node);
+	tree_encode_placed(&out->w, &node, place_next, j);
 	return 0;
 }
 
@@ -183,11 +229,13 @@ static void after_run(uv_work_t *w, int status)
 		sp->run_ema_us =
 		    sp->runs++ == 0 ? j->run_us : 0.8 * sp->run_ema_us + 0.2 * j->run_us;
 		sp->adapter->stats.runs++;
-		out = request_begin_result(req, sp->grad ? 4 : 2);
-		if (out == NULL || put_tree(out, req, "carry", &sp->carry, j->res, &pos) ||
-		    put_tree(out, req, "outputs", &sp->y, j->res, &pos) ||
-		    (sp->grad && (put_tree(out, req, "grad_carry", &sp->carry, j->res, &pos) ||
-		                  put_tree(out, req, "grad_inputs", &sp->inputs, j->res, &pos)))) {
+		out = request_begin_result(req, (sp->grad ? 4 : 2) + req->out.set);
+		if (out != NULL && req->out.set)
+			writer_key_u64(&out->w, "out_needed", j->out_needed);
+		if (out == NULL || put_tree(out, j, "carry", &sp->carry, &pos) ||
+		    put_tree(out, j, "outputs", &sp->y, &pos) ||
+		    (sp->grad && (put_tree(out, j, "grad_carry", &sp->carry, &pos) ||
+		                  put_tree(out, j, "grad_inputs", &sp->inputs, &pos)))) {
 			if (out)
 				outmsg_free(out);
 			proto_fail(&j->err, PROTO_E_ENGINE_ERROR, NULL,
@@ -206,6 +254,7 @@ static void after_run(uv_work_t *w, int status)
 		request_fail(req, &j->err);
 	if (j->res)
 		free_result(j->res);
+	free(j->placed);
 	free(j->in);
 	free(j->zeros);
 	spec_unref(sp);

@@ -356,18 +356,25 @@ static void fill_expected(struct specialization *sp)
 	}
 }
 
-/* Shapes of one tree's tensor leaves, with T prepended when stacked. */
+/* Shapes (and sizes: the engine lays the result buffers out by them) of one
+ * tree's tensor leaves, with T prepended when stacked. */
 static void expect_tree(const struct tree_node *t, int64_t stacked, struct engine_tensor *out,
                         size_t *n)
 {
 	size_t first = *n;
 
 	spec_flatten(t, out, n);
-	for (size_t i = first; stacked > 0 && i < *n; i++) {
-		memmove(out[i].shape + 1, out[i].shape,
-		        (PROTO_MAX_NDIM - 1) * sizeof out[i].shape[0]);
-		out[i].shape[0] = stacked;
-		out[i].ndim++;
+	for (size_t i = first; i < *n; i++) {
+		if (stacked > 0) {
+			memmove(out[i].shape + 1, out[i].shape,
+			        (PROTO_MAX_NDIM - 1) * sizeof out[i].shape[0]);
+			out[i].shape[0] = stacked;
+			out[i].ndim++;
+		}
+		out[i].nbytes = proto_dtype_size(out[i].dtype);
+		for (uint32_t k = 0; k < out[i].ndim; k++)
+			out[i].nbytes *= (uint64_t)out[i].shape[k];
+		out[i].data = NULL;
 	}
 }
 

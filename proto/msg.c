@@ -151,7 +151,7 @@ int msg_get_tree(const struct msg *m, const char *key, bool required, struct tre
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "request has no %s tree",
 		                  key);
 	}
-	return tree_decode(o, m->up.zone, key, out, err);
+	return tree_decode_in(o, m->up.zone, key, m->region, out, err);
 }
 
 static void copy_str(char *dst, size_t size, const msgpack_object *o)

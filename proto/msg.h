@@ -31,6 +31,8 @@ struct msg {
 	uint32_t op_len;
 	bool is_error; /* replies: has an error map */
 	bool is_event; /* replies: a notification, not the final answer */
+	/* shared-memory references in its trees resolve here (NULL: none) */
+	const struct tree_region *region;
 };
 
 /*

@@ -38,7 +38,10 @@
 /* Tensors ride in ext types; tuples are arrays whose first item is a marker. */
 #define PROTO_EXT_TENSOR   1
 #define PROTO_EXT_TUPLE    2
+#define PROTO_EXT_SHM      3  /* a tensor whose bytes lie in the connection's memfd */
 #define PROTO_TENSOR_ALIGN 64 /* encoders pad so tensor bytes land aligned */
+/* Shared-memory references: offsets are multiples of PROTO_TENSOR_ALIGN. */
+#define PROTO_SHM_HEAD 24 /* u8 dtype, u8 ndim, 6 x 0, u64 offset, u64 nbytes */
 
 enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 
@@ -54,7 +57,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(GRAD, "grad")                                                                            \
 	X(COMPILE, "compile")                                                                      \
 	X(STATS, "stats")                                                                          \
-	X(SHUTDOWN, "shutdown")
+	X(SHUTDOWN, "shutdown")                                                                    \
+	X(ATTACH, "attach")
 
 /*
  * Error codes: enum name, wire string, one-line meaning.  The wire string
@@ -99,6 +103,17 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(TOO_MANY_ELEMENTS, "TOO_MANY_ELEMENTS", "a leaf exceeds max_elements")                   \
 	X(SPEC_MISMATCH, "SPEC_MISMATCH", "tensors differ from the compiled signature")            \
 	X(COTANGENT_MISMATCH, "COTANGENT_MISMATCH", "cotangent tree does not match")               \
+	/* shared memory (the attach op and PROTO_EXT_SHM leaves) */                               \
+	X(SHM_NO_FD, "SHM_NO_FD", "attach came without a file descriptor")                         \
+	X(SHM_ALREADY_ATTACHED, "SHM_ALREADY_ATTACHED", "the connection has a region already")     \
+	X(SHM_BAD_FD, "SHM_BAD_FD", "the descriptor is not a writable memfd")                      \
+	X(SHM_NOT_SEALED, "SHM_NOT_SEALED", "the memfd is not sealed against shrinking")           \
+	X(SHM_UNDERSIZED, "SHM_UNDERSIZED", "the memfd is smaller than the size attached")         \
+	X(SHM_TOO_LARGE, "SHM_TOO_LARGE", "the region exceeds max-shm or max-shm-total")           \
+	X(SHM_NOT_ATTACHED, "SHM_NOT_ATTACHED", "a reference names a region the connection lacks") \
+	X(SHM_OUT_OF_BOUNDS, "SHM_OUT_OF_BOUNDS", "a reference lies outside the region")           \
+	X(SHM_MISALIGNED, "SHM_MISALIGNED", "a reference is not 64-byte aligned")                  \
+	X(SHM_OVERLAP, "SHM_OVERLAP", "the output area overlaps a tensor of the request")          \
 	/* compile path */                                                                         \
 	X(RECOMPILE_BUDGET_EXHAUSTED, "RECOMPILE_BUDGET_EXHAUSTED",                                \
 	  "adapter holds recompile_budget specializations already")                                \

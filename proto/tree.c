@@ -12,6 +12,7 @@
 
 struct dec {
 	msgpack_zone *zone;
+	const struct tree_region *region;
 	struct proto_err *err;
 	uint32_t leaves;
 	char path[PROTO_PATH_MAX];
@@ -165,6 +166,75 @@ static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tr
 	return 0;
 }
 
+/* A reference into the connection's region: header checks as for inline
+ * tensors, then bounds and alignment against the region. */
+static int decode_shm(struct dec *d, const msgpack_object_ext *ext, struct tree_node *out)
+{
+	const uint8_t *p = (const uint8_t *)ext->ptr;
+	struct tree_tensor *t = &out->tensor;
+	uint64_t off, nbytes;
+	char detail[96];
+
+	if (ext->size < PROTO_SHM_HEAD)
+		return dec_fail(d, PROTO_E_BAD_SHAPE,
+		                "%s: shared-memory reference shorter than its 24-byte header%s",
+		                NULL);
+	if (p[0] != PROTO_DTYPE_F32 && p[0] != PROTO_DTYPE_F64) {
+		snprintf(detail, sizeof detail, " (dtype code %u)", p[0]);
+		return dec_fail(d, PROTO_E_BAD_DTYPE, "%s: dtype must be float32 or float64%s",
+		                detail);
+	}
+	if (p[1] > PROTO_MAX_NDIM || ext->size != PROTO_SHM_HEAD + 8ull * p[1]) {
+		snprintf(detail, sizeof detail, " (rank %u, %u payload bytes)", p[1], ext->size);
+		return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: bad shared-memory reference header%s",
+		                detail);
+	}
+	for (int i = 2; i < 8; i++)
+		if (p[i] != 0)
+			return dec_fail(d, PROTO_E_BAD_SHAPE,
+			                "%s: reserved bytes of a reference are not zero%s", NULL);
+	t->dtype = p[0];
+	t->ndim = p[1];
+	off = get_le64(p + 8);
+	nbytes = get_le64(p + 16);
+	for (uint32_t i = 0; i < t->ndim; i++) {
+		t->shape[i] = (int64_t)get_le64(p + PROTO_SHM_HEAD + 8 * i);
+		if (t->shape[i] < 0) {
+			snprintf(detail, sizeof detail, " %u is %lld", i, (long long)t->shape[i]);
+			return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: negative dimension%s", detail);
+		}
+	}
+	if (tree_tensor_sizes(t) != 0)
+		return dec_fail(d, PROTO_E_SHAPE_OVERFLOW, "%s: element count overflows int64%s",
+		                NULL);
+	if (nbytes != t->nbytes) {
+		snprintf(detail, sizeof detail, " (%llu bytes, shape and dtype need %llu)",
+		         (unsigned long long)nbytes, (unsigned long long)t->nbytes);
+		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
+		                "%s: tensor byte length mismatch%s", detail);
+	}
+	if (d->region == NULL)
+		return dec_fail(d, PROTO_E_SHM_NOT_ATTACHED,
+		                "%s references shared memory, but no region is attached to this "
+		                "connection%s",
+		                NULL);
+	if (off > d->region->size || nbytes > d->region->size - off) {
+		snprintf(detail, sizeof detail, " (offset %llu + %llu bytes > region of %llu)",
+		         (unsigned long long)off, (unsigned long long)nbytes,
+		         (unsigned long long)d->region->size);
+		return dec_fail(d, PROTO_E_SHM_OUT_OF_BOUNDS,
+		                "%s: reference outside the shared region%s", detail);
+	}
+	if (off % PROTO_TENSOR_ALIGN != 0) {
+		snprintf(detail, sizeof detail, " (offset %llu)", (unsigned long long)off);
+		return dec_fail(d, PROTO_E_SHM_MISALIGNED,
+		                "%s: reference not aligned to 64 bytes%s", detail);
+	}
+	t->data = d->region->base + off;
+	out->kind = TREE_TENSOR;
+	return 0;
+}
+
 static int decode_node(struct dec *d, const msgpack_object *o, int depth, struct tree_node *out);
 
 static int key_cmp(const void *a, const void *b)
@@ -276,11 +346,13 @@ static int decode_node(struct dec *d, const msgpack_object *o, int depth, struct
 		out->kind = TREE_NONE;
 		return count_leaf(d);
 	case MSGPACK_OBJECT_EXT:
-		if (o->via.ext.type != PROTO_EXT_TENSOR)
+		if (o->via.ext.type != PROTO_EXT_TENSOR && o->via.ext.type != PROTO_EXT_SHM)
 			return dec_fail(d, PROTO_E_UNKNOWN_TYPE,
 			                "%s: unknown ext type tag in a tree%s", NULL);
 		if (count_leaf(d) != 0)
 			return -1;
+		if (o->via.ext.type == PROTO_EXT_SHM)
+			return decode_shm(d, &o->via.ext, out);
 		return decode_tensor(d, &o->via.ext, out);
 	case MSGPACK_OBJECT_ARRAY:
 	case MSGPACK_OBJECT_MAP:
@@ -302,13 +374,19 @@ static int decode_node(struct dec *d, const msgpack_object *o, int depth, struct
 	return decode_children(d, o->via.array.ptr, o->via.array.size, depth, out);
 }
 
-int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
-                struct tree_node *out, struct proto_err *err)
+int tree_decode_in(const msgpack_object *o, msgpack_zone *zone, const char *root,
+                   const struct tree_region *region, struct tree_node *out, struct proto_err *err)
 {
-	struct dec d = {.zone = zone, .err = err};
+	struct dec d = {.zone = zone, .region = region, .err = err};
 
 	d.path_len = tree_path_root(d.path, sizeof d.path, root);
 	return decode_node(&d, o, 0, out);
+}
+
+int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
+                struct tree_node *out, struct proto_err *err)
+{
+	return tree_decode_in(o, zone, root, NULL, out, err);
 }
 
 static void put_le64(uint8_t *p, uint64_t v)
@@ -341,14 +419,39 @@ static void encode_tensor(struct writer *w, const struct tree_tensor *t)
 	writer_ref(w, t->data, t->nbytes);
 }
 
-void tree_encode(struct writer *w, const struct tree_node *n)
+static void encode_shm(struct writer *w, const struct tree_tensor *t, uint64_t offset)
 {
+	uint8_t head[6 + PROTO_SHM_HEAD + 8 * PROTO_MAX_NDIM] = {0};
+	uint32_t len = PROTO_SHM_HEAD + 8 * t->ndim;
+
+	head[0] = 0xc9;
+	head[1] = (uint8_t)(len >> 24);
+	head[2] = (uint8_t)(len >> 16);
+	head[3] = (uint8_t)(len >> 8);
+	head[4] = (uint8_t)len;
+	head[5] = PROTO_EXT_SHM;
+	head[6] = (uint8_t)t->dtype;
+	head[7] = (uint8_t)t->ndim;
+	put_le64(head + 6 + 8, offset);
+	put_le64(head + 6 + 16, t->nbytes);
+	for (uint32_t i = 0; i < t->ndim; i++)
+		put_le64(head + 6 + PROTO_SHM_HEAD + 8 * i, (uint64_t)t->shape[i]);
+	writer_raw(w, head, 6 + len);
+}
+
+void tree_encode_placed(struct writer *w, const struct tree_node *n, tree_place_fn place, void *ctx)
+{
+	uint64_t offset;
+
 	switch (n->kind) {
 	case TREE_NONE:
 		msgpack_pack_nil(&w->pk);
 		return;
 	case TREE_TENSOR:
-		encode_tensor(w, &n->tensor);
+		if (place && place(&n->tensor, &offset, ctx) == 1)
+			encode_shm(w, &n->tensor, offset);
+		else
+			encode_tensor(w, &n->tensor);
 		return;
 	case TREE_TUPLE:
 		msgpack_pack_array(&w->pk, n->count + 1);
@@ -364,8 +467,13 @@ void tree_encode(struct writer *w, const struct tree_node *n)
 	for (uint32_t i = 0; i < n->count; i++) {
 		if (n->kind == TREE_DICT)
 			writer_strn(w, n->keys[i].ptr, n->keys[i].len);
-		tree_encode(w, &n->items[i]);
+		tree_encode_placed(w, &n->items[i], place, ctx);
 	}
+}
+
+void tree_encode(struct writer *w, const struct tree_node *n)
+{
+	tree_encode_placed(w, n, NULL, NULL);
 }
 
 uint32_t tree_count_tensors(const struct tree_node *n)

@@ -9,6 +9,9 @@
  *   dict   -> msgpack map with str keys, in order
  *   tensor -> ext32(PROTO_EXT_TENSOR): u8 dtype, u8 ndim, u8 pad, u8 0,
  *             ndim x int64 LE dims, pad zero bytes, C-order LE data
+ *          or ext32(PROTO_EXT_SHM): u8 dtype, u8 ndim, 6 x 0, u64 LE offset,
+ *             u64 LE nbytes, ndim x int64 LE dims -- the bytes lie at offset
+ *             in the connection's shared region (docs/protocol.md)
  *
  * Decoded trees are views: tensor data and dict keys point into the frame
  * body, nodes live in the msgpack zone of the message they came from, so a
@@ -49,6 +52,12 @@ struct tree_node {
 	struct tree_tensor tensor; /* tensors only */
 };
 
+/* A connection's shared-memory region as the decoder sees it. */
+struct tree_region {
+	uint8_t *base;
+	uint64_t size;
+};
+
 /*
  * Decodes o into out, allocating nodes in zone.  root names the tree in
  * error paths (e.g. "inputs" gives inputs["f"][1]).  Enforces depth, leaf,
@@ -56,9 +65,25 @@ struct tree_node {
  */
 int tree_decode(const msgpack_object *o, msgpack_zone *zone, const char *root,
                 struct tree_node *out, struct proto_err *err);
+/*
+ * As tree_decode, and PROTO_EXT_SHM leaves resolve into region (NULL: the
+ * connection has none, SHM_NOT_ATTACHED): in bounds (SHM_OUT_OF_BOUNDS),
+ * offset a multiple of PROTO_TENSOR_ALIGN (SHM_MISALIGNED), nbytes equal
+ * to the shape's (BYTE_LENGTH_MISMATCH).  Their data points into region.
+ */
+int tree_decode_in(const msgpack_object *o, msgpack_zone *zone, const char *root,
+                   const struct tree_region *region, struct tree_node *out, struct proto_err *err);
 
 /* Encodes a tree; tensor bytes are padded to align in the receiver. */
 void tree_encode(struct writer *w, const struct tree_node *n);
+/*
+ * As tree_encode, asking place for each tensor leaf in depth-first order:
+ * a return of 1 with *offset set encodes the leaf as a PROTO_EXT_SHM
+ * reference (its bytes are at *offset in the receiver's region), 0 inline.
+ */
+typedef int (*tree_place_fn)(const struct tree_tensor *t, uint64_t *offset, void *ctx);
+void tree_encode_placed(struct writer *w, const struct tree_node *n, tree_place_fn place,
+                        void *ctx);
 
 /* Tensor leaves in depth-first order (None leaves are skipped). */
 uint32_t tree_count_tensors(const struct tree_node *n);

@@ -624,7 +624,22 @@ def vjp_module_autograd(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]
 def capture(
     scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
 ) -> tuple[Any, tuple[Any, ...]]:
-    """torch.export of the flat scan (or make_fx of its VJP, then export)."""
+    """torch.export of the flat scan (or make_fx of its VJP, then export), as
+    a graph that writes its results into buffers passed after its inputs."""
+    module, example = capture_values(scan, torch, args, outs, kind, strict)
+    results = tuple(outs) + (tuple(args) if kind == "vjp" else ())
+    bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
+    try:
+        ep = torch.export.export(OutModule(module, len(example)), example + bufs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc, "capture") from exc
+    return ep.module(), example + bufs
+
+
+def capture_values(
+    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
+) -> tuple[Any, tuple[Any, ...]]:
+    """The graph that returns its results (torch.export / make_fx + export)."""
     try:
         if kind == "vjp":
             from torch.fx.experimental.proxy_tensor import make_fx
@@ -732,10 +747,14 @@ class Wrap:  # replaced below once torch is imported
     pass
 
 
+class OutModule:  # replaced below once torch is imported
+    pass
+
+
 def define_modules() -> None:
     import torch
 
-    global FlatModule, Wrap
+    global FlatModule, Wrap, OutModule
 
     class _Flat(torch.nn.Module):
         def __init__(self, scan: Scan) -> None:
@@ -753,8 +772,26 @@ def define_modules() -> None:
         def forward(self, *flat: Any) -> Any:
             return self.fn(*flat)
 
+    class _Out(torch.nn.Module):
+        """The daemon's calling convention: inputs, then one buffer per result;
+        the results are written into the buffers (the daemon passes the client's
+        shared memory, or memory of its own) and the buffers are returned."""
+
+        def __init__(self, fn: Callable[..., Any], n_in: int) -> None:
+            super().__init__()
+            self.fn = fn
+            self.n_in = n_in
+
+        def forward(self, *flat: Any) -> tuple[Any, ...]:
+            results = self.fn(*flat[: self.n_in])
+            bufs = flat[self.n_in :]
+            for buf, r in zip(bufs, results):
+                buf.copy_(r)
+            return tuple(bufs)
+
     FlatModule = _Flat  # type: ignore[misc]
     Wrap = _Wrap  # type: ignore[misc]
+    OutModule = _Out  # type: ignore[misc]
 
 
 def hello() -> dict[str, Any]:

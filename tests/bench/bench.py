@@ -12,7 +12,12 @@ only):
   (c) the daemon's AOTI artifact run in-process from C (the floor, no IPC)
   (d) the daemon through libtorchloop from C
   (e) the daemon through the CLI, a process per call
-then throughput of (d) with 1..32 client processes, cold compile and warm
+  (f) the daemon through libtorchloop with shared memory, inputs allocated in
+      the connection's region (tl_shm_alloc), results written there
+  (g) the daemon through the `torchloop` Python client, defaults (tensors of
+      64 KiB and more through shared memory, copied in per call)
+then the shared-memory threshold (inline against shared memory per leaf
+size, C and Python), throughput of (d) with 1..32 client processes, cold compile and warm
 start against (b) in fresh processes, daemon RSS, and payload bandwidth.
 It also measures where a small scan's time goes (a socketpair round trip, a
 health round trip, the daemon without inline runs, its CPU and syscalls per
@@ -66,6 +71,26 @@ for _ in range(iters):
 ts.sort()
 print(json.dumps({"first_s": first, "p50_us": ts[len(ts) // 2], "p99_us": ts[int(len(ts) * 0.99)]}))
 """
+
+
+PYCLIENT = r"""
+import json, sys, time, torch, torchloop
+sock, adapter, n, steps, iters, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+kw = {"inline": dict(shm=0), "shm": dict(shm_threshold=1), "default": {}}[mode]
+c = torchloop.Client(sock, **kw)
+carry = torch.arange(n, dtype=torch.float64) * 0.01
+xs = torch.ones(steps, n, dtype=torch.float64)
+for _ in range(20): c.scan(adapter, carry, xs)
+ts = []
+for _ in range(iters):
+    t0 = time.perf_counter(); out = c.scan(adapter, carry, xs); ts.append((time.perf_counter() - t0) * 1e6)
+    del out
+ts.sort()
+print(json.dumps({"p50_us": ts[len(ts) // 2], "p99_us": ts[int(len(ts) * 0.99)], "shm": c._region is not None}))
+"""
+
+# Leaf sizes (float64 elements, T = 1) of the threshold sweep: 512 B to 512 KiB.
+THRESHOLD_N = (64, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 
 
 def cpu_busy(interval: float = 0.5) -> float:
@@ -172,6 +197,31 @@ def latency(build: str, d: Daemon, cache: str, tmp: str, quick: bool) -> list[di
         row["c_inproc"] = run_json([bench_c, "inproc", so, str(n), str(steps), str(iters)])
         row["d_daemon"] = run_json([bench_c, "daemon", d.sock, "bench.cumsum", str(n), str(steps), str(iters)])
         row["e_cli"] = cli_latency(cli, d.sock, n, steps, 1000 if n <= 4096 else 100, tmp)
+        row["f_shm"] = run_json([bench_c, "daemon", d.sock, "bench.cumsum", str(n), str(steps),
+                                 str(iters), "inplace"])
+        row["g_python"] = run_json([py, "-c", PYCLIENT, d.sock, "bench.cumsum", str(n), str(steps),
+                                    str(iters), "default"])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def threshold(build: str, d: Daemon, quick: bool) -> list[dict]:
+    """Inline against shared memory per leaf size (carry [N], inputs [1, N])."""
+    c = Client(d.sock)
+    register(c, "bench.thresh")
+    py = os.path.join(ROOT, ".venv", "bin", "python")
+    bench_c = os.path.join(build, "bench_c")
+    rows = []
+    for n in THRESHOLD_N[:4] if quick else THRESHOLD_N:
+        timed_scan(c, "bench.thresh", n, 1)
+        row = {"N": n, "leaf_bytes": n * 8}
+        for mode in ("inline", "staged"):
+            row["c_" + mode] = run_json([bench_c, "daemon", d.sock, "bench.thresh", str(n), "1",
+                                         "2000", mode])
+        for mode in ("inline", "shm"):
+            row["py_" + mode] = run_json([py, "-c", PYCLIENT, d.sock, "bench.thresh", str(n), "1",
+                                          "2000", mode])
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -400,7 +450,9 @@ def plots(out_dir: str, rows: list[dict], thr: list[dict]) -> None:
         steps = [r["T"] for r in sub]
         for key, label in (("a_eager", "(a) eager"), ("b_compile", "(b) torch.compile in-process"),
                            ("c_inproc", "(c) AOTI in-process, C"), ("d_daemon", "(d) daemon, libtorchloop"),
-                           ("e_cli", "(e) daemon, CLI per call")):
+                           ("e_cli", "(e) daemon, CLI per call"),
+                           ("f_shm", "(f) daemon, libtorchloop + shared memory"),
+                           ("g_python", "(g) daemon, Python client")):
             ax.plot(steps, [r[key]["p50_us"] for r in sub], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -430,6 +482,7 @@ def main() -> None:
     result: dict = {"machine": machine(), "quick": quick}
     d = Daemon(build, cache, tmp)
     result["latency"] = latency(build, d, cache, tmp, quick)
+    result["threshold"] = threshold(build, d, quick)
     result["throughput"] = throughput(build, d)
     big = [r for r in result["latency"] if r["N"] * r["T"] == MAX_ELEMENTS]
     if big:

@@ -1,9 +1,14 @@
 /*
  * bench_c.c - the C side of `make bench` (tests/bench/bench.py drives it).
  *
- *   bench_c inproc SO N T ITERS        the AOTI artifact run in this process (floor)
- *   bench_c daemon SOCK ADAPTER N T ITERS
- *                                      the daemon through libtorchloop
+ *   bench_c inproc SO N T ITERS        the AOTI artifact run in this process (floor),
+ *                                      results written into buffers allocated once
+ *   bench_c daemon SOCK ADAPTER N T ITERS [inline|staged|inplace]
+ *                                      the daemon through libtorchloop: tensors
+ *                                      on the socket (inline, the default), or
+ *                                      through shared memory, copied into the
+ *                                      region per call (staged) or allocated
+ *                                      there by the caller (inplace)
  *   bench_c clients SOCK ADAPTER N T PROCS ITERS
  *                                      PROCS client processes, ITERS scans each
  *   bench_c ping SOCK ITERS            health round trips: the protocol's floor
@@ -69,13 +74,16 @@ static int inproc(const char *so, long n, long steps, int iters)
 	    {PROTO_DTYPE_F64, 1, {n}, c, (uint64_t)n * 8},
 	    {PROTO_DTYPE_F64, 2, {steps, n}, x, (uint64_t)(n * steps) * 8}};
 
+	/* cumsum's results have the shapes of its inputs: carry [N], outputs [T, N] */
+	uint8_t *out = aligned_alloc(64, (engine_out_layout(in, 2, NULL) + 127) & ~(uint64_t)63);
+
 	if (engine_load(so, 1, &g, &err) != 0) {
 		fprintf(stderr, "%s\n", err.message);
 		return 1;
 	}
 	for (int i = -20; i < iters; i++) {
 		double t0 = now_us();
-		if (engine_run(g, in, 2, in, NULL, &res, &err) != 0) {
+		if (engine_run(g, in, 2, in, in, out, &res, &err) != 0) {
 			fprintf(stderr, "%s\n", err.message);
 			return 1;
 		}
@@ -85,22 +93,49 @@ static int inproc(const char *so, long n, long steps, int iters)
 	}
 	report("inproc", t, iters, 0);
 	engine_unload(g);
+	free(out);
 	return 0;
 }
 
-static int scans(const char *sock, const char *adapter, long n, long steps, int iters, double *t)
+enum shm_mode { SHM_OFF, SHM_STAGED, SHM_INPLACE };
+
+static int scans_shm(const char *sock, const char *adapter, long n, long steps, int iters,
+                     double *t, enum shm_mode shm)
 {
 	struct tl_client *c;
 	struct tl_error err;
 	struct tl_builder *b = tl_builder_new();
 	double *carry = alloc_data((size_t)n), *x = alloc_data((size_t)(n * steps));
 	int64_t cs[] = {n}, xs[] = {steps, n};
-	struct tl_tree *ct = tl_tensor(b, TL_FLOAT64, 1, cs, carry),
-	               *xt = tl_tensor(b, TL_FLOAT64, 2, xs, x);
+	struct tl_tree *ct, *xt;
 
 	if (tl_connect(sock, 5000, &c, &err) != 0) {
 		fprintf(stderr, "%s\n", err.message);
 		return 1;
+	}
+	if (shm != SHM_OFF) {
+		/* inputs + outputs + room: 4 x (carry + inputs), at least 16 MiB */
+		size_t bytes = (size_t)(n + n * steps) * 8 * 4;
+		if (tl_shm_attach(c, bytes < (16u << 20) ? 16u << 20 : bytes, &err) != 0) {
+			fprintf(stderr, "%s: %s\n", err.code, err.message);
+			return 1;
+		}
+		tl_shm_set_threshold(c, 1); /* every tensor by reference: the mode under test */
+	}
+	if (shm == SHM_INPLACE) {
+		double *rc = tl_shm_alloc(c, (size_t)n * 8),
+		       *rx = tl_shm_alloc(c, (size_t)(n * steps) * 8);
+		memcpy(rc, carry, (size_t)n * 8);
+		memcpy(rx, x, (size_t)(n * steps) * 8);
+		free(carry);
+		free(x);
+		carry = NULL;
+		x = NULL;
+		ct = tl_tensor(b, TL_FLOAT64, 1, cs, rc);
+		xt = tl_tensor(b, TL_FLOAT64, 2, xs, rx);
+	} else {
+		ct = tl_tensor(b, TL_FLOAT64, 1, cs, carry);
+		xt = tl_tensor(b, TL_FLOAT64, 2, xs, x);
 	}
 	for (int i = -20; i < iters; i++) {
 		struct tl_reply *r;
@@ -118,6 +153,11 @@ static int scans(const char *sock, const char *adapter, long n, long steps, int 
 	free(carry);
 	free(x);
 	return 0;
+}
+
+static int scans(const char *sock, const char *adapter, long n, long steps, int iters, double *t)
+{
+	return scans_shm(sock, adapter, n, steps, iters, t, SHM_OFF);
 }
 
 static int clients(const char *sock, const char *adapter, long n, long steps, int procs, int iters)
@@ -232,13 +272,17 @@ int main(int argc, char **argv)
 {
 	if (argc == 6 && strcmp(argv[1], "inproc") == 0)
 		return inproc(argv[2], atol(argv[3]), atol(argv[4]), atoi(argv[5]));
-	if (argc == 7 && strcmp(argv[1], "daemon") == 0) {
+	if ((argc == 7 || argc == 8) && strcmp(argv[1], "daemon") == 0) {
 		int iters = atoi(argv[6]);
 		double *t = malloc(sizeof *t * (size_t)iters);
 		long n = atol(argv[4]), steps = atol(argv[5]);
-		if (scans(argv[2], argv[3], n, steps, iters, t) != 0)
+		const char *mode = argc == 8 ? argv[7] : "inline";
+		enum shm_mode shm = strcmp(mode, "staged") == 0    ? SHM_STAGED
+		                    : strcmp(mode, "inplace") == 0 ? SHM_INPLACE
+		                                                   : SHM_OFF;
+		if (scans_shm(argv[2], argv[3], n, steps, iters, t, shm) != 0)
 			return 1;
-		report("daemon", t, iters, (double)(n + 2 * n * steps + n) * 8);
+		report(mode, t, iters, (double)(n + 2 * n * steps + n) * 8);
 		return 0;
 	}
 	if (argc == 8 && strcmp(argv[1], "clients") == 0)

@@ -82,11 +82,13 @@ def latency_section(b: dict) -> str:
     rows = []
     for r in b["latency"]:
         rows.append([str(r["N"]), str(r["T"])] +
-                    [f"{us(r[k]['p50_us'])} / {us(r[k]['p99_us'])}"
-                     for k in ("a_eager", "b_compile", "c_inproc", "d_daemon", "e_cli")])
+                    [f"{us(r[k]['p50_us'])} / {us(r[k]['p99_us'])}" if k in r else "–"
+                     for k in ("a_eager", "b_compile", "c_inproc", "d_daemon", "e_cli", "f_shm",
+                               "g_python")])
     lat = table(["N", "T", "(a) eager", "(b) torch.compile in-process",
-                 "(c) AOTI in-process, C", "(d) daemon, libtorchloop", "(e) daemon, CLI"], rows)
-    derived_cols = [r for r in b["latency"] if r["N"] <= 4096]
+                 "(c) AOTI in-process, C", "(d) daemon, libtorchloop", "(e) daemon, CLI",
+                 "(f) daemon, libtorchloop + shared memory", "(g) daemon, Python client"], rows)
+    derived_cols = list(b["latency"])
     head = [""] + [f"N = {r['N']}, T = {r['T']}" for r in derived_cols]
 
     def row(name, f):
@@ -98,6 +100,9 @@ def latency_section(b: dict) -> str:
         row("(d) / (b)", lambda r: ratio(r["d_daemon"]["p50_us"] / r["b_compile"]["p50_us"])),
         row("(a) / (c)", lambda r: ratio(r["a_eager"]["p50_us"] / r["c_inproc"]["p50_us"])),
         row("(a) / (d)", lambda r: ratio(r["a_eager"]["p50_us"] / r["d_daemon"]["p50_us"])),
+        row("(f) / (c)", lambda r: ratio(r["f_shm"]["p50_us"] / r["c_inproc"]["p50_us"])),
+        row("(f) / (b)", lambda r: ratio(r["f_shm"]["p50_us"] / r["b_compile"]["p50_us"])),
+        row("(g) − (d), µs", lambda r: us(r["g_python"]["p50_us"] - r["d_daemon"]["p50_us"])),
     ])
     thr = b["throughput"]
     thr_t = table(["clients"] + [str(t["procs"]) for t in thr],
@@ -111,7 +116,11 @@ def latency_section(b: dict) -> str:
 `tests/bench/bench.py`: a cumulative sum (carry [N] float64, inputs [T, N]).
 p50 / p99 per call in µs over 1000 calls after 20 warm-up calls (200 for
 N = 1 048 576; 100 CLI calls there). The daemon runs with its defaults
-(`--threads` = cores, `--inline-run-us` = 50). {clipped}
+(`--threads` = cores, `--inline-run-us` = 50). {clipped} (f): the
+connection's region holds the inputs (allocated there with `tl_shm_alloc`,
+so nothing is copied on the client's side) and the daemon writes the
+results into it; (g): `torchloop.Client` with its defaults, plain torch
+tensors (over 64 KiB they are copied into the region per call).
 
 {lat}
 
@@ -128,6 +137,40 @@ time from the first fork to the last exit):
 {thr_t}
 
 ![throughput](throughput.png)
+"""
+
+
+def threshold_section(b: dict) -> str:
+    rows = b.get("threshold")
+    if not rows:
+        return ""
+    body = table(["leaf (bytes)", "C inline", "C shared memory (staged)", "Python inline",
+                  "Python shared memory"],
+                 [[grp(r["leaf_bytes"])] + [us(r[k]["p50_us"]) for k in
+                                             ("c_inline", "c_staged", "py_inline", "py_shm")]
+                  for r in rows])
+
+    def crossover(inline: str, shm: str) -> str:
+        for i, r in enumerate(rows):
+            if all(x[shm]["p50_us"] <= x[inline]["p50_us"] for x in rows[i:]):
+                return f"{grp(r['leaf_bytes'])} bytes"
+        return "never in this range"
+
+    return f"""## When shared memory pays: the threshold
+
+`tests/bench/bench.py` → `threshold`: a cumulative sum with carry [N] and
+inputs [1, N] float64 (two leaves of N × 8 bytes each way), p50 µs over 2000
+scans, every tensor inline or every tensor through the region (copied in by
+the client per call, results written into the region by the daemon).
+
+{body}
+
+Shared memory is at least as fast as the socket from {crossover("c_inline", "c_staged")}
+in C and from {crossover("py_inline", "py_shm")} in Python on. Both clients
+send tensors of 64 KiB and more through the region by default
+(`tl_shm_set_threshold`, `Client(shm_threshold=...)`); below that the
+difference is within the run's noise either way, and inline keeps small
+requests independent of the region's space.
 """
 
 
@@ -176,6 +219,23 @@ def targets_section(b: dict) -> str:
     rows.append(["(d) faster than (b)",
                  ("met for " + ", ".join(won) if won else "never met") +
                  ("; **missed** for " + ", ".join(lost) if lost else "")])
+    big = lat.get((1048576, 1))
+    if big and "f_shm" in big:
+        v = big["f_shm"]["p50_us"] / big["c_inproc"]["p50_us"]
+        rows.append(["N = 1 048 576, T = 1 round trip with shared memory (f) ≤ 1.5× (c)",
+                     f"{'met' if v <= 1.5 else '**missed**'}: {ratio(v)}× "
+                     f"({us(big['f_shm']['p50_us'])} vs {us(big['c_inproc']['p50_us'])} µs)"])
+    fs = [(k, r["f_shm"]["p50_us"] / r["b_compile"]["p50_us"]) for k, r in lat.items()
+          if "f_shm" in r]
+    if fs:
+        lost = [f"N = {k[0]}, T = {k[1]} ({ratio(v)}×)" for k, v in fs if v >= 1]
+        rows.append(["(f) faster than (b) at every size",
+                     ("met: " if not lost else "**missed** for " + ", ".join(lost) + "; ") +
+                     ", ".join(f"N = {k[0]}, T = {k[1]} {ratio(v)}×" for k, v in fs if v < 1)])
+    if small and "g_python" in small:
+        gap = small["g_python"]["p50_us"] - small["d_daemon"]["p50_us"]
+        rows.append(["Python client (g) p50 within 15 µs of libtorchloop (d), N = 4, T = 1",
+                     f"{'met' if gap <= 15 else '**missed**'}: {us(gap)} µs"])
     w = b["starts"]["daemon_warm_first_scan_s"] * 1e3
     rows.append(["warm-start first scan ≤ 100 ms", f"{'met' if w <= 100 else '**missed**'}: {w:.0f} ms"])
     p = b.get("payload")
@@ -286,11 +346,15 @@ are built without `printf`.
 What is left for small scans is mostly not the daemon's: the kernel's
 wake-up of the peer process on each side (the socketpair row), then libtorch's
 own tensor handling inside `engine_run` (allocating the output tensors,
-wrapping the inputs) and malloc. For large payloads it is the two socket
-copies. The next steps, not done: shared memory (a memfd passed over the
-socket) so large tensors cross without socket copies, and an opt-in
-client-side busy-poll for latency-critical callers (it would trade a client
-core for part of the wake-up in the socketpair row).
+wrapping the inputs) and malloc. For large payloads on the socket it is the two
+socket copies; through shared memory ((f) above) what is left is the
+daemon's copy of the results into the client's region and the graph running
+on inputs and outputs that no longer all fit in the cache. The next steps,
+not done: graphs compiled to write their results straight into the region
+(an out-variant of each specialization, so the copy and the output
+allocation go away), and an opt-in client-side busy-poll for
+latency-critical callers (it would trade a client core for part of the
+wake-up in the socketpair row).
 """
     return out
 
@@ -331,7 +395,8 @@ def main() -> None:
         with open(sp) as f:
             strategy = json.load(f)
     doc = "\n".join([header(b), strategy_section(strategy), latency_section(b),
-                     starts_section(b), targets_section(b), time_section(b)])
+                     threshold_section(b), starts_section(b), targets_section(b),
+                     time_section(b)])
     with open(out_md, "w") as f:
         f.write(doc.rstrip() + "\n")
     print("wrote", out_md)

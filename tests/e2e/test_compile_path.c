@@ -396,7 +396,7 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 	    PROTO_DTYPE_F64, 1, {4096}, (void *)tl_tree_data(t.carry), 4096 * 8};
 	in[1] = (struct engine_tensor){
 	    PROTO_DTYPE_F64, 2, {3, 4096}, (void *)tl_tree_data(t.inputs), 3 * 4096 * 8};
-	cr_assert_eq(engine_run(g, in, 2, in, NULL, &res, &perr), 0, "%s", perr.message);
+	cr_assert_eq(engine_run(g, in, 2, in, in, NULL, &res, &perr), 0, "%s", perr.message);
 	for (int k = 0; k < 4096; k++) {
 		const double *c0 = tl_tree_data(t.carry), *x = tl_tree_data(t.inputs);
 		const double *y = res.tensors[1].data, *fin = res.tensors[0].data;
@@ -413,7 +413,7 @@ Test(compile_path, a_cached_artifact_runs_from_c_while_no_python_process_exists)
 		struct engine_tensor expected[2] = {in[0], in[1]};
 		in[1].shape[1] = 4095;
 		in[1].nbytes = 3 * 4095 * 8;
-		cr_assert_eq(engine_run(g, in, 2, expected, NULL, &res, &perr), -1);
+		cr_assert_eq(engine_run(g, in, 2, expected, expected, NULL, &res, &perr), -1);
 		cr_assert_eq(perr.code, PROTO_E_SPEC_MISMATCH, "%s", perr.message);
 	}
 	engine_unload(g);

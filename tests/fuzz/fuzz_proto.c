@@ -2,7 +2,10 @@
  * fuzz_proto.c - libFuzzer harness: arbitrary bytes through the frame
  * reader (split at a data-chosen offset), then every complete frame through
  * the envelope parser and, for every map value, the tensor-tree decoder and
- * the shape-tree reader (the `compile` op's carry and inputs).  Any
+ * the shape-tree reader (the `compile` op's carry and inputs).  Trees are
+ * decoded a second time against a 4 KiB heap region, and every byte of every
+ * tensor they yield is read: a shared-memory reference (PROTO_EXT_SHM) that
+ * escaped its bounds check would read past the region (ASan).  Any
  * sanitizer report or leak is a finding.
  */
 #include "frame.h"
@@ -12,10 +15,31 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#define REGION 4096
+
+static int touch(const struct tree_node *leaf, const char *path, void *arg)
+{
+	const uint8_t *p = leaf->tensor.data;
+	unsigned *sum = arg;
+
+	(void)path;
+	for (uint64_t i = 0; i < leaf->tensor.nbytes; i++)
+		*sum += p[i];
+	return 0;
+}
+
 static void decode_body(const uint8_t *body, size_t len)
 {
+	static uint8_t *region_bytes;
+	struct tree_region region;
 	struct proto_err err;
 	struct msg m;
+	unsigned sum = 0;
+
+	if (region_bytes == NULL)
+		region_bytes = calloc(1, REGION);
+	region.base = region_bytes;
+	region.size = REGION;
 
 	for (int kind = MSG_REQUEST; kind <= MSG_ANY; kind++) {
 		if (msg_parse(&m, body, len, kind, &err) == 0) {
@@ -25,6 +49,9 @@ static void decode_body(const uint8_t *body, size_t len)
 				    0) {
 					(void)tree_count_leaves(&n);
 				}
+				if (tree_decode_in(&m.map->ptr[i].val, m.up.zone, "f", &region, &n,
+				                   &err) == 0)
+					(void)tree_visit(&n, "f", 0, touch, &sum);
 				if (shapes_read(&m.map->ptr[i].val, m.up.zone, PROTO_DTYPE_F64, &n,
 				                &err) == 0)
 					(void)tree_count_tensors(&n);

@@ -414,3 +414,139 @@ ParameterizedTest(int *i, tree, trees_at_the_limits_are_accepted)
 	frame_free(body);
 	tbuf_destroy(&b);
 }
+
+/* ---- shared-memory references (PROTO_EXT_SHM) ------------------------------ */
+
+static void put64(uint8_t *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (uint8_t)(v >> (8 * i));
+}
+
+struct shm_case {
+	const char *name;
+	uint8_t dtype, ndim, reserved;
+	int64_t dim0;
+	uint64_t off, nbytes;
+	int region; /* 0: the connection has none */
+	int short_by;
+	enum proto_code code; /* OK: accepted */
+};
+
+#define RSIZE 4096u
+
+static const struct shm_case SHM[] = {
+    {"in bounds", 2, 1, 0, 4, 64, 32, 1, 0, PROTO_E_OK},
+    {"ends at the region's end", 2, 1, 0, 8, RSIZE - 64, 64, 1, 0, PROTO_E_OK},
+    {"empty tensor at the end", 2, 1, 0, 0, RSIZE, 0, 1, 0, PROTO_E_OK},
+    {"no region", 2, 1, 0, 4, 0, 32, 0, 0, PROTO_E_SHM_NOT_ATTACHED},
+    {"past the end", 2, 1, 0, 16, RSIZE - 64, 128, 1, 0, PROTO_E_SHM_OUT_OF_BOUNDS},
+    {"offset past the end", 2, 1, 0, 0, RSIZE + 64, 0, 1, 0, PROTO_E_SHM_OUT_OF_BOUNDS},
+    {"offset + nbytes wraps", 2, 1, 0, 8, UINT64_MAX - 63, 64, 1, 0, PROTO_E_SHM_OUT_OF_BOUNDS},
+    {"misaligned", 2, 1, 0, 4, 8, 32, 1, 0, PROTO_E_SHM_MISALIGNED},
+    {"nbytes disagrees with shape", 2, 1, 0, 4, 0, 24, 1, 0, PROTO_E_BYTE_LENGTH_MISMATCH},
+    {"bad dtype", 7, 1, 0, 4, 0, 32, 1, 0, PROTO_E_BAD_DTYPE},
+    {"rank 9", 2, 9, 0, 4, 0, 32, 1, 0, PROTO_E_BAD_SHAPE},
+    {"negative dim", 2, 1, 0, -4, 0, 32, 1, 0, PROTO_E_BAD_SHAPE},
+    {"reserved byte set", 2, 1, 1, 4, 0, 32, 1, 0, PROTO_E_BAD_SHAPE},
+    {"header cut short", 2, 1, 0, 4, 0, 32, 1, 8, PROTO_E_BAD_SHAPE},
+};
+
+#define N_SHM (sizeof SHM / sizeof SHM[0])
+
+INDEX_PARAMS(tree, shared_memory_references_are_checked_against_the_region, N_SHM)
+
+ParameterizedTest(int *i, tree, shared_memory_references_are_checked_against_the_region)
+{
+	const struct shm_case *c = &SHM[*i];
+	uint8_t *mem = aligned_alloc(64, RSIZE), ext[6 + PROTO_SHM_HEAD + 8 * 9] = {0};
+	struct tree_region region = {mem, RSIZE};
+	uint32_t len = PROTO_SHM_HEAD + 8u * c->ndim - (uint32_t)c->short_by;
+	struct tbuf b;
+	struct msg m;
+	struct proto_err err;
+	struct tree_node out;
+	uint8_t *body;
+	int rc;
+
+	ext[0] = 0xc9;
+	ext[4] = (uint8_t)len;
+	ext[5] = PROTO_EXT_SHM;
+	ext[6] = c->dtype;
+	ext[7] = c->ndim;
+	ext[9] = c->reserved;
+	put64(ext + 6 + 8, c->off);
+	put64(ext + 6 + 16, c->nbytes);
+	for (int k = 0; k < c->ndim; k++)
+		put64(ext + 6 + PROTO_SHM_HEAD + 8 * k, (uint64_t)(k == 0 ? c->dim0 : 1));
+	tbuf_init(&b);
+	tbuf_request(&b, "carry");
+	tbuf_raw(&b, ext, 6 + len);
+	body = tbuf_body(&b);
+	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), 0, "%s", err.message);
+	m.region = c->region ? &region : NULL;
+	rc = msg_get_tree(&m, "carry", true, &out, &err);
+	if (c->code == PROTO_E_OK) {
+		cr_assert_eq(rc, 0, "%s: %s", c->name, err.message);
+		cr_assert_eq(out.kind, TREE_TENSOR);
+		cr_assert_eq(out.tensor.data, mem + c->off, "%s: data in the region", c->name);
+		cr_assert_eq(out.tensor.nbytes, c->nbytes);
+	} else {
+		cr_assert_eq(rc, -1, "%s: accepted", c->name);
+		cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name,
+		             proto_code_name(err.code), err.message);
+		cr_assert_str_eq(err.path, "carry", "%s: path", c->name);
+	}
+	msg_destroy(&m);
+	frame_free(body);
+	tbuf_destroy(&b);
+	free(mem);
+}
+
+static int place_at_128(const struct tree_tensor *t, uint64_t *offset, void *ctx)
+{
+	int *calls = ctx;
+
+	(*calls)++;
+	if (t->nbytes < 32)
+		return 0; /* small ones inline */
+	*offset = 128;
+	return 1;
+}
+
+/* tree_encode_placed writes references where the placer says, inline elsewhere. */
+Test(tree, placed_leaves_encode_as_references_and_decode_into_the_region)
+{
+	const int64_t s4[] = {4}, s1[] = {1};
+	uint8_t *mem = aligned_alloc(64, RSIZE);
+	struct tree_region region = {mem, RSIZE};
+	struct tree_node items[2] = {tensor(PROTO_DTYPE_F64, 1, s4, F64),
+	                             tensor(PROTO_DTYPE_F64, 1, s1, &SCALAR)};
+	struct tree_node root = {.kind = TREE_LIST, .count = 2, .items = items}, out;
+	struct writer w;
+	struct msg m;
+	struct proto_err err;
+	size_t len;
+	uint8_t *bytes, *body;
+	int calls = 0;
+
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, 1, "scan", 1);
+	writer_str(&w, "carry");
+	tree_encode_placed(&w, &root, place_at_128, &calls);
+	bytes = writer_to_bytes(&w, &len);
+	cr_assert_eq(calls, 2);
+	body = frame_alloc((uint32_t)(len - 4));
+	memcpy(body, bytes + 4, len - 4);
+	cr_assert_eq(msg_parse(&m, body, len - 4, MSG_REQUEST, &err), 0);
+	m.region = &region;
+	cr_assert_eq(msg_get_tree(&m, "carry", true, &out, &err), 0, "%s", err.message);
+	cr_assert_eq(out.items[0].tensor.data, mem + 128, "the big leaf is a reference");
+	cr_assert_eq(out.items[0].tensor.nbytes, 32);
+	cr_assert_eq(*(const double *)out.items[1].tensor.data, SCALAR, "the small one inline");
+	msg_destroy(&m);
+	frame_free(body);
+	free(bytes);
+	writer_destroy(&w);
+	free(mem);
+}

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-EXT_TENSOR, EXT_TUPLE = 1, 2
+EXT_TENSOR, EXT_TUPLE, EXT_SHM = 1, 2, 3
 ALIGN = 64
 FRAME_MAX = 1 << 30
+SMALL = 4096  # tensors of at most this many bytes are copied into the frame
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2}
 CODE_DTYPES = {1: torch.float32, 2: torch.float64}
 
@@ -32,9 +33,14 @@ if sys.byteorder != "little":  # pragma: no cover - the daemon is x86-64/arm64 L
 
 
 class Encoder:
-    """Builds one frame as a list of buffers (small bytes + tensor memory)."""
+    """Builds one frame as a list of buffers (small bytes + tensor memory).
 
-    def __init__(self) -> None:
+    place(t), when given, may return a region offset for a tensor: it is then
+    sent as a shared-memory reference (ext type 3) instead of its bytes.
+    """
+
+    def __init__(self, place: Any = None) -> None:
+        self.place = place
         self.parts: list[Any] = []
         self.small = bytearray()
         self.size = 0  # body bytes so far (the 4-byte length is not counted)
@@ -117,6 +123,15 @@ class Encoder:
         if not t.is_contiguous():
             t = t.contiguous()
         ndim = t.dim()
+        if self.place is not None:
+            off = self.place(t)
+            if off is not None:
+                nbytes = t.numel() * t.element_size()
+                self._put(b"\xc9" + struct.pack(">I", 24 + 8 * ndim) + bytes([EXT_SHM]))
+                self._put(bytes([DTYPE_CODES[t.dtype], ndim, 0, 0, 0, 0, 0, 0]))
+                self._put(struct.pack("<QQ", off, nbytes))
+                self._put(b"".join(struct.pack("<q", d) for d in t.shape))
+                return
         head = 4 + 8 * ndim
         # ext32 marker (1) + length (4) + type (1), then the header: pad so
         # that the data starts at a multiple of 64 from the body's start
@@ -125,7 +140,10 @@ class Encoder:
         self._put(b"\xc9" + struct.pack(">I", head + pad + nbytes) + bytes([EXT_TENSOR]))
         self._put(bytes([DTYPE_CODES[t.dtype], ndim, pad, 0]))
         self._put(b"".join(struct.pack("<q", d) for d in t.shape) + bytes(pad))
-        if nbytes:
+        if nbytes <= SMALL:  # copied in with the header: one buffer, no reference
+            if nbytes:
+                self._put(t.reshape(-1).numpy().tobytes())
+        else:
             self.keep.append(t)
             self._ref(memoryview(t.reshape(-1).numpy()).cast("B"))
 
@@ -147,9 +165,11 @@ TUPLE_MARKER = _TupleMarker()
 
 
 class Decoder:
-    """Parses one reply body (a bytearray); tensors are views into it."""
+    """Parses one reply body (a bytearray); tensors are views into it, or,
+    for shared-memory references, views into the request's output area."""
 
-    def __init__(self, body: bytearray) -> None:
+    def __init__(self, body: bytearray, area: Any = None) -> None:
+        self.area = area
         self.body = body
         self.view = memoryview(body)
         self.pos = 0
@@ -221,6 +241,13 @@ class Decoder:
         self.pos += n
         if code == EXT_TUPLE:
             return TUPLE_MARKER
+        if code == EXT_SHM:
+            if self.area is None or n < 24:
+                raise ValueError("a shared-memory reference in a reply without an output area")
+            dtype_code, ndim = self.body[start], self.body[start + 1]
+            off, nbytes = struct.unpack_from("<QQ", self.body, start + 8)
+            shape = struct.unpack_from(f"<{ndim}q", self.body, start + 24)
+            return self.area.tensor(off, CODE_DTYPES[dtype_code], shape, nbytes)
         if code != EXT_TENSOR:
             raise ValueError(f"unknown ext type {code} in a reply")
         dtype_code, ndim, pad = self.body[start], self.body[start + 1], self.body[start + 2]
@@ -235,5 +262,5 @@ class Decoder:
         return torch.frombuffer(self.body, dtype=dtype, count=numel, offset=data).view(shape)
 
 
-def decode(body: bytearray) -> Any:
-    return Decoder(body).value()
+def decode(body: bytearray, area: Any = None) -> Any:
+    return Decoder(body, area).value()

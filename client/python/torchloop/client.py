@@ -5,6 +5,16 @@ $XDG_RUNTIME_DIR/torchloopd/torchloopd.sock, else
 /tmp/torchloopd-$UID/torchloopd.sock.  A Client is safe to share between
 threads (requests are serialised by a lock) and reconnects after a fork, so
 a solver's child processes never share its socket.
+
+Shared memory (docs/protocol.md "Shared memory"): once a scan or grad
+carries a tensor of at least `shm_threshold` bytes, the client creates a
+sealed memfd region (`shm` bytes, default 64 MiB, more if one request needs
+it), passes it to the daemon, and from then on sends such tensors by
+reference: tensors already in the region (`Client.empty`, or results of an
+earlier call fed back in) without a copy, others copied into it.  Results
+of that size come back as views of the region, freed when the last view is
+gone.  `shm=0` keeps everything on the socket.  After a fork the child gets
+a connection and a region of its own.
 """
 
 from __future__ import annotations
@@ -15,10 +25,29 @@ import struct
 import threading
 from typing import Any, Callable
 
+import torch
+
 from . import _wire
+from ._shm import Region
 from .errors import ConnectionLost, TorchloopError, from_reply
 
 PROTOCOL = 1
+SHM_DEFAULT = 64 << 20
+# Tensors below this many bytes travel inline: measured by `make bench`
+# (tests/bench/bench.py --threshold; docs/performance.md).
+SHM_THRESHOLD = 64 << 10
+
+
+def _ref_bytes(tree: Any, threshold: int) -> int:
+    """Bytes of the tensors in tree that would travel by reference."""
+    if isinstance(tree, torch.Tensor):
+        n = tree.numel() * tree.element_size()
+        return n if n >= threshold else 0
+    if isinstance(tree, (list, tuple)):
+        return sum(_ref_bytes(t, threshold) for t in tree)
+    if isinstance(tree, dict):
+        return sum(_ref_bytes(t, threshold) for t in tree.values())
+    return 0
 
 
 def default_socket() -> str:
@@ -34,7 +63,8 @@ def default_socket() -> str:
 class Client:
     """One connection; methods send one request and wait for its reply."""
 
-    def __init__(self, socket: str | None = None, timeout: float | None = None) -> None:
+    def __init__(self, socket: str | None = None, timeout: float | None = None, *,
+                 shm: int | None = None, shm_threshold: int = SHM_THRESHOLD) -> None:
         self.path = socket or default_socket()
         self.timeout = timeout
         self._sock: _socket.socket | None = None
@@ -42,6 +72,15 @@ class Client:
         self._next_id = 0
         self._lock = threading.Lock()
         self.on_event: Callable[[dict], None] | None = None
+        self.shm_size = SHM_DEFAULT if shm is None else int(shm)
+        self.shm_threshold = max(1, int(shm_threshold))
+        self.shm_error: Exception | None = None  # why shared memory is off, if it failed
+        self._region: Region | None = None
+        self._hints: dict[tuple[str, str], int] = {}
+        # replies are read through this buffer: a header and a small body in
+        # one recv; larger bodies go straight into their own buffer
+        self._stage = bytearray(16384)
+        self._staged = memoryview(b"")
 
     # ---- the connection -------------------------------------------------
 
@@ -49,6 +88,7 @@ class Client:
         if self._sock is not None and self._pid == os.getpid():
             return self._sock
         self._sock = None  # a fork's copy of the parent's socket is never used
+        self._region = None  # nor its region: it belongs to that connection
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
@@ -57,6 +97,7 @@ class Client:
             sock.close()
             raise ConnectionLost("IO", f"cannot connect to torchloopd at {self.path}: {exc}") from exc
         self._sock, self._pid = sock, os.getpid()
+        self._staged = memoryview(b"")
         self._hello()
         return sock
 
@@ -69,6 +110,7 @@ class Client:
         if self._sock is not None and self._pid == os.getpid():
             self._sock.close()
         self._sock = None
+        self._region = None  # results still viewing it keep the mapping alive
 
     def __enter__(self) -> "Client":
         return self
@@ -78,13 +120,17 @@ class Client:
 
     # ---- frames ---------------------------------------------------------
 
-    def _send(self, buffers: list[Any]) -> None:
+    def _send(self, buffers: list[Any], fd: int | None = None) -> None:
         sock = self._sock
         assert sock is not None
         views = [memoryview(b).cast("B") for b in buffers]
         while views:
+            anc = []
+            if fd is not None:  # rides on the frame's first bytes
+                anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))]
             try:
-                sent = sock.sendmsg(views)
+                sent = sock.sendmsg(views, anc)
+                fd = None
             except OSError as exc:
                 self._drop()
                 raise ConnectionLost("IO", f"write to torchloopd: {exc}") from exc
@@ -94,22 +140,45 @@ class Client:
             if views and sent:
                 views[0] = views[0][sent:]
 
-    def _read_exact(self, buf: memoryview) -> None:
+    def _fill(self) -> None:
+        """Reads what the socket has (at least one byte) into the staging buffer."""
         sock = self._sock
         assert sock is not None
+        try:
+            n = sock.recv_into(self._stage)
+        except OSError as exc:
+            self._drop()
+            raise ConnectionLost("IO", f"read from torchloopd: {exc}") from exc
+        if n == 0:
+            self._drop()
+            raise ConnectionLost("IO", "torchloopd closed the connection")
+        self._staged = memoryview(self._stage)[:n]
+
+    def _read_exact(self, buf: memoryview) -> None:
+        """Fills buf from the staging buffer, then the socket (large bodies in place)."""
         got = 0
         while got < len(buf):
-            try:
-                n = sock.recv_into(buf[got:])
-            except OSError as exc:
-                self._drop()
-                raise ConnectionLost("IO", f"read from torchloopd: {exc}") from exc
-            if n == 0:
-                self._drop()
-                raise ConnectionLost("IO", "torchloopd closed the connection")
-            got += n
+            if self._staged.nbytes:
+                k = min(self._staged.nbytes, len(buf) - got)
+                buf[got:got + k] = self._staged[:k]
+                self._staged = self._staged[k:]
+                got += k
+            elif len(buf) - got >= len(self._stage):
+                sock = self._sock
+                assert sock is not None
+                try:
+                    n = sock.recv_into(buf[got:])
+                except OSError as exc:
+                    self._drop()
+                    raise ConnectionLost("IO", f"read from torchloopd: {exc}") from exc
+                if n == 0:
+                    self._drop()
+                    raise ConnectionLost("IO", "torchloopd closed the connection")
+                got += n
+            else:
+                self._fill()
 
-    def _recv(self) -> dict:
+    def _recv(self, area: Any = None) -> dict:
         head = bytearray(4)
         self._read_exact(memoryview(head))
         (length,) = struct.unpack(">I", head)
@@ -118,7 +187,7 @@ class Client:
             raise ConnectionLost("FRAME_TOO_LARGE", f"reply of {length} bytes")
         body = bytearray(length)
         self._read_exact(memoryview(body))
-        msg = _wire.decode(body)
+        msg = _wire.decode(body, area)
         if not isinstance(msg, dict):
             raise TorchloopError("MSGPACK_INVALID", "reply is not a map")
         return msg
@@ -127,15 +196,18 @@ class Client:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
+        self._region = None
+        self._staged = memoryview(b"")
 
-    def _roundtrip(self, op: str, fields: dict[str, Any]) -> dict:
+    def _roundtrip(self, op: str, fields: dict[str, Any], *, place: Any = None,
+                   area: Any = None, fd: int | None = None) -> dict:
         self._next_id += 1
         rid = self._next_id
-        enc = _wire.Encoder()
+        enc = _wire.Encoder(place)
         enc.value({"id": rid, "op": op, **fields})
-        self._send(enc.frame())
+        self._send(enc.frame(), fd)
         while True:
-            reply = self._recv()
+            reply = self._recv(area)
             if "event" in reply:
                 if self.on_event is not None:
                     self.on_event(reply)
@@ -152,7 +224,80 @@ class Client:
         """Sends one request and returns its result map (raises on an error reply)."""
         with self._lock:
             self._connect()
+            if op in ("scan", "grad") and self.shm_size > 0:
+                return self._tensor_call(op, fields)
             return self._roundtrip(op, fields)
+
+    # ---- shared memory ------------------------------------------------------
+
+    def _attach(self, need: int) -> Region | None:
+        """The connection's region, attached on first need (None: shm off)."""
+        if self._region is not None:
+            return self._region
+        if self.shm_size <= 0 or need == 0:
+            return None
+        region = Region(max(self.shm_size, 4 * need))
+        try:
+            self._roundtrip("attach", {"size": region.size}, fd=region.fd)
+        except TorchloopError as exc:
+            if isinstance(exc, ConnectionLost):
+                raise
+            self.shm_error = exc  # e.g. SHM_TOO_LARGE: keep working inline
+            self.shm_size = 0
+            return None
+        finally:
+            region.close_fd()  # the daemon has its own mapping now
+        self._region = region
+        return region
+
+    def _tensor_call(self, op: str, fields: dict[str, Any]) -> dict:
+        threshold = self.shm_threshold
+        trees = [fields.get(k) for k in ("carry", "inputs", "cot_carry", "cot_outputs")]
+        need = sum(_ref_bytes(t, threshold) for t in trees)
+        region = self._attach(need)
+        if region is None:
+            return self._roundtrip(op, fields)
+        staged: list[int] = []
+
+        def place(t: torch.Tensor) -> int | None:
+            n = t.numel() * t.element_size()
+            if n < threshold:
+                return None
+            off = region.offset_of(t)
+            if off is None:
+                off = region.alloc(n)
+                if off is None:
+                    return None  # region full: this one goes inline
+                region.put(off, t)
+                staged.append(off)
+            return off
+
+        key = (str(fields.get("adapter")), op)
+        size = self._hints.get(key, (2 if op == "grad" else 1) * need)
+        area_off = region.alloc(size) if size > 0 else None
+        area = region.area(area_off) if area_off is not None else None
+        if area is not None:
+            fields = {**fields, "out": {"offset": area_off, "size": size, "min_bytes": threshold}}
+        try:
+            result = self._roundtrip(op, fields, place=place, area=area)
+        finally:
+            for off in staged:
+                region.free(off)
+        if area is not None and result.get("out_needed", size) != size:
+            self._hints[key] = int(result["out_needed"])
+        return result
+
+    def empty(self, shape: Any, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """A tensor in this connection's shared region (sent without a copy);
+        an ordinary tensor when shared memory is off or the region is full."""
+        shape = tuple(shape)
+        with self._lock:
+            self._connect()
+            t = None
+            region = self._attach(1)
+            if region is not None:
+                t = region.empty(shape, dtype)
+            return t if t is not None else torch.empty(shape, dtype=dtype)
 
     # ---- ops --------------------------------------------------------------
 

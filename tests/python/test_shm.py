@@ -1,0 +1,143 @@
+"""Shared memory from Python: tensors over the threshold travel through the
+connection's memfd region instead of the socket.  Results are compared with
+the eager loop and eager autograd (tests/python/eager.py), never with the
+daemon's own output; the region's bookkeeping (results are views of it,
+freed when they die, fed back without a copy) is checked directly.
+
+Compiles: the scan and the grad of bodies.ema at carry [N], T = 2.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+import eager
+import torchloop
+
+N = 32768  # 256 KiB of float64: over the client's threshold
+T = 2
+NAME = "py.shm.ema"
+SOURCE = (Path(__file__).resolve().parent / "bodies.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def client(daemon: str):
+    with torchloop.Client(daemon) as c:
+        c.register(NAME, SOURCE, "ema", body_file="bodies.py", max_elements=T * N)
+        yield c
+
+
+def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(N, generator=g, dtype=torch.float64), torch.rand(T, N, generator=g,
+                                                                        dtype=torch.float64)
+
+
+def in_region(c: torchloop.Client, t: torch.Tensor) -> bool:
+    return c._region is not None and c._region.offset_of(t) is not None
+
+
+def test_large_tensors_go_through_the_region_and_match_eager(client) -> None:
+    import bodies
+
+    carry, xs = data(1)
+    got_c, got_y = client.scan(NAME, carry, xs)
+    want_c, want_y = eager.scan(bodies.ema, carry, xs)
+    torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-14)
+    assert in_region(client, got_c) and in_region(client, got_y), "results are region views"
+    st = client.stats()
+    assert st["shm_regions"] >= 1 and st["shm_attaches"] >= 1
+
+
+def test_results_fed_back_are_sent_in_place_and_areas_are_freed(client) -> None:
+    import bodies
+
+    carry, xs = data(2)
+    client.empty((1,))  # the region exists from here on
+    region = client._region
+    assert region is not None
+    gc.collect()
+    free_before = region.bytes_free()
+    c, want = carry, carry
+    for _ in range(3):  # a solver loop: each final carry is the next call's carry
+        c, y = client.scan(NAME, c, xs)
+        want, _ = eager.scan(bodies.ema, want, xs)
+        assert in_region(client, c) and in_region(client, y)
+    torch.testing.assert_close(c, want, rtol=1e-12, atol=1e-14)
+    assert region.bytes_free() < free_before, "live results hold their areas"
+    del c, y
+    gc.collect()
+    assert region.bytes_free() == free_before, "areas of dead results come back"
+
+
+def test_inputs_allocated_in_the_region_are_not_copied(client) -> None:
+    import bodies
+
+    carry, xs = data(3)
+    rc, rx = client.empty(carry.shape), client.empty(xs.shape)
+    assert in_region(client, rc) and in_region(client, rx)
+    rc.copy_(carry)
+    rx.copy_(xs)
+    got_c, got_y = client.scan(NAME, rc, rx)
+    want_c, want_y = eager.scan(bodies.ema, carry, xs)
+    torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(rc, carry)  # the daemon never writes into inputs
+
+
+def test_backward_through_the_region_matches_eager_autograd(daemon: str) -> None:
+    import bodies
+
+    adapter = torchloop.loop_adapter(max_steps=4, max_elements=T * N, socket=daemon)
+    carry, xs = data(4)
+    c1, x1 = carry.clone().requires_grad_(), xs.clone().requires_grad_()
+    fc, ys = adapter.scan(bodies.ema, c1, x1)
+    (fc.sum() + (ys * ys).sum()).backward()
+    c2, x2 = carry.clone().requires_grad_(), xs.clone().requires_grad_()
+    ec, eys = eager.scan(bodies.ema, c2, x2)
+    (ec.sum() + (eys * eys).sum()).backward()
+    torch.testing.assert_close(fc, ec, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(c1.grad, c2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_without_shared_memory_the_answer_is_the_same(daemon: str, client) -> None:
+    import bodies
+
+    carry, xs = data(5)
+    with torchloop.Client(daemon, shm=0) as plain:
+        got_c, got_y = plain.scan(NAME, carry, xs)
+        assert plain._region is None
+    want_c, want_y = eager.scan(bodies.ema, carry, xs)
+    torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-14)
+
+
+def test_a_refused_region_falls_back_to_the_socket(daemon: str, client) -> None:
+    import bodies
+
+    carry, xs = data(6)
+    with torchloop.Client(daemon, shm=2 << 30) as big:  # over the daemon's max-shm (1 GiB)
+        got_c, _ = big.scan(NAME, carry, xs)
+        assert big.shm_error is not None and big.shm_error.code == "SHM_TOO_LARGE"
+        assert big._region is None
+        got_c2, _ = big.scan(NAME, carry, xs)  # and it keeps working inline
+    want_c, _ = eager.scan(bodies.ema, carry, xs)
+    torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got_c2, want_c, rtol=1e-12, atol=1e-14)
+
+
+def test_a_reference_without_a_region_is_refused_with_its_code(daemon: str, client) -> None:
+    carry, xs = data(7)
+    with torchloop.Client(daemon, shm=0) as c:
+        c._connect()
+        with pytest.raises(torchloop.TorchloopError) as info:
+            c._roundtrip("scan", {"adapter": NAME, "carry": carry, "inputs": xs},
+                         place=lambda t: 0)
+        assert info.value.code == "SHM_NOT_ATTACHED"
+        assert c.health()["live"]  # the connection still serves
