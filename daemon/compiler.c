@@ -61,7 +61,7 @@ struct compiler {
 	bool stopping;
 	int open_handles;
 	struct compile_job *head, *tail, *current;
-	uint64_t next_id, restarts, orphans_killed;
+	uint64_t next_id, restarts, orphans_killed, recycled;
 	unsigned start_failures; /* workers in a row that died before their hello */
 	char last_exit[160];     /* how the last of them ended, for error messages */
 	pid_t orphans[REAP_MAX];
@@ -99,6 +99,11 @@ unsigned compiler_start_failures(const struct compiler *c)
 uint64_t compiler_orphans_killed(const struct compiler *c)
 {
 	return c->orphans_killed;
+}
+
+uint64_t compiler_recycled(const struct compiler *c)
+{
+	return c->recycled;
 }
 
 const char *compiler_state(const struct compiler *c)
@@ -460,6 +465,24 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 	return 0;
 }
 
+/*
+ * A worker that has loaded many artifacts (its parity checks dlopen them, and
+ * they can never be unloaded) asks to be replaced: it is idle now, so it is
+ * detached and killed like a timed-out one, and the next job starts a fresh
+ * worker.  Not a crash: no backoff, no job fails.
+ */
+static void recycle(struct compiler *c, struct wproc *wp, const struct msg *m)
+{
+	bool yes = false;
+
+	if (msg_get_bool(&m->up.data, "recycle", &yes, NULL) != 0 || !yes || c->wp != wp)
+		return;
+	log_info("compile worker %d: replaced after %s", wp->proc.pid,
+	         "loading its share of artifacts (they cannot be unloaded)");
+	c->recycled++;
+	kill_worker(c, wp);
+}
+
 static void on_reply(struct compiler *c, struct wproc *wp, const uint8_t *body, uint32_t len)
 {
 	struct msg m;
@@ -488,6 +511,7 @@ static void on_reply(struct compiler *c, struct wproc *wp, const uint8_t *body, 
 			finish(c, job, &res, NULL);
 			free(res.y_spec);
 		}
+		recycle(c, wp, &m);
 		pump(c);
 	}
 	msg_destroy(&m);

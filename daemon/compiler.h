@@ -89,6 +89,8 @@ const char *compiler_state(const struct compiler *c);
 unsigned compiler_start_failures(const struct compiler *c);
 /* Descendants killed because they outlived their worker or its timeout. */
 uint64_t compiler_orphans_killed(const struct compiler *c);
+/* Workers replaced after loading RECYCLE_AFTER artifacts (compile_worker.py). */
+uint64_t compiler_recycled(const struct compiler *c);
 pid_t compiler_pid(const struct compiler *c);
 
 /* Queues a job; its done callback always runs exactly once (on the loop). */

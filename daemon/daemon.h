@@ -76,8 +76,13 @@ struct specialization {
 	struct engine_graph *graph;
 	double compile_seconds;
 	bool from_cache;
-	uint64_t runs;          /* completed runs (loop thread only) */
-	double run_ema_us;      /* their engine time, exponential moving average */
+	uint64_t runs;     /* completed runs (loop thread only) */
+	double run_ema_us; /* their engine time, exponential moving average */
+	/* OpenMP team for its runs (scanrun.c): tried both ways on the first runs,
+	 * then the faster kept; loop thread only */
+	int omp_team; /* 0 while trying */
+	unsigned omp_tries;
+	double omp_best_us[2];  /* fastest run with a one-core share / all cores */
 	struct proto_err error; /* SPEC_FAILED */
 	struct request *waiters;
 	uv_timer_t *progress;

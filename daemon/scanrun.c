@@ -127,14 +127,21 @@ struct run_job {
 	/* outputs written into the request's shared-memory area (shm.c) */
 	uint64_t *placed, out_needed;
 	size_t next_placed;
+	int team, team_trial; /* OpenMP team of this run, and whether it is a trial */
 };
 
 /*
- * Sizes each run's OpenMP team by how many runs are going on at once: a lone
- * run gets every core, concurrent runs share them (cores / runs, at least
- * one each).  omp_set_num_threads sets the calling thread's own value, so
- * it is set before every run; libgomp keeps its thread pool across sizes.
+ * OpenMP team per run.  Whether a graph gains from more threads depends on
+ * the graph: a bandwidth-bound sum over 8 MiB runs faster on every core, a
+ * small RNN whose dozens of tiny kernels each open a parallel region runs
+ * 14x slower on two (each region wakes a sleeping thread).  So each
+ * specialization tries both on its first runs -- its share of the cores
+ * (cores / threads) and all of them -- and keeps the faster (choose_team).
+ * Whatever it chose, concurrent runs never take more than cores / runs.
+ * omp_set_num_threads sets the calling thread's own value, so it is set
+ * before every run; libgomp keeps its thread pool across sizes.
  */
+#define TEAM_TRIES 8
 static atomic_int runs_active;
 static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 static void (*omp_set)(int);
@@ -144,14 +151,37 @@ static void find_omp(void)
 	*(void **)&omp_set = dlsym(RTLD_DEFAULT, "omp_set_num_threads");
 }
 
-static void size_openmp(const struct config *cfg, int running)
+static void size_openmp(const struct config *cfg, int want, int running)
 {
 	int n = running < cfg->threads ? running : (int)cfg->threads;
-	int team = cfg->cores / (n > 0 ? n : 1);
+	int cap = cfg->cores / (n > 0 ? n : 1);
+	int team = want < cap ? want : cap;
 
 	pthread_once(&omp_once, find_omp);
 	if (omp_set)
 		omp_set(team > 1 ? team : 1);
+}
+
+/* Loop thread, when a run is started: the team it tries or the one chosen. */
+static int choose_team(struct specialization *sp, const struct config *cfg, int *trial)
+{
+	*trial = -1;
+	if (sp->omp_team > 0 || cfg->cores <= cfg->omp_threads)
+		return sp->omp_team > 0 ? sp->omp_team : cfg->omp_threads;
+	*trial = (int)(sp->omp_tries++ % 2);
+	return *trial ? cfg->cores : cfg->omp_threads;
+}
+
+/* Loop thread, when a trial run is done: after TEAM_TRIES, keep the faster. */
+static void team_result(struct specialization *sp, const struct config *cfg, int trial, double us)
+{
+	if (trial < 0 || sp->omp_team > 0)
+		return;
+	if (sp->omp_best_us[trial] == 0 || us < sp->omp_best_us[trial])
+		sp->omp_best_us[trial] = us;
+	if (sp->omp_tries >= TEAM_TRIES && sp->omp_best_us[0] > 0 && sp->omp_best_us[1] > 0)
+		sp->omp_team =
+		    sp->omp_best_us[1] < sp->omp_best_us[0] ? cfg->cores : cfg->omp_threads;
 }
 
 static void run_work(uv_work_t *w)
@@ -159,7 +189,7 @@ static void run_work(uv_work_t *w)
 	struct run_job *j = w->data;
 	double t0 = now_seconds();
 
-	size_openmp(&j->req->d->cfg, atomic_fetch_add(&runs_active, 1) + 1);
+	size_openmp(&j->req->d->cfg, j->team, atomic_fetch_add(&runs_active, 1) + 1);
 	uint8_t *base = NULL;
 
 	/* results go straight into the client's area when they all fit */
@@ -225,6 +255,7 @@ static void after_run(uv_work_t *w, int status)
 
 	(void)status;
 	if (j->rc == 0) {
+		team_result(sp, &req->d->cfg, j->team_trial, j->run_us);
 		adapter_record_latency(sp->adapter, j->run_us);
 		sp->run_ema_us =
 		    sp->runs++ == 0 ? j->run_us : 0.8 * sp->run_ema_us + 0.2 * j->run_us;
@@ -301,6 +332,7 @@ void run_job_start(struct run_job *j)
 	const struct config *cfg = &j->req->d->cfg;
 
 	j->work.data = j;
+	j->team = choose_team(j->sp, cfg, &j->team_trial);
 	if (cfg->inline_run_us > 0 && sp->runs >= INLINE_AFTER_RUNS &&
 	    sp->run_ema_us <= (double)cfg->inline_run_us) {
 		j->req->d->stats.inline_runs++;

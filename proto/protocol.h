@@ -126,6 +126,7 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	  "artifact needs AOTI's C++ proxy executor")                                              \
 	X(UNSAFE_ARTIFACT, "UNSAFE_ARTIFACT",                                                      \
 	  "artifact has an executable stack or text relocations")                                  \
+	X(MISCOMPILE, "MISCOMPILE", "the compiled graph disagrees with the eager scan")            \
 	X(COMPILE_FAILED, "COMPILE_FAILED", "the compile failed for another reason")               \
 	X(COMPILE_TIMEOUT, "COMPILE_TIMEOUT", "the compile exceeded its timeout")                  \
 	X(WORKER_CRASHED, "WORKER_CRASHED", "the compile worker died")                             \

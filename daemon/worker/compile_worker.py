@@ -621,6 +621,12 @@ def vjp_module_autograd(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]
     return fn
 
 
+def cotangents(torch: Any, outs: tuple[Any, ...]) -> list[Any]:
+    """The VJP graph's example cotangents (also the parity check's)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.rand(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+
+
 def capture(
     scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
 ) -> tuple[Any, tuple[Any, ...]]:
@@ -644,8 +650,7 @@ def capture_values(
         if kind == "vjp":
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            gen = torch.Generator().manual_seed(1)
-            cot = [torch.rand(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+            cot = cotangents(torch, outs)
             example = tuple(args) + tuple(cot)
             ep = None
             if scan.strategy == "scan":
@@ -685,6 +690,56 @@ def build_artifact(torch: Any, module: Any, example: tuple[Any, ...], so_path: s
     return built
 
 
+# The parity check's tolerance: norm-wise, max |compiled - eager| / max |eager|
+# per output (the test suites' float64 bound; float32 rounds 2^29 times coarser).
+PARITY_RTOL = {"float64": 1e-6, "float32": 1e-3}
+
+
+def parity_reference(scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...],
+                     kind: str) -> list[Any]:
+    """What the artifact must compute, eagerly and without the tracer: the dry
+    run's outputs, and for a VJP graph torch.func.vjp of the unrolled loop."""
+    if kind != "vjp":
+        return list(outs)
+    dry = Scan(**{**scan.__dict__, "strategy": "unroll", "tracing": False})
+    return list(vjp_module(dry, torch, len(args))(*args, *cotangents(torch, outs)))
+
+
+def parity_check(torch: Any, so_path: str, example: tuple[Any, ...], want: list[Any],
+                 dtype: str, n_carry: int, n_y: int) -> None:
+    """Runs the new artifact once on the example inputs (its results land in
+    fresh buffers) and refuses it with MISCOMPILE if any output disagrees with
+    the eager reference beyond PARITY_RTOL."""
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
+    artifacts_loaded[0] += 1
+    n_in = len(example) - len(want)
+    bufs = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in want]
+    got = runner.run([t.clone() for t in example[:n_in]] + bufs)
+    del runner
+    names = (["carry"] * n_carry + ["outputs"] * n_y + ["grad_carry"] * n_carry +
+             ["grad_inputs"] * (len(want) - 2 * n_carry - n_y))
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = g.detach().to(torch.float64)
+        w = w.detach().to(torch.float64)
+        if g.shape != w.shape:
+            raise JobError("MISCOMPILE", f"output {i} ({names[i]}) has shape {list(g.shape)}, "
+                           f"the eager scan {list(w.shape)}")
+        both_nan = torch.isnan(g) & torch.isnan(w)
+        diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
+        scale = float(w.abs().nan_to_num(0.0).max()) if w.numel() else 0.0
+        err = float(diff.nan_to_num(float("inf")).max()) if w.numel() else 0.0
+        if err > PARITY_RTOL[dtype] * max(scale, 1e-30):
+            at = int(diff.nan_to_num(float("inf")).argmax())
+            raise JobError(
+                "MISCOMPILE",
+                f"the compiled graph disagrees with the eager scan on output {i} "
+                f"({names[i]}): max |compiled - eager| = {err:.3g} at flat index {at} "
+                f"(compiled {float(g.reshape(-1)[at]):.17g}, eager "
+                f"{float(w.reshape(-1)[at]):.17g}) against max |eager| = {scale:.3g}; "
+                f"tolerance {PARITY_RTOL[dtype]:g} relative. Nothing was cached.",
+                names[i])
+
+
 def check_body(job: dict[str, Any]) -> dict[str, Any]:
     """Register-time check: the source imports and defines a callable entry."""
     load_body(job)
@@ -715,6 +770,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         outs = dry.forward(*args)
     scan.y_spec = dry.y_spec
     kind = job.get("kind", "forward")
+    want = parity_reference(scan, torch, args, outs, kind)
     scan.tracing = True
     module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)))
     out_path = job["output"]
@@ -726,6 +782,8 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         so_path = build_artifact(torch, module, example, os.path.join(job_dir, "graph.so"))
         check_artifact(so_path, job_dir)
+        parity_check(torch, so_path, example, want, scan.dtype, scan.n_carry,
+                     len(outs) - scan.n_carry)
         os.replace(so_path, out_path)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -824,7 +882,21 @@ def target_isa() -> str:
     return f"vec={isa if isa else 'none'};march={config.cpp.march or 'native'}"
 
 
+# Each parity check dlopens an artifact, and AOTI artifacts can never be
+# unloaded (STB_GNU_UNIQUE symbols): after this many, the reply asks the daemon
+# to replace this worker (between jobs), so its memory stays bounded.
+RECYCLE_AFTER = max(1, int(os.environ.get("TORCHLOOP_WORKER_RECYCLE", "32") or 32))
+artifacts_loaded = [0]
+
+
 def handle(req: dict[str, Any]) -> dict[str, Any]:
+    reply = handle_op(req)
+    if artifacts_loaded[0] >= RECYCLE_AFTER:
+        reply["recycle"] = True
+    return reply
+
+
+def handle_op(req: dict[str, Any]) -> dict[str, Any]:
     op = req.get("op")
     rid = req.get("id")
     try:

@@ -104,6 +104,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -465,3 +465,90 @@ Test(compile_path, an_openmp_artifact_shares_libtorchs_openmp_runtime)
 	engine_unload(g);
 	free_trees(&t);
 }
+
+/* ---- the parity check ------------------------------------------------------------- */
+
+/* A worker whose graphs add 0.5 to their first result (tests/helpers/
+ * miscompile_worker.py): each new artifact is run once on the worker's probe
+ * inputs against the eager scan before it is committed, so the wrong graph
+ * is refused with MISCOMPILE and the numbers, remembered (not compiled
+ * again), nothing cached, and the daemon serves on. */
+Test(compile_path, an_artifact_that_disagrees_with_the_eager_scan_is_refused)
+{
+	char cache[512], worker[600], so[1024];
+	const char *args[] = {"--no-probe", "--worker", worker, NULL};
+	struct trees t;
+	struct tl_reply *r;
+	struct tl_error err;
+	struct hd d;
+	struct tl_client *c;
+	int ready = 0;
+
+	h_tmpdir(cache, sizeof cache, "miscompile");
+	snprintf(worker, sizeof worker, "%s/tests/helpers/miscompile_worker.py", h_root());
+	build(&t, CUMSUM, TL_FLOAT64, 3);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, "t3.wrong", BODIES[CUMSUM].file, "body", MAX_STEPS, 65536, 8);
+	cr_assert_eq(tl_scan(c, "t3.wrong", t.carry, t.inputs, &r, &err), -1, "accepted");
+	cr_assert_str_eq(err.code, "MISCOMPILE", "%s: %s", err.code, err.message);
+	cr_assert_str_eq(err.path, "carry");
+	cr_assert(strstr(err.message, "disagrees with the eager scan") &&
+	              strstr(err.message, "max |compiled - eager| = 0.5"),
+	          "%s", err.message);
+	/* remembered: asked again, answered without a compile */
+	cr_assert_eq(tl_scan(c, "t3.wrong", t.carry, t.inputs, &r, &err), -1);
+	cr_assert_str_eq(err.code, "MISCOMPILE");
+	cr_assert_eq(hd_counter(c, "t3.wrong", "compiles"), 1);
+	{ /* the key's lock file may remain; no artifact */
+		DIR *dp;
+		struct dirent *e;
+		snprintf(so, sizeof so, "%s/objects", cache);
+		dp = opendir(so);
+		cr_assert_not_null(dp);
+		while ((e = readdir(dp)) != NULL)
+			cr_assert_null(strstr(e->d_name, ".so"), "%s was cached", e->d_name);
+		closedir(dp);
+	}
+	cr_assert_eq(tl_health(c, &ready, &err), 0);
+	cr_assert(ready);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	free_trees(&t);
+}
+
+/* The worker dlopens every artifact it checks and can never unload one: it
+ * asks to be replaced after TORCHLOOP_WORKER_RECYCLE of them (32 by
+ * default), between jobs.  Here after each: every compile still succeeds,
+ * nothing is counted as a crash. */
+Test(compile_path, a_worker_that_has_loaded_its_share_of_artifacts_is_replaced)
+{
+	struct trees t1, t2;
+	struct tl_reply *r;
+	struct tl_error err;
+	struct hd d;
+	struct tl_client *c;
+
+	setenv("TORCHLOOP_WORKER_RECYCLE", "1", 1);
+	hd_start(&d, NULL, NO_PROBE);
+	unsetenv("TORCHLOOP_WORKER_RECYCLE");
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, "t3.recycle", BODIES[CUMSUM].file, "body", MAX_STEPS, 65536, 8);
+	build(&t1, CUMSUM, TL_FLOAT64, 2);
+	build(&t2, CUMSUM, TL_FLOAT64, 4);
+	cr_assert_eq(tl_scan(c, "t3.recycle", t1.carry, t1.inputs, &r, &err), 0, "%s", err.message);
+	tl_reply_free(r);
+	cr_assert_eq(tl_scan(c, "t3.recycle", t2.carry, t2.inputs, &r, &err), 0, "%s", err.message);
+	tl_reply_free(r);
+	/* a warm cache may serve both without compiling: then nothing was loaded */
+	if (hd_counter(c, "t3.recycle", "compiles") > 0)
+		cr_assert_geq(h_stat(c, "worker_recycled"), 1);
+	cr_assert_eq(hd_counter(c, "t3.recycle", "worker_crashes"), 0);
+	cr_assert_eq(h_stat(c, "worker_start_failures"), 0);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	free_trees(&t1);
+	free_trees(&t2);
+}
