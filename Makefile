@@ -121,7 +121,7 @@ fuzz: setup
 	@bash scripts/fuzz.sh $(FUZZ_BIN) $(FUZZ_SECONDS)
 
 run: build
-	exec $(BUILD)/torchloopd --adapters examples/adapters $(RUN_ARGS)
+	exec $(BUILD)/torchloopd --adapters examples/adapters --state-dir $(BUILD)/state $(RUN_ARGS)
 
 # Benchmarks: never part of `make test`; numbers go to docs/performance.md.
 $(BUILD)/bench_c: tests/bench/bench_c.c $(BUILD)/libdaemon.a $(BUILD)/libtorchloop.a

@@ -57,7 +57,7 @@ static int mkdir_p(const char *path, mode_t mode)
 }
 
 /* Refuses a directory the daemon's uid does not own or others may write. */
-static int trusted_dir(const char *path, struct proto_err *err)
+int cache_trusted_dir(const char *path, struct proto_err *err)
 {
 	struct stat st;
 
@@ -86,7 +86,7 @@ static int sub(const struct cache *c, const char *name, struct proto_err *err)
 	snprintf(p, sizeof p, "%s/%s", c->dir, name);
 	if (mkdir(p, 0700) != 0 && errno != EEXIST)
 		return sys_fail(err, "cannot create", p);
-	return trusted_dir(p, err);
+	return cache_trusted_dir(p, err);
 }
 
 int cache_open_file(const char *path, struct stat *st)
@@ -116,7 +116,7 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 		return sys_fail(err, "cannot create cache directory", dir);
 	if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
 		return sys_fail(err, "cache path is not a directory:", dir);
-	if (trusted_dir(dir, err) != 0)
+	if (cache_trusted_dir(dir, err) != 0)
 		return -1;
 	if (access(dir, W_OK | X_OK) != 0)
 		return sys_fail(err, "cache directory is not writable:", dir);

@@ -51,6 +51,10 @@ struct cache_meta {
  * that is not trusted (not owned by the daemon's uid, or group/world
  * writable).  Cleans tmp/ of dead daemons' leftovers.
  */
+/* 0 when path is a directory the daemon's uid owns and others cannot write
+ * (the cache and the state directory hold code the daemon runs). */
+int cache_trusted_dir(const char *path, struct proto_err *err);
+
 int cache_open(struct cache *c, const char *dir, struct proto_err *err);
 /* Removes tmp/ entries whose daemon is gone (or is us); returns how many. */
 unsigned cache_clean_tmp(const struct cache *c);

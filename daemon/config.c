@@ -26,6 +26,7 @@ enum {
 	OPT_SOCKET = 1000,
 	OPT_CACHE,
 	OPT_ADAPTERS,
+	OPT_STATE,
 	OPT_PYTHON,
 	OPT_WORKER,
 	OPT_ADMIN,
@@ -73,6 +74,8 @@ static void usage(FILE *f)
 	    "                       under systemd $CACHE_DIRECTORY); must allow exec\n"
 	    "  --adapters DIR       adapter definitions (*.adapter) registered at start and on "
 	    "SIGHUP\n"
+	    "  --state-dir DIR      keep what `register` adds there and restore it at start\n"
+	    "                       (default: under systemd $STATE_DIRECTORY, else none)\n"
 	    "  --python PATH        the compile worker's interpreter (default: the build's .venv)\n"
 	    "  --worker PATH        the compile worker script\n"
 	    "  --admin-group NAME   members may register, unregister and shut down\n"
@@ -90,6 +93,7 @@ static void usage(FILE *f)
 static void default_paths(struct config *c)
 {
 	const char *rt = getenv("RUNTIME_DIRECTORY"), *cache = getenv("CACHE_DIRECTORY");
+	const char *state = getenv("STATE_DIRECTORY");
 	const char *xrt = getenv("XDG_RUNTIME_DIR"), *xc = getenv("XDG_CACHE_HOME");
 	const char *home = getenv("HOME");
 
@@ -108,6 +112,8 @@ static void default_paths(struct config *c)
 	else
 		snprintf(c->cache_dir, sizeof c->cache_dir, "%s/.cache/torchloopd",
 		         home ? home : "/tmp");
+	if (state && *state && strlen(state) < sizeof c->state_dir)
+		snprintf(c->state_dir, sizeof c->state_dir, "%s", state);
 	snprintf(c->python, sizeof c->python, "%s", TORCHLOOPD_PREFIX "/.venv/bin/python");
 	snprintf(c->worker, sizeof c->worker, "%s",
 	         TORCHLOOPD_PREFIX "/daemon/worker/compile_worker.py");
@@ -169,6 +175,8 @@ static int parse_other(struct config *c, int opt, const char *arg)
 		return set_dir(c->cache_dir, sizeof c->cache_dir, arg, "--cache-dir");
 	case OPT_ADAPTERS:
 		return set_dir(c->adapters_dir, sizeof c->adapters_dir, arg, "--adapters");
+	case OPT_STATE:
+		return set_dir(c->state_dir, sizeof c->state_dir, arg, "--state-dir");
 	case OPT_PYTHON:
 		return set_path(c->python, sizeof c->python, arg, "--python");
 	case OPT_WORKER:
@@ -213,7 +221,7 @@ static int parse_other(struct config *c, int opt, const char *arg)
 
 int config_parse(struct config *c, int argc, char **argv)
 {
-	struct option opts[N_LIMITS + 16];
+	struct option opts[N_LIMITS + 17];
 	size_t n = 0;
 	long cores;
 	int opt;
@@ -232,6 +240,7 @@ int config_parse(struct config *c, int argc, char **argv)
 	opts[n++] = (struct option){"socket-mode", required_argument, NULL, OPT_MODE};
 	opts[n++] = (struct option){"cache-dir", required_argument, NULL, OPT_CACHE};
 	opts[n++] = (struct option){"adapters", required_argument, NULL, OPT_ADAPTERS};
+	opts[n++] = (struct option){"state-dir", required_argument, NULL, OPT_STATE};
 	opts[n++] = (struct option){"python", required_argument, NULL, OPT_PYTHON};
 	opts[n++] = (struct option){"worker", required_argument, NULL, OPT_WORKER};
 	opts[n++] = (struct option){"admin-group", required_argument, NULL, OPT_ADMIN};

@@ -53,6 +53,7 @@ struct config {
 	char socket_path[PATH_MAX];
 	char cache_dir[PATH_MAX];
 	char adapters_dir[PATH_MAX];
+	char state_dir[PATH_MAX]; /* persisted registrations; "" = none */
 	char python[PATH_MAX];
 	char worker[PATH_MAX];
 	char admin_group[64];

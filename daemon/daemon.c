@@ -246,6 +246,20 @@ static void adapters_loaded(struct daemon *d, int failed)
 	prewarmed(d);
 }
 
+/* Persisted registrations first, then --adapters: an operator's file wins. */
+static void restored(struct daemon *d, int failed)
+{
+	if (d->shutting_down)
+		return;
+	if (failed)
+		log_warn("%d persisted registration(s) in %s/registered failed to load", failed,
+		         d->cfg.state_dir);
+	if (d->cfg.adapters_dir[0] == '\0')
+		adapters_loaded(d, 0);
+	else if (registry_load_dir(d, d->cfg.adapters_dir, false, adapters_loaded) != 0)
+		adapters_loaded(d, 1);
+}
+
 static void probe_done(struct daemon *d, const struct proto_err *err)
 {
 	if (err != NULL) {
@@ -253,10 +267,8 @@ static void probe_done(struct daemon *d, const struct proto_err *err)
 		return;
 	}
 	log_info("probe: compile, cache and run work");
-	if (d->cfg.adapters_dir[0] == '\0')
-		adapters_loaded(d, 0);
-	else if (registry_load_dir(d, d->cfg.adapters_dir, false, adapters_loaded) != 0)
-		adapters_loaded(d, 1);
+	if (registry_restore(d, restored) != 0)
+		restored(d, 1);
 }
 
 static void worker_ready(struct compiler *c, const struct proto_err *err)

@@ -37,6 +37,10 @@
 #define ADAPTER_MAX_BUDGET   64
 #define ADAPTER_SOURCE_MAX   (1 << 20)
 
+/* Where an adapter came from: a client's register, an --adapters file, or a
+ * registration persisted in --state-dir and restored at start (persist.c). */
+enum adapter_origin { ADAPTER_REGISTERED, ADAPTER_FILE, ADAPTER_RESTORED };
+
 struct adapter_def {
 	char name[ADAPTER_NAME_MAX + 1];
 	char *source; /* owned */
@@ -44,7 +48,7 @@ struct adapter_def {
 	char entry[128];
 	char strategy[16];
 	int64_t max_steps, max_elements, budget;
-	bool from_dir;
+	enum adapter_origin origin;
 };
 
 struct adapter_stats {
@@ -290,6 +294,14 @@ void adapter_record_latency(struct adapter *a, double us);
 double adapter_latency_percentile(const struct adapter *a, double p);
 void registry_clear(struct daemon *d);
 /* Reads dir's *.adapter files off the loop, registers them, then done(d, failed). */
+/* As registry_load_dir, the adapters registered with the given origin. */
+int registry_load_from(struct daemon *d, const char *dir, enum adapter_origin origin, bool reload,
+                       void (*done)(struct daemon *d, int failed));
+/* persist.c: registrations kept in --state-dir (no-ops without one). */
+int registry_persist(struct daemon *d, const struct adapter_def *def, struct proto_err *err);
+void registry_forget(struct daemon *d, const char *name, size_t len);
+/* Registers the persisted registrations, then calls done(d, failed). */
+int registry_restore(struct daemon *d, void (*done)(struct daemon *d, int failed));
 int registry_load_dir(struct daemon *d, const char *dir, bool reload,
                       void (*done)(struct daemon *d, int failed));
 void adapter_def_defaults(struct adapter_def *def);

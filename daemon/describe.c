@@ -19,6 +19,16 @@ void describe_bounds(struct writer *w, const struct adapter *a)
 	writer_key_str(w, "entry", a->def.entry);
 }
 
+void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a)
+{
+	static const char *const names[] = {"registered", "file", "restored"};
+
+	writer_key_str(w, "origin", names[a->def.origin]);
+	/* files are re-read from --adapters; registrations only with --state-dir */
+	writer_key_bool(w, "persisted",
+	                a->def.origin != ADAPTER_FILE && d->cfg.state_dir[0] != '\0');
+}
+
 void describe_counters(struct writer *w, const struct adapter *a)
 {
 	const struct adapter_stats *s = &a->stats;

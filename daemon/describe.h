@@ -6,6 +6,8 @@
 
 /* Bounds, budget, strategy: 7 map entries. */
 void describe_bounds(struct writer *w, const struct adapter *a);
+/* origin ("registered", "file", "restored") and persisted: 2 fields. */
+void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a);
 #define DESCRIBE_COUNTERS 13
 /* Counters and run percentiles: DESCRIBE_COUNTERS map entries. */
 void describe_counters(struct writer *w, const struct adapter *a);

@@ -16,12 +16,13 @@ static void op_describe(struct request *req)
 		                  (int)len, name);
 		return;
 	}
-	out = request_begin_result(req, 7 + 1 + 1);
+	out = request_begin_result(req, 7 + 2 + 1 + 1);
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}
 	describe_bounds(&out->w, a);
+	describe_origin(&out->w, req->d, a);
 	writer_str(&out->w, "specializations");
 	describe_specs(&out->w, a);
 	writer_str(&out->w, "counters");

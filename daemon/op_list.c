@@ -12,8 +12,9 @@ static void op_list(struct request *req)
 	writer_str(&out->w, "adapters");
 	msgpack_pack_array(&out->w.pk, req->d->reg.count);
 	for (const struct adapter *a = req->d->reg.head; a; a = a->next) {
-		msgpack_pack_map(&out->w.pk, 7);
+		msgpack_pack_map(&out->w.pk, 7 + 2);
 		describe_bounds(&out->w, a);
+		describe_origin(&out->w, req->d, a);
 	}
 	request_reply(req, out);
 }

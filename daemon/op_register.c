@@ -117,7 +117,8 @@ static void finish_register(struct request *req, struct adapter_def *def)
 {
 	struct outmsg *out;
 	struct adapter *a;
-	bool replaced, unchanged;
+	struct proto_err err;
+	bool replaced, unchanged, persisted;
 
 	a = registry_register(req->d, def, &replaced, &unchanged);
 	if (a == NULL) {
@@ -130,7 +131,13 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	         : replaced ? "replaced"
 	                    : "registered",
 	         (int)req->conn->uid);
-	out = request_begin_result(req, 3);
+	a->def.origin = ADAPTER_REGISTERED;
+	persisted = req->d->cfg.state_dir[0] != '\0';
+	if (persisted && registry_persist(req->d, &a->def, &err) != 0) {
+		log_line(LOG_WARN, req->id, a->def.name, "not persisted: %s", err.message);
+		persisted = false;
+	}
+	out = request_begin_result(req, 4);
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
@@ -138,6 +145,7 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	writer_key_str(&out->w, "name", a->def.name);
 	writer_key_bool(&out->w, "replaced", replaced);
 	writer_key_bool(&out->w, "unchanged", unchanged);
+	writer_key_bool(&out->w, "persisted", persisted);
 	request_reply(req, out);
 }
 

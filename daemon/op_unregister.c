@@ -16,6 +16,7 @@ static void op_unregister(struct request *req)
 		                  (int)len, name);
 		return;
 	}
+	registry_forget(req->d, name, len);
 	log_line(LOG_INFO, req->id, NULL, "unregistered %.*s", (int)len, name);
 	out = request_begin_result(req, 1);
 	if (out == NULL) {

@@ -150,7 +150,7 @@ struct adapter *registry_register(struct daemon *d, struct adapter_def *def, boo
 	if (old && adapter_same_def(old, def)) {
 		free(def->source);
 		def->source = NULL;
-		old->def.from_dir = def->from_dir;
+		old->def.origin = def->origin;
 		*unchanged = true;
 		return old;
 	}
@@ -294,6 +294,11 @@ static int set_field(struct adapter_def *def, const char *k, const char *v, char
 		return parse_int(v, &def->max_elements);
 	if (strcmp(k, "recompile_budget") == 0)
 		return parse_int(v, &def->budget);
+	if (strcmp(k, "body_file") == 0) /* shown in errors; persisted registrations keep it */
+		return snprintf(def->body_file, sizeof def->body_file, "%s", v) >=
+		               (int)sizeof def->body_file
+		           ? -1
+		           : 0;
 	return -1;
 }
 
@@ -312,8 +317,8 @@ void adapter_def_defaults(struct adapter_def *def)
  * directory.  *body_unreadable tells that the file itself was fine (def.name
  * is set) but its body could not be read.
  */
-static int parse_file(const char *dir, const char *file, struct adapter_def *def,
-                      bool *body_unreadable, struct proto_err *err)
+static int parse_file(const char *dir, const char *file, enum adapter_origin origin,
+                      struct adapter_def *def, bool *body_unreadable, struct proto_err *err)
 {
 	char path[PATH_MAX], body[PATH_MAX / 2] = "", full[PATH_MAX];
 	char *text, *line, *save = NULL;
@@ -321,7 +326,7 @@ static int parse_file(const char *dir, const char *file, struct adapter_def *def
 
 	snprintf(path, sizeof path, "%s/%s", dir, file);
 	adapter_def_defaults(def);
-	def->from_dir = true;
+	def->origin = origin;
 	text = read_text(path, 65536);
 	if (text == NULL)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: %s", path,
@@ -359,7 +364,8 @@ static int parse_file(const char *dir, const char *file, struct adapter_def *def
 		                  : errno == EFBIG ? "larger than 1 MiB"
 		                                   : strerror(errno));
 	}
-	if (realpath(full, path) != NULL && strlen(path) < sizeof def->body_file)
+	if (def->body_file[0] == '\0' && realpath(full, path) != NULL &&
+	    strlen(path) < sizeof def->body_file)
 		memcpy(def->body_file, path, strlen(path) + 1);
 	return adapter_def_validate(def, err);
 }
@@ -383,6 +389,7 @@ struct dir_load {
 	uv_work_t work;
 	struct daemon *d;
 	char dir[PATH_MAX];
+	enum adapter_origin origin;
 	bool reload;
 	struct dir_entry *e;
 	size_t n;
@@ -408,8 +415,8 @@ static void load_dir_work(uv_work_t *w)
 		if (e && ends_with(names[i]->d_name, ".adapter") &&
 		    strlen(names[i]->d_name) < sizeof e->file) {
 			snprintf(e->file, sizeof e->file, "%s", names[i]->d_name);
-			e->ok =
-			    parse_file(l->dir, e->file, &e->def, &e->body_unreadable, &e->err) == 0;
+			e->ok = parse_file(l->dir, e->file, l->origin, &e->def, &e->body_unreadable,
+			                   &e->err) == 0;
 			l->n++;
 		}
 		free(names[i]);
@@ -457,7 +464,7 @@ static int apply_dir(struct dir_load *l)
 	}
 	for (struct adapter *a = d->reg.head, *next; l->reload && a; a = next) {
 		next = a->next;
-		if (a->def.from_dir && !named_in(l, a->def.name)) {
+		if (a->def.origin == ADAPTER_FILE && !named_in(l, a->def.name)) {
 			log_line(LOG_INFO, 0, a->def.name, "unregistered: its file is gone");
 			unlist(d, a);
 		}
@@ -490,11 +497,18 @@ static void load_dir_done(uv_work_t *w, int status)
 int registry_load_dir(struct daemon *d, const char *dir, bool reload,
                       void (*done)(struct daemon *d, int failed))
 {
+	return registry_load_from(d, dir, ADAPTER_FILE, reload, done);
+}
+
+int registry_load_from(struct daemon *d, const char *dir, enum adapter_origin origin, bool reload,
+                       void (*done)(struct daemon *d, int failed))
+{
 	struct dir_load *l = calloc(1, sizeof *l);
 
 	if (l == NULL)
 		return -1;
 	l->d = d;
+	l->origin = origin;
 	l->reload = reload;
 	l->done = done;
 	l->work.data = l;

@@ -133,12 +133,13 @@ def rss_kb(pid: int) -> int:
 
 class Daemon:
     def __init__(self, build: str, cache: str, tmp: str, extra: tuple = (), prefix: tuple = (),
-                 sock: str = "sock") -> None:
+                 sock: str = "sock", env: dict | None = None) -> None:
         self.sock = os.path.join(tmp, sock)
         self.proc = subprocess.Popen(
             [*prefix, os.path.join(build, "torchloopd"), "--socket", self.sock, "--cache-dir",
              cache, "--no-probe", "--compile-timeout", "3600", "--log-level", "warn", *extra],
-            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "daemon.log"), "a"))
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "daemon.log"), "a"),
+            env=env)
         t0 = time.monotonic()
         while True:
             try:
@@ -346,11 +347,16 @@ PROFILE_FUNCS = ("on_read", "request_dispatch", "msg_parse", "scan_decode", "sca
 def callgrind_profile(build: str, cache: str, tmp: str, iters: int = 2000) -> dict:
     """Instructions per scan on the loop thread (callgrind, collecting inside on_read).
     Under valgrind every graph is slow, so --inline-run-us is raised to keep the runs on
-    the loop thread, where they are in production, and in the profile."""
+    the loop thread, where they are in production, and in the profile.  valgrind cannot
+    execute AVX-512, so the graph is compiled for plain x86-64 (--target-isa baseline,
+    as scripts/valgrind-daemon.sh does) and libtorch's kernels are held to the default
+    ISA."""
     out = os.path.join(tmp, "callgrind.out")
-    d = Daemon(build, cache, tmp, sock="cg.sock", extra=("--inline-run-us", "100000"),
+    d = Daemon(build, cache, tmp, sock="cg.sock",
+               extra=("--inline-run-us", "100000", "--target-isa", "baseline"),
                prefix=("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                       "--toggle-collect=on_read"))
+                       "--toggle-collect=on_read"),
+               env=dict(os.environ, ATEN_CPU_CAPABILITY="default"))
     c = Client(d.sock)
     register(c, "bench.cumsum")
     bench_c(build, "daemon", d.sock, "bench.cumsum", 4, 1, iters)

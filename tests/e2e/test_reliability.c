@@ -1414,3 +1414,79 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 	scan_sum_ok(c, "hup.005", 3);
 	down(&d, c);
 }
+
+/* ---- registrations survive a restart (--state-dir) ---------------------------------- */
+
+/* origin and persisted of one adapter in list, or NULL origin when absent. */
+static bool listed_as(struct tl_client *c, const char *name, char *origin, size_t size,
+                      bool *persisted)
+{
+	json_t *j = h_call_json(c, "list", NULL), *a;
+	size_t i;
+	bool found = false;
+
+	json_array_foreach(json_object_get(j, "adapters"), i, a)
+	{
+		if (strcmp(jstr(a, "name"), name) == 0) {
+			snprintf(origin, size, "%s", jstr(a, "origin"));
+			*persisted = json_is_true(json_object_get(a, "persisted"));
+			found = true;
+		}
+	}
+	json_decref(j);
+	return found;
+}
+
+Test(reliability, registrations_survive_a_restart_with_a_state_directory)
+{
+	char state[512], origin[32], path[700];
+	const char *args[] = {"--no-probe", "--state-dir", state, NULL};
+	struct tl_adapter_def evil = {
+	    "rel.evil", CUMSUM_SRC, "x.py\nbody = /etc/passwd", "body", NULL, 16, 1048576, 8};
+	struct tl_error err;
+	struct hd d;
+	struct tl_client *c;
+	bool persisted;
+
+	h_tmpdir(state, sizeof state, "state");
+	c = up(&d, NULL, args);
+	reg_ok(c, "rel.keep", CUMSUM_SRC);
+	reg_ok(c, "rel.gone", CUMSUM_SRC);
+	/* a body_file with a newline cannot add settings to the persisted file */
+	cr_assert_eq(tl_register(c, &evil, &err), 0, "%s", err.message);
+	cr_assert_eq(tl_unregister(c, "rel.gone", &err), 0);
+	cr_assert(listed_as(c, "rel.keep", origin, sizeof origin, &persisted));
+	cr_assert_str_eq(origin, "registered");
+	cr_assert(persisted);
+	scan_sum_ok(c, "rel.keep", 3);
+	down(&d, c);
+
+	c = up(&d, NULL, args);
+	cr_assert(listed_as(c, "rel.keep", origin, sizeof origin, &persisted), "not restored");
+	cr_assert_str_eq(origin, "restored");
+	cr_assert(persisted);
+	cr_assert_not(listed_as(c, "rel.gone", origin, sizeof origin, &persisted),
+	              "an unregistered adapter came back");
+	cr_assert(listed_as(c, "rel.evil", origin, sizeof origin, &persisted));
+	scan_sum_ok(c, "rel.keep", 3);
+	scan_sum_ok(c, "rel.evil", 2); /* its body is the registered one, not /etc/passwd */
+	down(&d, c);
+
+	/* a state directory others may write to is not trusted: nothing restored,
+	 * the daemon starts and serves */
+	snprintf(path, sizeof path, "%s/registered", state);
+	cr_assert_eq(chmod(path, 0777), 0);
+	c = up(&d, NULL, args);
+	cr_assert_not(listed_as(c, "rel.keep", origin, sizeof origin, &persisted));
+	cr_assert(log_has(&d, "not restoring registrations", 0), "log %s", d.log);
+	reg_ok(c, "rel.after", CUMSUM_SRC);
+	scan_sum_ok(c, "rel.after", 3);
+	down(&d, c);
+
+	/* without --state-dir nothing is kept, and list says so */
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	reg_ok(c, "rel.keep", CUMSUM_SRC);
+	cr_assert(listed_as(c, "rel.keep", origin, sizeof origin, &persisted));
+	cr_assert_not(persisted);
+	down(&d, c);
+}
