@@ -701,7 +701,7 @@ const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key)
 
 /* Below this many bytes a tensor travels inline: measured with
  * `build/bench_c --threshold` (docs/performance.md). */
-#define TL_SHM_THRESHOLD_DEFAULT (64u << 10)
+#define TL_SHM_THRESHOLD_DEFAULT (8u << 10)
 
 int tl_shm_attach(struct tl_client *c, size_t bytes, struct tl_error *err)
 {

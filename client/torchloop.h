@@ -116,7 +116,7 @@ int tl_call_json(struct tl_client *c, const char *op, const char *name, char **j
  * ---- shared memory (docs/protocol.md "Shared memory") ----
  * tl_shm_attach creates a sealed memfd of `bytes` (rounded up to a page) and
  * passes it to the daemon, once per client.  From then on tensors of at
- * least the threshold (tl_shm_set_threshold; default 64 KiB, measured in
+ * least the threshold (tl_shm_set_threshold; default 8 KiB, measured in
  * docs/performance.md) travel by reference instead of through the socket:
  * a buffer from tl_shm_alloc is used in place, any other is copied into
  * the region for the request; result tensors of that size are written by

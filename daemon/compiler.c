@@ -101,6 +101,9 @@ uint64_t compiler_orphans_killed(const struct compiler *c)
 	return c->orphans_killed;
 }
 
+const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES] = {"setup", "eager", "export", "inductor",
+                                                         "parity"};
+
 uint64_t compiler_recycled(const struct compiler *c)
 {
 	return c->recycled;
@@ -454,8 +457,14 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 		res->n_outputs = (uint32_t)v;
 	{
 		const msgpack_object *cs = msg_obj_field(r, "compile_seconds");
+		const msgpack_object *ph = msg_obj_field(r, "phases");
 		if (cs && cs->type == MSGPACK_OBJECT_FLOAT64)
 			res->compile_seconds = cs->via.f64;
+		for (int i = 0; ph && ph->type == MSGPACK_OBJECT_MAP && i < COMPILE_PHASES; i++) {
+			const msgpack_object *p = msg_obj_field(ph, COMPILE_PHASE_NAMES[i]);
+			if (p && p->type == MSGPACK_OBJECT_FLOAT64)
+				res->phases[i] = p->via.f64;
+		}
 	}
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);

@@ -26,12 +26,18 @@
 #include <stdbool.h>
 #include <uv.h>
 
+#define COMPILE_PHASES 5
+/* The worker's phase names, in order (compile_worker.py compile_job). */
+extern const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES];
+
 struct compile_result {
 	char so_path[1024];
 	uint8_t *y_spec; /* msgpack of the worker's output spec; owned by the result */
 	size_t y_spec_len;
 	uint32_t n_inputs, n_outputs;
 	double compile_seconds;
+	/* where the compile went (the worker's "phases"), seconds; 0 when unknown */
+	double phases[COMPILE_PHASES];
 };
 
 struct compile_job;

@@ -79,6 +79,7 @@ struct specialization {
 	uint64_t last_used;                 /* registry tick of the last lookup (LRU) */
 	struct engine_graph *graph;
 	double compile_seconds;
+	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
 	bool from_cache;
 	uint64_t runs;     /* completed runs (loop thread only) */
 	double run_ema_us; /* their engine time, exponential moving average */

@@ -19,6 +19,18 @@ void describe_bounds(struct writer *w, const struct adapter *a)
 	writer_key_str(w, "entry", a->def.entry);
 }
 
+void describe_phases(struct writer *w, const struct specialization *sp)
+{
+	int n = 0;
+
+	for (int i = 0; i < COMPILE_PHASES; i++)
+		n += sp->compile_phases[i] > 0;
+	msgpack_pack_map(&w->pk, (uint32_t)n);
+	for (int i = 0; i < COMPILE_PHASES; i++)
+		if (sp->compile_phases[i] > 0)
+			writer_key_f64(w, COMPILE_PHASE_NAMES[i], sp->compile_phases[i]);
+}
+
 void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a)
 {
 	static const char *const names[] = {"registered", "file", "restored"};
@@ -56,13 +68,15 @@ void describe_specs(struct writer *w, const struct adapter *a)
 		n++;
 	msgpack_pack_array(&w->pk, n);
 	for (const struct specialization *sp = a->specs; sp; sp = sp->next) {
-		msgpack_pack_map(&w->pk, sp->state == SPEC_FAILED ? 7 : 6);
+		msgpack_pack_map(&w->pk, sp->state == SPEC_FAILED ? 8 : 7);
 		writer_key_str(w, "signature", sp->signature);
 		writer_key_str(w, "key", sp->key);
 		writer_key_str(w, "kind", sp->grad ? "grad" : "scan");
 		writer_key_str(w, "state", state_name(sp->state));
 		writer_key_f64(w, "compile_seconds", sp->compile_seconds);
 		writer_key_bool(w, "from_cache", sp->from_cache);
+		writer_str(w, "compile_phases");
+		describe_phases(w, sp);
 		if (sp->state == SPEC_FAILED)
 			writer_key_str(w, "error", proto_code_name(sp->error.code));
 	}

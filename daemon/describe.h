@@ -6,6 +6,8 @@
 
 /* Bounds, budget, strategy: 7 map entries. */
 void describe_bounds(struct writer *w, const struct adapter *a);
+/* A map of the compile's phases (seconds; empty for a graph from the cache). */
+void describe_phases(struct writer *w, const struct specialization *sp);
 /* origin ("registered", "file", "restored") and persisted: 2 fields. */
 void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a);
 #define DESCRIBE_COUNTERS 13

@@ -7,6 +7,7 @@
  * budget for everyone (docs/operations.md, "Who may do what").
  */
 #include "scanrun.h"
+#include "describe.h"
 
 #include "spec.h"
 
@@ -14,7 +15,7 @@
 
 static void compile_ready(struct request *req, struct specialization *sp)
 {
-	struct outmsg *out = request_begin_result(req, 4);
+	struct outmsg *out = request_begin_result(req, 5);
 
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -24,6 +25,8 @@ static void compile_ready(struct request *req, struct specialization *sp)
 	writer_key_str(&out->w, "kind", sp->grad ? "grad" : "scan");
 	writer_key_bool(&out->w, "from_cache", sp->from_cache);
 	writer_key_f64(&out->w, "compile_seconds", sp->compile_seconds);
+	writer_str(&out->w, "compile_phases");
+	describe_phases(&out->w, sp);
 	request_reply(req, out);
 }
 

@@ -276,9 +276,17 @@ static void spec_ready(struct daemon *d, struct specialization *sp)
 {
 	(void)d;
 	sp->state = SPEC_READY;
-	log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
-	         sp->grad ? "grad" : "scan", sp->signature,
-	         sp->from_cache ? "from cache" : "compiled", sp->compile_seconds);
+	if (sp->from_cache || sp->compile_phases[3] <= 0)
+		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
+		         sp->grad ? "grad" : "scan", sp->signature,
+		         sp->from_cache ? "from cache" : "compiled", sp->compile_seconds);
+	else
+		log_line(LOG_INFO, 0, sp->adapter->def.name,
+		         "%s %s ready (compiled, %.1f s: set-up %.1f, eager %.1f, export %.1f, "
+		         "inductor %.1f, parity %.1f)",
+		         sp->grad ? "grad" : "scan", sp->signature, sp->compile_seconds,
+		         sp->compile_phases[0], sp->compile_phases[1], sp->compile_phases[2],
+		         sp->compile_phases[3], sp->compile_phases[4]);
 	spec_ref(sp);
 	release_waiters(sp);
 	spec_unref(sp);
@@ -674,6 +682,7 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 	if (j->res.y_spec)
 		memcpy(j->res.y_spec, res->y_spec, res->y_spec_len);
 	sp->compile_seconds = res->compile_seconds;
+	memcpy(sp->compile_phases, res->phases, sizeof sp->compile_phases);
 	sp->state = SPEC_LOADING;
 	uv_queue_work(j->d->loop, &j->work, commit_work, after_load);
 }

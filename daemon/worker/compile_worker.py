@@ -317,20 +317,60 @@ class Scan:
         Its combine function must be pure and see tensors only, so it takes
         and returns flat leaf lists and rebuilds the trees (None leaves
         included) inside; the structural checks ran in the eager dry run.
+        torch 2.14's scan op cannot lower tensors the body captures from its
+        module (weights as module constants), so those are lifted: they ride
+        in the carry, unchanged (one copy per step: the op refuses outputs
+        that alias its inputs), and the body sees them through its module's
+        globals, swapped in for the duration of each traced step.
         """
         from torch._higher_order_ops.scan import scan as scan_hop
 
         carry_spec, inputs_spec, body = self.carry_spec, self.inputs_spec, self.body
+        consts = captured_tensors(body)
+        names = [n for n, _ in consts]
+        module_globals = getattr(body, "__globals__", {})
+        n_carry = len(flat_tensors(carry))
 
         def combine(c_flat: list[Any], x_flat: list[Any]) -> tuple[list[Any], list[Any]]:
-            c = spec_build(carry_spec, list(c_flat), [0])
-            x = spec_build(inputs_spec, list(x_flat), [0])
-            new_c, y = body(c, x)
+            user, lifted = list(c_flat[:n_carry]), list(c_flat[n_carry:])
+            saved = {n: module_globals[n] for n in names}
+            module_globals.update(zip(names, lifted))
+            try:
+                c = spec_build(carry_spec, user, [0])
+                x = spec_build(inputs_spec, list(x_flat), [0])
+                new_c, y = body(c, x)
+            finally:
+                module_globals.update(saved)
             # The op refuses outputs aliasing inputs or each other (`return c, c`).
-            return [t.clone() for t in flat_tensors(new_c)], [t.clone() for t in flat_tensors(y)]
+            return ([t.clone() for t in flat_tensors(new_c)] + [k.clone() for k in lifted],
+                    [t.clone() for t in flat_tensors(y)])
 
-        final, ys = scan_hop(combine, flat_tensors(carry), flat_tensors(xs))
-        return tuple(final) + tuple(ys)
+        final, ys = scan_hop(combine, flat_tensors(carry) + [t for _, t in consts],
+                             flat_tensors(xs))
+        return tuple(final[:n_carry]) + tuple(ys)
+
+
+def captured_tensors(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """Module-level tensors the body's module refers to by name: the globals
+    named in the code of any function defined in that module (the body's own
+    helpers included), in a stable order."""
+    import torch
+
+    g = getattr(fn, "__globals__", {})
+    mod = getattr(fn, "__module__", None)
+    names: set[str] = set()
+
+    def walk(code: Any) -> None:
+        names.update(code.co_names)
+        for k in code.co_consts:
+            if hasattr(k, "co_names"):
+                walk(k)
+
+    for v in list(g.values()):
+        code = getattr(v, "__code__", None)
+        if code is not None and getattr(v, "__module__", None) == mod:
+            walk(code)
+    return [(n, g[n]) for n in sorted(names) if isinstance(g.get(n), torch.Tensor)]
 
 
 def map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
@@ -761,6 +801,16 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     if scan.dtype not in ("float32", "float64"):
         raise JobError("BAD_DTYPE", f"dtype {scan.dtype} is not float32 or float64")
     torch.manual_seed(0)
+    phases: dict[str, float] = {}
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = now - mark
+        mark = now
+
+    phase("setup")
     args = example_inputs(scan, torch)
     n_in = len(args)
     # Eager dry run of the whole scan: body exceptions and carry changes get
@@ -771,8 +821,10 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     scan.y_spec = dry.y_spec
     kind = job.get("kind", "forward")
     want = parity_reference(scan, torch, args, outs, kind)
+    phase("eager")
     scan.tracing = True
     module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)))
+    phase("export")
     out_path = job["output"]
     # AOTI writes its intermediates (wrapper/kernel sources, objects, the
     # extern-node json) beside output_path: give it a directory of its own,
@@ -782,8 +834,10 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         so_path = build_artifact(torch, module, example, os.path.join(job_dir, "graph.so"))
         check_artifact(so_path, job_dir)
+        phase("inductor")
         parity_check(torch, so_path, example, want, scan.dtype, scan.n_carry,
                      len(outs) - scan.n_carry)
+        phase("parity")
         os.replace(so_path, out_path)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -794,6 +848,10 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         "n_outputs": len(outs) + (n_in if kind == "vjp" else 0),
         "torch": torch.__version__,
         "compile_seconds": time.monotonic() - started,
+        # where it went: import and set-up, the eager dry run (and the parity
+        # reference), torch.export, AOTInductor (lowering + C++ compile), the
+        # parity run
+        "phases": phases,
     }
 
 

@@ -15,7 +15,7 @@ only):
   (f) the daemon through libtorchloop with shared memory, inputs allocated in
       the connection's region (tl_shm_alloc), results written there
   (g) the daemon through the `torchloop` Python client, defaults (tensors of
-      64 KiB and more through shared memory, copied in per call)
+      128 KiB and more through shared memory, copied in per call)
 then the shared-memory threshold (inline against shared memory per leaf
 size, C and Python), throughput of (d) with 1..32 client processes, cold compile and warm
 start against (b) in fresh processes, daemon RSS, and payload bandwidth.

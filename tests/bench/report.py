@@ -42,9 +42,18 @@ def table(head: list[str], rows: list[list[str]], align: str | None = None) -> s
 def strategy_section(rows: list[dict]) -> str:
     if not rows:
         return "## Compile strategy\n\n(strategy.json missing: run `make bench`.)\n"
-    body = table(["body", "strategy", "T", "compile (s)", "run p50 (µs)", "run p99 (µs)"],
-                 [[r["body"], r["strategy"], str(r["T"]), f"{r['compile_s']:.1f}",
-                   us(r["run_p50_us"]), us(r["run_p99_us"])] for r in rows], "lllrrr")
+    phases = ("setup", "eager", "export", "inductor", "parity")
+    has_ph = any(r.get("phases") for r in rows)
+
+    def ph(r: dict) -> list[str]:
+        return [f"{r.get('phases', {}).get(p, 0):.1f}" for p in phases] if has_ph else []
+
+    body = table(["body", "strategy", "T", "compile (s)"] +
+                 (["set-up", "eager", "export", "inductor", "parity"] if has_ph else []) +
+                 ["run p50 (µs)", "run p99 (µs)"],
+                 [[r["body"], r["strategy"], str(r["T"]), f"{r['compile_s']:.1f}"] + ph(r) +
+                  [us(r["run_p50_us"]), us(r["run_p99_us"])] for r in rows],
+                 "lllr" + ("rrrrr" if has_ph else "") + "rr")
     pick = {(r["body"], r["strategy"], r["T"]): r for r in rows}
     lines = []
     for b in sorted({r["body"] for r in rows}):
@@ -57,12 +66,15 @@ def strategy_section(rows: list[dict]) -> str:
                          "compile.")
     return f"""## Compile strategy: unrolled loop vs torch's scan op
 
-`tests/bench/strategy.py`: a daemon on an empty cache (every compile cold);
-the worker's compile seconds and the daemon's own engine run time (p50/p99
-over 300 scans, no IPC) per specialization. `ema`: elementwise recurrence,
+`tests/bench/strategy.py`: a daemon on an empty cache (every compile cold;
+Inductor's own caches, e.g. its precompiled header, are as the machine has
+them); the worker's compile seconds, where they went (set-up, the eager dry
+run and parity reference, torch.export, AOTInductor's lowering and C++
+compile, the parity run), and the daemon's own engine run time (p50/p99 over
+300 scans, no IPC) per specialization. `ema`: elementwise recurrence,
 carry [64] float64. `rnn`: tanh RNN, h [4, 32], W [32, 32], U [8, 32], x [T,
-4, 8] (weights in the carry, `examples/bodies/rnn_carry.py`, because the scan
-op cannot take captured constants).
+4, 8] (weights in the carry, `examples/bodies/rnn_carry.py`, so both
+strategies run the same graph).
 
 {body}
 
@@ -73,8 +85,9 @@ op cannot take captured constants).
 `unroll` is the default and `scan` is selectable per adapter (`strategy =
 scan`): the unrolled graph lets Inductor fuse across steps with no per-step
 subgraph call; the scan op's compile time is flat in T. torch 2.14's scan op
-also cannot lower bodies that capture module-level tensors (`rnn.tanh`) and
-refuses outputs that alias (the worker clones around the latter).
+cannot lower tensors a body captures from its module, so the worker lifts
+them into the scan's carry (one copy of each per step), and it refuses
+outputs that alias (the worker clones around that).
 """
 
 
@@ -120,7 +133,7 @@ N = 1 048 576; 100 CLI calls there). The daemon runs with its defaults
 connection's region holds the inputs (allocated there with `tl_shm_alloc`,
 so nothing is copied on the client's side) and the daemon writes the
 results into it; (g): `torchloop.Client` with its defaults, plain torch
-tensors (over 64 KiB they are copied into the region per call).
+tensors (from 128 KiB on they are copied into the region per call).
 
 {lat}
 
@@ -137,6 +150,29 @@ time from the first fork to the last exit):
 {thr_t}
 
 ![throughput](throughput.png)
+"""
+
+
+def outvariant_section(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    body = table(["N", "T", "plain AOTI (µs)", "out-variant AOTI (µs)", "torch.compile (µs)"],
+                 [[grp(r["N"]), str(r["T"]), us(r["plain_us"]), us(r["out_us"]), us(r["jit_us"])]
+                  for r in rows])
+    return f"""## The graphs' calling convention: results into given buffers
+
+`tests/bench/outvariant.py`: the cumulative sum compiled three ways, called
+in process from Python (p50 µs over 300 calls): AOTInductor returning tensors
+it allocates (`plain`), AOTInductor writing into buffers it is given (`out`,
+the daemon's convention since shared memory: results can land in the
+client's region with no copy), and torch.compile.
+
+{body}
+
+The out-variant saves the allocation of the results (at N = 1 048 576, fresh
+pages every call) but Inductor does not build a `torch.stack` in a buffer it
+was given: stacked outputs are written to a temporary and copied (one more
+pass over [T, N]), which is the difference at T = 128.
 """
 
 
@@ -166,11 +202,11 @@ the client per call, results written into the region by the daemon).
 {body}
 
 Shared memory is at least as fast as the socket from {crossover("c_inline", "c_staged")}
-in C and from {crossover("py_inline", "py_shm")} in Python on. Both clients
-send tensors of 64 KiB and more through the region by default
-(`tl_shm_set_threshold`, `Client(shm_threshold=...)`); below that the
-difference is within the run's noise either way, and inline keeps small
-requests independent of the region's space.
+in C and from {crossover("py_inline", "py_shm")} in Python on (in Python each
+region block costs interpreter work — a view, its finalizer — that a small
+tensor does not repay). The defaults follow these runs: libtorchloop sends
+tensors of 8 KiB and more through the region (`tl_shm_set_threshold`), the
+Python client tensors of 128 KiB and more (`Client(shm_threshold=...)`).
 """
 
 
@@ -375,6 +411,7 @@ Commands (what `make bench` runs):
 ```sh
 make build build/bench_c
 .venv/bin/python tests/bench/strategy.py build build/bench/strategy.json
+.venv/bin/python tests/bench/outvariant.py build/bench/outvariant.json
 .venv/bin/python tests/bench/bench.py build build/bench
 .venv/bin/python tests/bench/report.py build/bench docs/performance.md
 cp build/bench/*.png docs/
@@ -394,9 +431,14 @@ def main() -> None:
     if os.path.exists(sp):
         with open(sp) as f:
             strategy = json.load(f)
+    outv = []
+    op = os.path.join(bench_dir, "outvariant.json")
+    if os.path.exists(op):
+        with open(op) as f:
+            outv = json.load(f)
     doc = "\n".join([header(b), strategy_section(strategy), latency_section(b),
-                     threshold_section(b), starts_section(b), targets_section(b),
-                     time_section(b)])
+                     threshold_section(b), outvariant_section(outv), starts_section(b),
+                     targets_section(b), time_section(b)])
     with open(out_md, "w") as f:
         f.write(doc.rstrip() + "\n")
     print("wrote", out_md)

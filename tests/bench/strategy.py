@@ -100,6 +100,7 @@ def main() -> None:
                 d = c.call("describe", name=name)["result"]["counters"]
                 rows.append({"body": body, "strategy": strategy, "T": steps,
                              "compile_s": reply["result"]["compile_seconds"], "wall_s": wall,
+                             "phases": reply["result"].get("compile_phases", {}),
                              "run_p50_us": d["run_p50_us"], "run_p99_us": d["run_p99_us"]})
                 print(rows[-1], flush=True)
     proc.send_signal(signal.SIGTERM)

@@ -37,6 +37,9 @@ static const struct gcase CASES[] = {
     /* the vjp of torch's scan op (strategy = scan) */
     {"t6.ema_scan", "examples/bodies/ema.py", "body", 0, MAX_STEPS, "scan"},
     {"t6.lorenz_scan", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS, "scan"},
+    /* torch's scan op with module-level weights the body captures (lifted into
+     * the scan's carry by the worker) */
+    {"t6.rnn_scan", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS, "scan"},
 };
 
 #define N_CASES (sizeof CASES / sizeof CASES[0])

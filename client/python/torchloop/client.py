@@ -35,7 +35,7 @@ PROTOCOL = 1
 SHM_DEFAULT = 64 << 20
 # Tensors below this many bytes travel inline: measured by `make bench`
 # (tests/bench/bench.py --threshold; docs/performance.md).
-SHM_THRESHOLD = 64 << 10
+SHM_THRESHOLD = 128 << 10
 
 
 def _ref_bytes(tree: Any, threshold: int) -> int:
