@@ -118,6 +118,46 @@ static uint64_t get_le64(const uint8_t *p)
 	return v;
 }
 
+static int check_dtype(struct dec *d, uint8_t code)
+{
+	char detail[32];
+
+	if (code == PROTO_DTYPE_F32 || code == PROTO_DTYPE_F64)
+		return 0;
+	snprintf(detail, sizeof detail, " (dtype code %u)", code);
+	return dec_fail(d, PROTO_E_BAD_DTYPE, "%s: dtype must be float32 or float64%s", detail);
+}
+
+/* Reads t->ndim little-endian dims at p, then numel and nbytes. */
+static int read_dims(struct dec *d, struct tree_tensor *t, const uint8_t *p)
+{
+	char detail[64];
+
+	for (uint32_t i = 0; i < t->ndim; i++) {
+		t->shape[i] = (int64_t)get_le64(p + 8 * i);
+		if (t->shape[i] < 0) {
+			snprintf(detail, sizeof detail, " %u is %lld", i, (long long)t->shape[i]);
+			return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: negative dimension%s", detail);
+		}
+	}
+	if (tree_tensor_sizes(t) != 0)
+		return dec_fail(d, PROTO_E_SHAPE_OVERFLOW, "%s: element count overflows int64%s",
+		                NULL);
+	return 0;
+}
+
+static int check_nbytes(struct dec *d, const struct tree_tensor *t, uint64_t nbytes)
+{
+	char detail[96];
+
+	if (nbytes == t->nbytes)
+		return 0;
+	snprintf(detail, sizeof detail, " (%llu bytes, shape and dtype need %llu)",
+	         (unsigned long long)nbytes, (unsigned long long)t->nbytes);
+	return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH, "%s: tensor byte length mismatch%s",
+	                detail);
+}
+
 static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tree_node *out)
 {
 	const uint8_t *p = (const uint8_t *)ext->ptr;
@@ -128,11 +168,8 @@ static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tr
 	if (ext->size < 4)
 		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
 		                "%s: tensor payload shorter than its 4-byte header%s", NULL);
-	if (p[0] != PROTO_DTYPE_F32 && p[0] != PROTO_DTYPE_F64) {
-		snprintf(detail, sizeof detail, " (dtype code %u)", p[0]);
-		return dec_fail(d, PROTO_E_BAD_DTYPE, "%s: dtype must be float32 or float64%s",
-		                detail);
-	}
+	if (check_dtype(d, p[0]) != 0)
+		return -1;
 	if (p[1] > PROTO_MAX_NDIM) {
 		snprintf(detail, sizeof detail, "%u > %d", p[1], PROTO_MAX_NDIM);
 		return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: tensor rank %s", detail);
@@ -145,22 +182,8 @@ static int decode_tensor(struct dec *d, const msgpack_object_ext *ext, struct tr
 	if (ext->size < head)
 		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
 		                "%s: tensor payload shorter than its header%s", NULL);
-	for (uint32_t i = 0; i < t->ndim; i++) {
-		t->shape[i] = (int64_t)get_le64(p + 4 + 8 * i);
-		if (t->shape[i] < 0) {
-			snprintf(detail, sizeof detail, " %u is %lld", i, (long long)t->shape[i]);
-			return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: negative dimension%s", detail);
-		}
-	}
-	if (tree_tensor_sizes(t) != 0)
-		return dec_fail(d, PROTO_E_SHAPE_OVERFLOW, "%s: element count overflows int64%s",
-		                NULL);
-	if (ext->size - head != t->nbytes) {
-		snprintf(detail, sizeof detail, " (%llu bytes, shape and dtype need %llu)",
-		         (unsigned long long)(ext->size - head), (unsigned long long)t->nbytes);
-		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
-		                "%s: tensor byte length mismatch%s", detail);
-	}
+	if (read_dims(d, t, p + 4) != 0 || check_nbytes(d, t, ext->size - head) != 0)
+		return -1;
 	t->data = p + head;
 	out->kind = TREE_TENSOR;
 	return 0;
@@ -179,11 +202,8 @@ static int decode_shm(struct dec *d, const msgpack_object_ext *ext, struct tree_
 		return dec_fail(d, PROTO_E_BAD_SHAPE,
 		                "%s: shared-memory reference shorter than its 24-byte header%s",
 		                NULL);
-	if (p[0] != PROTO_DTYPE_F32 && p[0] != PROTO_DTYPE_F64) {
-		snprintf(detail, sizeof detail, " (dtype code %u)", p[0]);
-		return dec_fail(d, PROTO_E_BAD_DTYPE, "%s: dtype must be float32 or float64%s",
-		                detail);
-	}
+	if (check_dtype(d, p[0]) != 0)
+		return -1;
 	if (p[1] > PROTO_MAX_NDIM || ext->size != PROTO_SHM_HEAD + 8ull * p[1]) {
 		snprintf(detail, sizeof detail, " (rank %u, %u payload bytes)", p[1], ext->size);
 		return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: bad shared-memory reference header%s",
@@ -197,22 +217,8 @@ static int decode_shm(struct dec *d, const msgpack_object_ext *ext, struct tree_
 	t->ndim = p[1];
 	off = get_le64(p + 8);
 	nbytes = get_le64(p + 16);
-	for (uint32_t i = 0; i < t->ndim; i++) {
-		t->shape[i] = (int64_t)get_le64(p + PROTO_SHM_HEAD + 8 * i);
-		if (t->shape[i] < 0) {
-			snprintf(detail, sizeof detail, " %u is %lld", i, (long long)t->shape[i]);
-			return dec_fail(d, PROTO_E_BAD_SHAPE, "%s: negative dimension%s", detail);
-		}
-	}
-	if (tree_tensor_sizes(t) != 0)
-		return dec_fail(d, PROTO_E_SHAPE_OVERFLOW, "%s: element count overflows int64%s",
-		                NULL);
-	if (nbytes != t->nbytes) {
-		snprintf(detail, sizeof detail, " (%llu bytes, shape and dtype need %llu)",
-		         (unsigned long long)nbytes, (unsigned long long)t->nbytes);
-		return dec_fail(d, PROTO_E_BYTE_LENGTH_MISMATCH,
-		                "%s: tensor byte length mismatch%s", detail);
-	}
+	if (read_dims(d, t, p + PROTO_SHM_HEAD) != 0 || check_nbytes(d, t, nbytes) != 0)
+		return -1;
 	if (d->region == NULL)
 		return dec_fail(d, PROTO_E_SHM_NOT_ATTACHED,
 		                "%s references shared memory, but no region is attached to this "

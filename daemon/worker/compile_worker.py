@@ -317,37 +317,20 @@ class Scan:
         Its combine function must be pure and see tensors only, so it takes
         and returns flat leaf lists and rebuilds the trees (None leaves
         included) inside; the structural checks ran in the eager dry run.
-        torch 2.14's scan op cannot lower tensors the body captures from its
-        module (weights as module constants), so those are lifted: they ride
-        in the carry, unchanged (one copy per step: the op refuses outputs
-        that alias its inputs), and the body sees them through its module's
-        globals, swapped in for the duration of each traced step.
         """
         from torch._higher_order_ops.scan import scan as scan_hop
 
         carry_spec, inputs_spec, body = self.carry_spec, self.inputs_spec, self.body
-        consts = captured_tensors(body)
-        names = [n for n, _ in consts]
-        module_globals = getattr(body, "__globals__", {})
-        n_carry = len(flat_tensors(carry))
 
         def combine(c_flat: list[Any], x_flat: list[Any]) -> tuple[list[Any], list[Any]]:
-            user, lifted = list(c_flat[:n_carry]), list(c_flat[n_carry:])
-            saved = {n: module_globals[n] for n in names}
-            module_globals.update(zip(names, lifted))
-            try:
-                c = spec_build(carry_spec, user, [0])
-                x = spec_build(inputs_spec, list(x_flat), [0])
-                new_c, y = body(c, x)
-            finally:
-                module_globals.update(saved)
+            c = spec_build(carry_spec, list(c_flat), [0])
+            x = spec_build(inputs_spec, list(x_flat), [0])
+            new_c, y = body(c, x)
             # The op refuses outputs aliasing inputs or each other (`return c, c`).
-            return ([t.clone() for t in flat_tensors(new_c)] + [k.clone() for k in lifted],
-                    [t.clone() for t in flat_tensors(y)])
+            return [t.clone() for t in flat_tensors(new_c)], [t.clone() for t in flat_tensors(y)]
 
-        final, ys = scan_hop(combine, flat_tensors(carry) + [t for _, t in consts],
-                             flat_tensors(xs))
-        return tuple(final[:n_carry]) + tuple(ys)
+        final, ys = scan_hop(combine, flat_tensors(carry), flat_tensors(xs))
+        return tuple(final) + tuple(ys)
 
 
 def captured_tensors(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
@@ -706,6 +689,18 @@ def capture_values(
                 gm = make_fx(vjp_module(unrolled, torch, len(args)),
                              tracing_mode="real")(*args, *cot)
                 ep = torch.export.export(Wrap(gm), example, strict=False)
+        elif scan.strategy == "scan" and captured_tensors(scan.body):
+            # torch 2.14's scan op cannot take tensors its body captures from
+            # the module (Inductor cannot lower them, and its tracer refuses
+            # swapping them for carried ones): the unrolled loop instead, said
+            # in the log -- the same numbers, the unrolled graph's compile time
+            names = ", ".join(n for n, _ in captured_tensors(scan.body))
+            log(f"strategy scan: the body captures module-level tensors ({names}), which "
+                "torch's scan op cannot take; compiling the unrolled loop instead (pass them "
+                "in the carry to use the scan op)")
+            example = tuple(args)
+            unrolled = Scan(**{**scan.__dict__, "strategy": "unroll"})
+            ep = torch.export.export(FlatModule(unrolled), example, strict=strict)
         else:
             example = tuple(args)
             ep = torch.export.export(FlatModule(scan), example, strict=strict)

@@ -85,9 +85,9 @@ strategies run the same graph).
 `unroll` is the default and `scan` is selectable per adapter (`strategy =
 scan`): the unrolled graph lets Inductor fuse across steps with no per-step
 subgraph call; the scan op's compile time is flat in T. torch 2.14's scan op
-cannot lower tensors a body captures from its module, so the worker lifts
-them into the scan's carry (one copy of each per step), and it refuses
-outputs that alias (the worker clones around that).
+cannot take tensors a body captures from its module (the worker then
+compiles the unrolled loop and logs why) and refuses outputs that alias (the
+worker clones around that).
 """
 
 
@@ -347,9 +347,10 @@ here is the graph (the (c) column) and page faults on fresh buffers."""
         top = sorted(sc.items(), key=lambda kv: -kv[1])
         out += ("\nSyscalls per scan in the daemon (`strace -f -c`, one client): " +
                 ", ".join(f"{k} {v:.2f}" for k, v in top if v >= 0.01) +
-                ". A scan costs one `epoll_wait`, one `read` (header and small body "
-                "together, through a 16 KiB staging buffer) and one `writev` (written "
-                "at once, no write request queued).\n")
+                ". A scan costs one `epoll_wait`, one `recvmsg` (header and small body "
+                "together, through a 16 KiB staging buffer; `recvmsg` because the "
+                "connection is an IPC pipe, so a memfd can come with a frame) and one "
+                "`writev` (written at once, no write request queued).\n")
     cg = b.get("callgrind")
     if cg:
         inc = cg["inclusive"]

@@ -37,8 +37,8 @@ static const struct gcase CASES[] = {
     /* the vjp of torch's scan op (strategy = scan) */
     {"t6.ema_scan", "examples/bodies/ema.py", "body", 0, MAX_STEPS, "scan"},
     {"t6.lorenz_scan", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS, "scan"},
-    /* torch's scan op with module-level weights the body captures (lifted into
-     * the scan's carry by the worker) */
+    /* strategy scan with module-level weights the body captures: torch's scan
+     * op cannot take them, so the worker compiles the unrolled loop (logged) */
     {"t6.rnn_scan", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS, "scan"},
 };
 

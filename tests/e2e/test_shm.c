@@ -245,6 +245,22 @@ static void check_cumsum(const double *carry0, const double *xs, const double *c
 	}
 }
 
+/* The result's carry and outputs, references resolved against our mapping. */
+static void decode_results(struct msg *m, const struct tree_region *reg, struct tree_node *carry,
+                           struct tree_node *ys)
+{
+	const msgpack_object *res = msg_field(m, "result");
+	struct proto_err err;
+
+	cr_assert_not_null(res, "not a result");
+	cr_assert_eq(
+	    tree_decode_in(msg_obj_field(res, "carry"), m->up.zone, "carry", reg, carry, &err), 0,
+	    "%s", err.message);
+	cr_assert_eq(
+	    tree_decode_in(msg_obj_field(res, "outputs"), m->up.zone, "outputs", reg, ys, &err), 0,
+	    "%s", err.message);
+}
+
 static bool in_region(const struct region *r, const void *p)
 {
 	return (const uint8_t *)p >= r->p && (const uint8_t *)p < r->p + r->size;
@@ -264,7 +280,6 @@ Test(shm, raw_references_in_and_results_in_the_area)
 	struct msg m;
 	struct tree_node carry, ys;
 	struct tree_region reg = {r.p, r.size};
-	struct proto_err err;
 	const msgpack_object *res;
 	double *c0 = (double *)r.p, *x0 = (double *)(r.p + x_off);
 
@@ -278,12 +293,7 @@ Test(shm, raw_references_in_and_results_in_the_area)
 	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
 	cr_assert(!m.is_error, "scan failed");
 	res = msg_field(&m, "result");
-	cr_assert_eq(
-	    tree_decode_in(msg_obj_field(res, "carry"), m.up.zone, "carry", &reg, &carry, &err), 0,
-	    "%s", err.message);
-	cr_assert_eq(
-	    tree_decode_in(msg_obj_field(res, "outputs"), m.up.zone, "outputs", &reg, &ys, &err), 0,
-	    "%s", err.message);
+	decode_results(&m, &reg, &carry, &ys);
 	/* both results are references into the area, not bytes in the frame */
 	cr_assert((const uint8_t *)carry.tensor.data >= r.p + out_off &&
 	          (const uint8_t *)carry.tensor.data < r.p + out_off + (1 << 20));
@@ -300,11 +310,7 @@ Test(shm, raw_references_in_and_results_in_the_area)
 	scan_raw(sock, 0, c_bytes, x_off, (struct area){true, out_off, c_bytes, 0});
 	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
 	res = msg_field(&m, "result");
-	cr_assert_eq(
-	    tree_decode_in(msg_obj_field(res, "carry"), m.up.zone, "carry", &reg, &carry, &err), 0);
-	cr_assert_eq(
-	    tree_decode_in(msg_obj_field(res, "outputs"), m.up.zone, "outputs", &reg, &ys, &err),
-	    0);
+	decode_results(&m, &reg, &carry, &ys);
 	cr_assert(!in_region(&r, carry.tensor.data) && !in_region(&r, ys.tensor.data),
 	          "results are inline");
 	cr_assert_eq(msg_obj_field(res, "out_needed")->via.u64, (uint64_t)(N * 8 + T * N * 8),
@@ -319,8 +325,7 @@ Test(shm, raw_references_in_and_results_in_the_area)
 	scan_raw(sock, 0, c_bytes, x_off, (struct area){true, out_off, 1 << 20, 1 << 20});
 	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
 	res = msg_field(&m, "result");
-	cr_assert_eq(
-	    tree_decode_in(msg_obj_field(res, "carry"), m.up.zone, "carry", &reg, &carry, &err), 0);
+	decode_results(&m, &reg, &carry, &ys);
 	cr_assert(!in_region(&r, carry.tensor.data), "the carry is inline");
 	check_cumsum(c0, x0, carry.tensor.data, (const double *)(r.p + out_off + c_bytes));
 	msg_destroy(&m);

@@ -140,19 +140,19 @@ class Client:
             if views and sent:
                 views[0] = views[0][sent:]
 
-    def _fill(self) -> None:
-        """Reads what the socket has (at least one byte) into the staging buffer."""
+    def _recv_some(self, buf: memoryview) -> int:
+        """One recv_into buf: at least one byte, or ConnectionLost."""
         sock = self._sock
         assert sock is not None
         try:
-            n = sock.recv_into(self._stage)
+            n = sock.recv_into(buf)
         except OSError as exc:
             self._drop()
             raise ConnectionLost("IO", f"read from torchloopd: {exc}") from exc
         if n == 0:
             self._drop()
             raise ConnectionLost("IO", "torchloopd closed the connection")
-        self._staged = memoryview(self._stage)[:n]
+        return n
 
     def _read_exact(self, buf: memoryview) -> None:
         """Fills buf from the staging buffer, then the socket (large bodies in place)."""
@@ -164,19 +164,10 @@ class Client:
                 self._staged = self._staged[k:]
                 got += k
             elif len(buf) - got >= len(self._stage):
-                sock = self._sock
-                assert sock is not None
-                try:
-                    n = sock.recv_into(buf[got:])
-                except OSError as exc:
-                    self._drop()
-                    raise ConnectionLost("IO", f"read from torchloopd: {exc}") from exc
-                if n == 0:
-                    self._drop()
-                    raise ConnectionLost("IO", "torchloopd closed the connection")
-                got += n
+                got += self._recv_some(buf[got:])
             else:
-                self._fill()
+                n = self._recv_some(memoryview(self._stage))
+                self._staged = memoryview(self._stage)[:n]
 
     def _recv(self, area: Any = None) -> dict:
         head = bytearray(4)
