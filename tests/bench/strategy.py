@@ -3,8 +3,10 @@
 usage: strategy.py BUILD_DIR OUT_JSON
 
 Starts a daemon on a private, empty cache (so every compile is cold), and for
-an elementwise recurrence (ema, carry [64]) and a small matmul RNN (rnn_carry,
-h [4, 32], W [32, 32], U [8, 32]) under both strategies and T in {1, 16, 128}:
+an elementwise recurrence (ema, carry [64]), a small matmul RNN (rnn_carry,
+h [4, 32], W [32, 32], U [8, 32]), RK4 of the Lorenz system with a dict carry
+(lorenz, x/y/z [16], forcing [T, 16]) and a GRU cell (gru_carry, h [4, 32],
+three W [32, 32], three U [8, 32]) under both strategies and T in {1, 16, 128}:
 warms the specialization with the compile op (recording the worker's compile
 seconds), then runs 300 scans and reads the daemon's own run-time p50/p99 for
 that adapter (engine time, no IPC).
@@ -49,6 +51,14 @@ def shapes(body: str, steps: int):
     rng = np.random.default_rng(0)
     if body == "ema":
         return rng.standard_normal(64), rng.standard_normal((steps, 64))
+    if body == "lorenz":
+        return ({k: rng.standard_normal(16) for k in ("x", "y", "z")},
+                {"forcing": rng.standard_normal((steps, 16)) * 0.1})
+    if body == "gru":
+        h = rng.standard_normal((4, 32))
+        ws = tuple(rng.standard_normal((32, 32)) * 0.2 for _ in range(3))
+        us = tuple(rng.standard_normal((8, 32)) * 0.3 for _ in range(3))
+        return (h, *ws, *us), rng.standard_normal((steps, 4, 8))
     h = rng.standard_normal((4, 32))
     w = rng.standard_normal((32, 32)) * 0.2
     u = rng.standard_normal((8, 32)) * 0.3
@@ -58,6 +68,8 @@ def shapes(body: str, steps: int):
 def spec(tree):
     if isinstance(tree, tuple):
         return {"k": "tuple", "c": [spec(t) for t in tree]}
+    if isinstance(tree, dict):
+        return {"k": "dict", "keys": list(tree), "c": [spec(t) for t in tree.values()]}
     return {"k": "T", "s": list(tree.shape)}
 
 
@@ -68,7 +80,9 @@ def main() -> None:
     proc = start_daemon(build, os.path.join(tmp, "cache"), sock, os.path.join(tmp, "log"))
     c = Client(sock)
     rows = []
-    bodies = {"ema": ("examples/bodies/ema.py", "body"), "rnn": ("examples/bodies/rnn_carry.py", "cell")}
+    bodies = {"ema": ("examples/bodies/ema.py", "body"), "rnn": ("examples/bodies/rnn_carry.py", "cell"),
+              "lorenz": ("examples/bodies/lorenz.py", "rk4"),
+              "gru": ("examples/bodies/gru_carry.py", "cell")}
     for body, (path, entry) in bodies.items():
         for strategy in ("unroll", "scan"):
             for steps in (1, 16, 128):
