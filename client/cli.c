@@ -46,9 +46,9 @@ static int usage_error(const char *fmt, ...)
 
 static const char *const HELP[][2] = {
     {"health", "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
-    {"register",
-     "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
-     "         [--budget N] [--strategy unroll|scan]\n  register or replace an adapter (admin)"},
+    {"register", "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
+                 "         [--budget N] [--strategy unroll|scan] [--dynamic none|batch]\n"
+                 "  register or replace an adapter (admin)"},
     {"unregister", "unregister NAME\n  drop an adapter and its graphs (admin)"},
     {"list", "list\n  adapters with bounds and budget use"},
     {"describe", "describe NAME\n  one adapter: bounds, graphs, counters"},
@@ -163,7 +163,8 @@ static int write_outputs(struct cli *c, const struct tl_reply *r, const char *di
 /* ---- subcommands ------------------------------------------------------------------ */
 
 struct sub_opts {
-	const char *carry, *inputs, *cot_carry, *cot_outputs, *out, *body, *entry, *strategy;
+	const char *carry, *inputs, *cot_carry, *cot_outputs, *out, *body, *entry, *strategy,
+	    *dynamic;
 	int64_t max_steps, max_elements, budget;
 	bool live, prometheus, grad;
 	const char *dtype;
@@ -182,23 +183,13 @@ static int parse_int_opt(const char *name, const char *v, int64_t *out)
 
 static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
 {
-	static const struct option opts[] = {{"carry", 1, 0, 'c'},
-	                                     {"inputs", 1, 0, 'i'},
-	                                     {"cot-carry", 1, 0, 'C'},
-	                                     {"cot-outputs", 1, 0, 'O'},
-	                                     {"out", 1, 0, 'o'},
-	                                     {"body", 1, 0, 'b'},
-	                                     {"entry", 1, 0, 'e'},
-	                                     {"strategy", 1, 0, 's'},
-	                                     {"max-steps", 1, 0, 'S'},
-	                                     {"max-elements", 1, 0, 'E'},
-	                                     {"budget", 1, 0, 'B'},
-	                                     {"live", 0, 0, 'l'},
-	                                     {"prometheus", 0, 0, 'p'},
-	                                     {"grad", 0, 0, 'g'},
-	                                     {"dtype", 1, 0, 'd'},
-	                                     {"help", 0, 0, 'h'},
-	                                     {0, 0, 0, 0}};
+	static const struct option opts[] = {
+	    {"carry", 1, 0, 'c'},       {"inputs", 1, 0, 'i'},       {"cot-carry", 1, 0, 'C'},
+	    {"cot-outputs", 1, 0, 'O'}, {"out", 1, 0, 'o'},          {"body", 1, 0, 'b'},
+	    {"entry", 1, 0, 'e'},       {"strategy", 1, 0, 's'},     {"dynamic", 1, 0, 'y'},
+	    {"max-steps", 1, 0, 'S'},   {"max-elements", 1, 0, 'E'}, {"budget", 1, 0, 'B'},
+	    {"live", 0, 0, 'l'},        {"prometheus", 0, 0, 'p'},   {"grad", 0, 0, 'g'},
+	    {"dtype", 1, 0, 'd'},       {"help", 0, 0, 'h'},         {0, 0, 0, 0}};
 	int opt, rc = EXIT_OK;
 
 	optind = 1;
@@ -228,6 +219,9 @@ static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
 			break;
 		case 's':
 			o->strategy = optarg;
+			break;
+		case 'y':
+			o->dynamic = optarg;
 			break;
 		case 'S':
 			rc = parse_int_opt("max-steps", optarg, &o->max_steps);
@@ -309,7 +303,8 @@ static int cmd_register(struct cli *c, const struct sub_opts *o, const char *nam
 	if (src == NULL)
 		return usage_error("register: cannot read %s: %s", o->body, strerror(errno));
 	def = (struct tl_adapter_def){name,        src,          o->body,         o->entry,
-	                              o->strategy, o->max_steps, o->max_elements, o->budget};
+	                              o->strategy, o->max_steps, o->max_elements, o->budget,
+	                              o->dynamic};
 	rc = connect_client(c);
 	if (rc == EXIT_OK && tl_register(c->client, &def, &err) != 0)
 		rc = daemon_error(c, &err);

@@ -636,13 +636,14 @@ int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl
 	uint64_t id = 0;
 	int rc;
 
-	if (begin(c, &w, "register", 8, &id, err) != 0)
+	if (begin(c, &w, "register", 9, &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "name", def->name ? def->name : "");
 	writer_key_str(&w, "body_source", def->body_source ? def->body_source : "");
 	writer_key_str(&w, "body_file", def->body_file ? def->body_file : "<client>");
 	writer_key_str(&w, "entry", def->entry ? def->entry : "body");
 	writer_key_str(&w, "strategy", def->strategy ? def->strategy : "unroll");
+	writer_key_str(&w, "dynamic", def->dynamic ? def->dynamic : "none");
 	writer_key_i64(&w, "max_steps", def->max_steps ? def->max_steps : 128);
 	writer_key_i64(&w, "max_elements", def->max_elements ? def->max_elements : 65536);
 	writer_key_i64(&w, "recompile_budget", def->recompile_budget ? def->recompile_budget : 8);

@@ -92,6 +92,7 @@ struct tl_adapter_def {
 	int64_t max_steps;        /* 0: the default 128 */
 	int64_t max_elements;     /* 0: 65536 */
 	int64_t recompile_budget; /* 0: 8 */
+	const char *dynamic;      /* NULL: "none"; or "batch" (one graph for every batch size) */
 };
 int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl_error *err);
 int tl_unregister(struct tl_client *c, const char *name, struct tl_error *err);

@@ -309,7 +309,7 @@ static int send_job(struct compiler *c, struct compile_job *j)
 		writer_key_str(&wr->w, "entry", j->entry);
 		return send_msg(c, wr);
 	}
-	msg_begin_request(&wr->w, j->id, "compile", 10);
+	msg_begin_request(&wr->w, j->id, "compile", 11);
 	writer_key_str(&wr->w, "body_source", j->body_source);
 	writer_key_str(&wr->w, "body_file", j->body_file);
 	writer_key_str(&wr->w, "entry", j->entry);
@@ -317,6 +317,7 @@ static int send_job(struct compiler *c, struct compile_job *j)
 	writer_key_str(&wr->w, "kind", j->kind);
 	writer_key_str(&wr->w, "dtype", proto_dtype_name(j->dtype));
 	writer_key_i64(&wr->w, "steps", j->steps);
+	writer_key_i64(&wr->w, "max_batch", j->max_batch);
 	writer_key_str(&wr->w, "output", j->output);
 	writer_str(&wr->w, "carry");
 	shapes_write(&wr->w, j->carry);

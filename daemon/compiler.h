@@ -51,6 +51,7 @@ struct compile_job {
 	const struct tree_node *carry, *inputs;
 	enum proto_dtype dtype;
 	int64_t steps;
+	int64_t max_batch; /* dynamic = batch: the largest batch size (shapes mark it -1); else 0 */
 	char output[1024];
 	compile_done_cb done;
 	void *data;

@@ -47,6 +47,7 @@ struct adapter_def {
 	char body_file[512];
 	char entry[128];
 	char strategy[16];
+	char dynamic[8]; /* "none", or "batch": one graph serves every batch size */
 	int64_t max_steps, max_elements, budget;
 	enum adapter_origin origin;
 };
@@ -66,7 +67,8 @@ struct specialization {
 	struct specialization *next;
 	int refs;
 	enum spec_state state;
-	bool grad; /* kind: forward ("scan") or vjp ("grad") */
+	bool grad;  /* kind: forward ("scan") or vjp ("grad") */
+	bool batch; /* one graph for every batch size: shapes hold SHAPES_BATCH */
 	char key[CACHE_KEY_HEX];
 	char *signature; /* in zone */
 	msgpack_zone *zone;
@@ -170,6 +172,7 @@ struct request {
 	struct adapter *adapter; /* set by ops that run on one; holds a reference */
 	struct request *next_waiter;
 	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
+	int64_t batch; /* its batch size, for a dynamic = batch adapter (specs_acquire) */
 	struct shm_out out;
 	void *state; /* op-specific, owned by the op */
 	void (*state_free)(void *state);
@@ -286,6 +289,8 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err);
 struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
                                   bool *unchanged);
 struct adapter *registry_find(struct daemon *d, const char *name, size_t len);
+/* dynamic = batch: one graph per signature serves every batch size. */
+bool adapter_batched(const struct adapter *a);
 /* Same body, entry, bounds, budget and strategy (registering it changes nothing). */
 bool adapter_same_def(const struct adapter *a, const struct adapter_def *def);
 int registry_unregister(struct daemon *d, const char *name, size_t len);
@@ -312,6 +317,7 @@ struct scan_args {
 	const struct tree_node *carry, *inputs;
 	enum proto_dtype dtype;
 	int64_t steps;
+	int64_t batch; /* dynamic = batch adapters: the request's batch size (>= 1); else 0 */
 	bool grad;
 };
 /*
@@ -325,6 +331,11 @@ void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *
 void spec_ref(struct specialization *sp);
 void spec_unref(struct specialization *sp);
 void specs_drop_all(struct adapter *a);
+/*
+ * Stacked outputs within max_elements at this batch size (the specialization's
+ * own for a static one); -1 with TOO_MANY_ELEMENTS and the leaf's path.
+ */
+int specs_check_outputs(const struct specialization *sp, int64_t batch, struct proto_err *err);
 /* A READY graph proved wrong (outputs off its signature): drop it and
  * quarantine its cache entry, so the next request rebuilds it. */
 void specs_invalidate(struct daemon *d, struct specialization *sp, const char *why);

@@ -16,6 +16,7 @@ void describe_bounds(struct writer *w, const struct adapter *a)
 	writer_key_i64(w, "recompile_budget", a->def.budget);
 	writer_key_u64(w, "budget_used", a->held);
 	writer_key_str(w, "strategy", a->def.strategy);
+	writer_key_str(w, "dynamic", a->def.dynamic);
 	writer_key_str(w, "entry", a->def.entry);
 }
 

@@ -38,7 +38,7 @@ static int read_spec(struct request *req, const char *key, enum proto_dtype dtyp
 	if (o == NULL)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key,
 		                  "compile needs %s (a spec tree)", key);
-	if (shapes_read(o, req->msg.up.zone, dtype, out, err) != 0) {
+	if (shapes_read(o, req->msg.up.zone, dtype, false, out, err) != 0) {
 		char why[PROTO_MESSAGE_MAX]; /* err->message is an argument: copy it first */
 		enum proto_code code =
 		    err->code == PROTO_E_COMPILE_FAILED ? PROTO_E_INVALID_ARGUMENT : err->code;

@@ -16,7 +16,7 @@ static void op_describe(struct request *req)
 		                  (int)len, name);
 		return;
 	}
-	out = request_begin_result(req, 7 + 2 + 1 + 1);
+	out = request_begin_result(req, DESCRIBE_BOUNDS + 2 + 1 + 1);
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;

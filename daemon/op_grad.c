@@ -17,6 +17,7 @@ struct cot_ctx {
 	size_t n;
 	enum proto_dtype dtype;
 	int64_t steps; /* > 0: expected shapes get this leading axis */
+	int64_t batch; /* a symbolic-batch graph's SHAPES_BATCH dimensions are this */
 	uint64_t zero_bytes;
 	struct proto_err *err;
 };
@@ -37,8 +38,8 @@ static void zero_slots(const struct tree_node *spec, struct cot_ctx *c)
 			memmove(t->shape + 1, t->shape, (PROTO_MAX_NDIM - 1) * sizeof t->shape[0]);
 			t->shape[0] = c->steps;
 			t->ndim++;
-			t->nbytes *= (uint64_t)c->steps;
 		}
+		spec_bind(t, 1, c->batch);
 		t->data = NULL; /* patched to a shared zero buffer */
 		if (t->nbytes > c->zero_bytes)
 			c->zero_bytes = t->nbytes;
@@ -50,13 +51,17 @@ static int cot_tensor(const struct tree_node *spec, const struct tree_node *cot,
 {
 	const struct tree_tensor *t = &cot->tensor;
 	uint32_t off = c->steps > 0;
+	bool same = t->ndim == spec->tensor.ndim + off && (!off || t->shape[0] == c->steps);
 
 	if (cot->kind != TREE_TENSOR)
 		return cot_mismatch(c, path, "expected a tensor or None");
 	if (t->dtype != c->dtype)
 		return cot_mismatch(c, path, "dtype differs from the request's");
-	if (t->ndim != spec->tensor.ndim + off || (off && t->shape[0] != c->steps) ||
-	    memcmp(t->shape + off, spec->tensor.shape, spec->tensor.ndim * sizeof t->shape[0]) != 0)
+	for (uint32_t i = 0; same && i < spec->tensor.ndim; i++) {
+		int64_t want = spec->tensor.shape[i];
+		same = t->shape[off + i] == (want == SHAPES_BATCH ? c->batch : want);
+	}
+	if (!same)
 		return cot_mismatch(c, path, "shape differs from the value it is a cotangent of");
 	spec_flatten(cot, c->slots, &c->n);
 	return 0;
@@ -93,7 +98,7 @@ static int cot_walk(const struct tree_node *spec, const struct tree_node *cot, c
 static int add_cotangents(struct run_job *j, struct request *req, struct specialization *sp,
                           struct proto_err *err)
 {
-	struct cot_ctx c = {.dtype = sp->dtype, .err = err};
+	struct cot_ctx c = {.dtype = sp->dtype, .batch = req->batch, .err = err};
 	char path[PROTO_PATH_MAX] = "cot_carry";
 	void *zeros;
 
@@ -118,11 +123,11 @@ static int add_cotangents(struct run_job *j, struct request *req, struct special
 
 static void grad_ready(struct request *req, struct specialization *sp)
 {
-	struct run_job *j = run_job_new(req, sp);
 	struct proto_err err;
+	struct run_job *j = run_job_new(req, sp, &err);
 
 	if (j == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		request_fail(req, &err);
 		return;
 	}
 	run_job_add(j, &req->carry);

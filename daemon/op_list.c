@@ -12,7 +12,7 @@ static void op_list(struct request *req)
 	writer_str(&out->w, "adapters");
 	msgpack_pack_array(&out->w.pk, req->d->reg.count);
 	for (const struct adapter *a = req->d->reg.head; a; a = a->next) {
-		msgpack_pack_map(&out->w.pk, 7 + 2);
+		msgpack_pack_map(&out->w.pk, DESCRIBE_BOUNDS + 2);
 		describe_bounds(&out->w, a);
 		describe_origin(&out->w, req->d, a);
 	}

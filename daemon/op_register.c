@@ -101,6 +101,7 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 	              "recompile_budget must be an integer in [1, 64]", err) ||
 	    copy_str(req, "entry", def->entry, sizeof def->entry, false, err) ||
 	    copy_str(req, "strategy", def->strategy, sizeof def->strategy, false, err) ||
+	    copy_str(req, "dynamic", def->dynamic, sizeof def->dynamic, false, err) ||
 	    copy_str(req, "body_file", def->body_file, sizeof def->body_file, false, err) ||
 	    get_source(req, def, err))
 		return -1;

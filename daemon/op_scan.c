@@ -4,10 +4,11 @@
 
 static void scan_ready(struct request *req, struct specialization *sp)
 {
-	struct run_job *j = run_job_new(req, sp);
+	struct proto_err err;
+	struct run_job *j = run_job_new(req, sp, &err);
 
 	if (j == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		request_fail(req, &err);
 		return;
 	}
 	run_job_add(j, &req->carry);

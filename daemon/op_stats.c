@@ -44,7 +44,7 @@ static void op_stats(struct request *req)
 	writer_str(&out->w, "adapters");
 	msgpack_pack_array(&out->w.pk, d->reg.count);
 	for (const struct adapter *a = d->reg.head; a; a = a->next) {
-		msgpack_pack_map(&out->w.pk, 7 + DESCRIBE_COUNTERS);
+		msgpack_pack_map(&out->w.pk, DESCRIBE_BOUNDS + DESCRIBE_COUNTERS);
 		describe_bounds(&out->w, a);
 		describe_counters(&out->w, a);
 	}

@@ -90,8 +90,9 @@ int registry_persist(struct daemon *d, const struct adapter_def *def, struct pro
 	n = snprintf(text, sizeof text,
 	             "# registered with torchloopd's register op; restored at start\n"
 	             "name = %s\nbody = a.%s.py\nbody_file = %s\nentry = %s\nstrategy = %s\n"
+	             "dynamic = %s\n"
 	             "max_steps = %lld\nmax_elements = %lld\nrecompile_budget = %lld\n",
-	             def->name, def->name, shown, def->entry, def->strategy,
+	             def->name, def->name, shown, def->entry, def->strategy, def->dynamic,
 	             (long long)def->max_steps, (long long)def->max_elements,
 	             (long long)def->budget);
 	snprintf(path, sizeof path, "%s/a.%s.adapter", dir, def->name);

@@ -76,6 +76,9 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
 	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "strategy",
 		                  "strategy must be \"unroll\" or \"scan\"");
+	if (strcmp(def->dynamic, "none") != 0 && strcmp(def->dynamic, "batch") != 0)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "dynamic",
+		                  "dynamic must be \"none\" or \"batch\"");
 	if (!ident_ok(def->entry))
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "entry",
 		                  "entry must name a Python function");
@@ -110,10 +113,16 @@ static void body_hash(struct adapter *a)
 	sha256_hex(d, a->body_sha);
 }
 
+bool adapter_batched(const struct adapter *a)
+{
+	return strcmp(a->def.dynamic, "batch") == 0;
+}
+
 bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
 {
 	return strcmp(a->def.source, def->source) == 0 && strcmp(a->def.entry, def->entry) == 0 &&
-	       strcmp(a->def.strategy, def->strategy) == 0 && a->def.max_steps == def->max_steps &&
+	       strcmp(a->def.strategy, def->strategy) == 0 &&
+	       strcmp(a->def.dynamic, def->dynamic) == 0 && a->def.max_steps == def->max_steps &&
 	       a->def.max_elements == def->max_elements && a->def.budget == def->budget;
 }
 
@@ -288,6 +297,11 @@ static int set_field(struct adapter_def *def, const char *k, const char *v, char
 		               (int)sizeof def->strategy
 		           ? -1
 		           : 0;
+	if (strcmp(k, "dynamic") == 0)
+		return snprintf(def->dynamic, sizeof def->dynamic, "%s", v) >=
+		               (int)sizeof def->dynamic
+		           ? -1
+		           : 0;
 	if (strcmp(k, "max_steps") == 0)
 		return parse_int(v, &def->max_steps);
 	if (strcmp(k, "max_elements") == 0)
@@ -309,6 +323,7 @@ void adapter_def_defaults(struct adapter_def *def)
 	def->max_elements = 65536;
 	def->budget = 8;
 	snprintf(def->strategy, sizeof def->strategy, "unroll");
+	snprintf(def->dynamic, sizeof def->dynamic, "none");
 	snprintf(def->entry, sizeof def->entry, "body");
 }
 

@@ -31,6 +31,8 @@ struct check_ctx {
 	char first_path[PROTO_PATH_MAX];
 	bool have_steps;
 	char steps_path[PROTO_PATH_MAX];
+	bool batched, have_batch; /* dynamic = batch */
+	char batch_path[PROTO_PATH_MAX];
 	struct proto_err *err;
 };
 
@@ -59,11 +61,46 @@ static int check_elements(const struct tree_node *leaf, const char *path, struct
 	    path, (unsigned long long)leaf->tensor.numel, (long long)c->a->def.max_elements);
 }
 
+/* dynamic = batch: dimension `axis` of every leaf is the one batch size. */
+static int check_batch(const struct tree_node *leaf, const char *path, uint32_t axis,
+                       struct check_ctx *c)
+{
+	const struct tree_tensor *t = &leaf->tensor;
+
+	if (!c->batched)
+		return 0;
+	if (t->ndim <= axis)
+		return proto_fail(c->err, PROTO_E_BATCH_MISMATCH, path,
+		                  "%s has %u dimension%s; with dynamic = batch every %s leaf's "
+		                  "dimension %u is the batch size",
+		                  path, t->ndim, t->ndim == 1 ? "" : "s", axis ? "input" : "carry",
+		                  axis);
+	if (!c->have_batch) {
+		c->have_batch = true;
+		c->args->batch = t->shape[axis];
+		tree_path_root(c->batch_path, sizeof c->batch_path, path);
+	} else if (t->shape[axis] != c->args->batch) {
+		return proto_fail(c->err, PROTO_E_BATCH_MISMATCH, path,
+		                  "%s has batch size %lld (dimension %u) but %s has %lld: with "
+		                  "dynamic = batch all leaves share one batch size",
+		                  path, (long long)t->shape[axis], axis, c->batch_path,
+		                  (long long)c->args->batch);
+	}
+	if (t->shape[axis] < 1)
+		return proto_fail(c->err, PROTO_E_BATCH_MISMATCH, path,
+		                  "%s: batch size 0; dynamic = batch serves batch sizes from 1",
+		                  path);
+	return 0;
+}
+
 static int carry_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 {
 	struct check_ctx *c = ctx;
 
-	return check_dtype(leaf, path, c) || check_elements(leaf, path, c) ? -1 : 0;
+	return check_dtype(leaf, path, c) || check_batch(leaf, path, 0, c) ||
+	               check_elements(leaf, path, c)
+	           ? -1
+	           : 0;
 }
 
 static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
@@ -91,15 +128,16 @@ static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 		return proto_fail(c->err, PROTO_E_TOO_MANY_STEPS, path,
 		                  "%s: T=%lld is outside [1, max_steps=%lld]", path,
 		                  (long long)t->shape[0], (long long)c->a->def.max_steps);
-	return check_elements(leaf, path, c);
+	return check_batch(leaf, path, 1, c) || check_elements(leaf, path, c) ? -1 : 0;
 }
 
 int scan_validate(const struct adapter *a, const struct tree_node *carry,
                   const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
 {
-	struct check_ctx c = {.a = a, .args = args, .err = err};
+	struct check_ctx c = {.a = a, .args = args, .batched = adapter_batched(a), .err = err};
 
 	args->carry = carry;
+	args->batch = 0;
 	args->inputs = inputs;
 	if (tree_visit(carry, "carry", 0, carry_leaf, &c) != 0 ||
 	    tree_visit(inputs, "inputs", 0, input_leaf, &c) != 0)
@@ -119,6 +157,10 @@ struct run_job {
 	struct specialization *sp;
 	struct engine_tensor *in;
 	size_t n_in;
+	/* the graph's signature: the specialization's, or for a symbolic batch
+	 * its copy at this request's batch size (owned) */
+	const struct engine_tensor *expected, *expected_out;
+	struct engine_tensor *bound;
 	void *zeros;
 	struct engine_result *res;
 	struct proto_err err;
@@ -194,17 +236,17 @@ static void run_work(uv_work_t *w)
 
 	/* results go straight into the client's area when they all fit */
 	if (j->req->out.set) {
-		j->out_needed = engine_out_layout(j->sp->expected_out, j->sp->n_out, NULL);
+		j->out_needed = engine_out_layout(j->expected_out, j->sp->n_out, NULL);
 		if (j->out_needed <= j->req->out.size) {
 			j->placed = malloc((j->sp->n_out ? j->sp->n_out : 1) * sizeof *j->placed);
 			if (j->placed != NULL) {
-				engine_out_layout(j->sp->expected_out, j->sp->n_out, j->placed);
+				engine_out_layout(j->expected_out, j->sp->n_out, j->placed);
 				base = j->req->out.base;
 			}
 		}
 	}
-	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->sp->expected, j->sp->expected_out, base,
-	                   j->res, &j->err);
+	j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->expected, j->expected_out, base, j->res,
+	                   &j->err);
 	atomic_fetch_sub(&runs_active, 1);
 	j->run_us = (now_seconds() - t0) * 1e6;
 }
@@ -287,24 +329,50 @@ static void after_run(uv_work_t *w, int status)
 		free_result(j->res);
 	free(j->placed);
 	free(j->in);
+	free(j->bound);
 	free(j->zeros);
 	spec_unref(sp);
 	free(j);
 }
 
-struct run_job *run_job_new(struct request *req, struct specialization *sp)
+/* A symbolic-batch graph's signature at the request's batch size. */
+static int bind_batch(struct run_job *j, int64_t batch, struct proto_err *err)
+{
+	const struct specialization *sp = j->sp;
+
+	if (specs_check_outputs(sp, batch, err) != 0)
+		return -1;
+	j->bound = malloc((sp->n_in + sp->n_out + 1) * sizeof *j->bound);
+	if (j->bound == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	memcpy(j->bound, sp->expected, sp->n_in * sizeof *j->bound);
+	memcpy(j->bound + sp->n_in, sp->expected_out, sp->n_out * sizeof *j->bound);
+	spec_bind(j->bound, sp->n_in + sp->n_out, batch);
+	j->expected = j->bound;
+	j->expected_out = j->bound + sp->n_in;
+	return 0;
+}
+
+struct run_job *run_job_new(struct request *req, struct specialization *sp, struct proto_err *err)
 {
 	struct run_job *j = calloc(1, sizeof *j);
 
-	if (j == NULL)
+	if (j == NULL) {
+		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
 		return NULL;
+	}
 	j->req = req;
 	j->sp = sp;
+	j->expected = sp->expected;
+	j->expected_out = sp->expected_out;
 	j->in = calloc(sp->n_in ? sp->n_in : 1, sizeof *j->in);
 	j->res = calloc(1, sizeof *j->res);
-	if (j->in == NULL || j->res == NULL) {
+	if (j->in == NULL || j->res == NULL)
+		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (j->in == NULL || j->res == NULL || (sp->batch && bind_batch(j, req->batch, err) != 0)) {
 		free(j->in);
 		free(j->res);
+		free(j->bound);
 		free(j);
 		return NULL;
 	}
@@ -347,6 +415,7 @@ void run_job_abort(struct run_job *j, const struct proto_err *err)
 {
 	request_fail(j->req, err);
 	free(j->in);
+	free(j->bound);
 	free(j->zeros);
 	free(j->res);
 	spec_unref(j->sp);

@@ -18,9 +18,13 @@ int scan_validate(const struct adapter *a, const struct tree_node *carry,
 int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                 struct tree_node *inputs, struct proto_err *err);
 
-/* A run of a READY specialization for req; inputs are added in graph order. */
+/*
+ * A run of a READY specialization for req; inputs are added in graph order.
+ * NULL with err: out of memory, or (symbolic batch) stacked outputs over
+ * max_elements at the request's batch size.
+ */
 struct run_job;
-struct run_job *run_job_new(struct request *req, struct specialization *sp);
+struct run_job *run_job_new(struct request *req, struct specialization *sp, struct proto_err *err);
 void run_job_add(struct run_job *j, const struct tree_node *tree);
 struct engine_tensor *run_job_slots(struct run_job *j, size_t *n);
 /* Hands the job a buffer to free with it (zero cotangents). */

@@ -4,6 +4,8 @@
  */
 #include "spec.h"
 
+#include "shapes.h"
+
 #include <string.h>
 
 struct sbuf {
@@ -31,7 +33,8 @@ static void put_int(struct sbuf *b, long long v)
 	put(b, tmp, tree_fmt_uint(tmp, v < 0 ? 0 : (uint64_t)v));
 }
 
-static void sig_node(struct sbuf *b, const struct tree_node *n)
+/* batch_axis: the dimension that reads "B" (-1: none but SHAPES_BATCH ones) */
+static void sig_node(struct sbuf *b, const struct tree_node *n, int batch_axis)
 {
 	static const char open[] = {[TREE_TUPLE] = 't', [TREE_LIST] = 'l', [TREE_DICT] = 'd'};
 
@@ -44,7 +47,10 @@ static void sig_node(struct sbuf *b, const struct tree_node *n)
 		for (uint32_t i = 0; i < n->tensor.ndim; i++) {
 			if (i)
 				put(b, ",", 1);
-			put_int(b, (long long)n->tensor.shape[i]);
+			if ((int)i == batch_axis || n->tensor.shape[i] == SHAPES_BATCH)
+				put(b, "B", 1);
+			else
+				put_int(b, (long long)n->tensor.shape[i]);
 		}
 		put(b, "]", 1);
 		return;
@@ -60,13 +66,13 @@ static void sig_node(struct sbuf *b, const struct tree_node *n)
 			put(b, n->keys[i].ptr, n->keys[i].len);
 			put(b, "=", 1);
 		}
-		sig_node(b, &n->items[i]);
+		sig_node(b, &n->items[i], batch_axis);
 	}
 	put(b, ")", 1);
 }
 
 int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
-                   enum proto_dtype dtype, int64_t steps, char *buf, size_t size)
+                   enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size)
 {
 	struct sbuf b = {buf, size, 0, 0};
 
@@ -75,10 +81,41 @@ int spec_signature(const struct tree_node *carry, const struct tree_node *inputs
 	put(&b, " T=", 3);
 	put_int(&b, (long long)steps);
 	put(&b, " carry=", 7);
-	sig_node(&b, carry);
+	sig_node(&b, carry, batch ? 0 : -1);
 	put(&b, " inputs=", 8);
-	sig_node(&b, inputs);
+	sig_node(&b, inputs, batch ? 1 : -1);
 	return b.overflow ? -1 : 0;
+}
+
+static void mark_axis(struct tree_node *n, uint32_t axis)
+{
+	if (n->kind == TREE_TENSOR) {
+		if (axis < n->tensor.ndim)
+			n->tensor.shape[axis] = SHAPES_BATCH;
+		shapes_sizes(&n->tensor, 1);
+		return;
+	}
+	for (uint32_t i = 0; i < n->count; i++)
+		mark_axis(&n->items[i], axis);
+}
+
+void spec_mark_batch(struct tree_node *carry, struct tree_node *inputs)
+{
+	mark_axis(carry, 0);
+	mark_axis(inputs, 1);
+}
+
+void spec_bind(struct engine_tensor *t, size_t n, int64_t batch)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint64_t bytes = proto_dtype_size(t[i].dtype);
+		for (uint32_t k = 0; k < t[i].ndim; k++) {
+			if (t[i].shape[k] == SHAPES_BATCH)
+				t[i].shape[k] = batch;
+			bytes *= (uint64_t)t[i].shape[k];
+		}
+		t[i].nbytes = bytes;
+	}
 }
 
 int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out)

@@ -17,12 +17,26 @@
 #include "writer.h"
 
 #include <msgpack.h>
+#include <stdbool.h>
 
 #define SPEC_SIG_MAX 8192
 
-/* Appends the canonical form of a tree (shapes only) to buf; -1 if too long. */
+/*
+ * Writes the canonical form of a request's trees (shapes only) to buf; -1 if
+ * too long.  With batch, the batch dimensions (dimension 0 of carry leaves,
+ * 1 of input leaves) read "B", as does any SHAPES_BATCH dimension.
+ */
 int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
-                   enum proto_dtype dtype, int64_t steps, char *buf, size_t size);
+                   enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size);
+
+/*
+ * Symbolic batch (adapter option dynamic = batch): marks the batch
+ * dimensions of a specialization's own trees SHAPES_BATCH, their sizes then
+ * those at batch size 1.
+ */
+void spec_mark_batch(struct tree_node *carry, struct tree_node *inputs);
+/* Sets each SHAPES_BATCH dimension of t[0..n) to batch and recomputes nbytes. */
+void spec_bind(struct engine_tensor *t, size_t n, int64_t batch);
 
 /* Deep copy of a tree's structure and shapes (no data) into zone. */
 int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out);

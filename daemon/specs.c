@@ -59,7 +59,8 @@ static void start_lookup(struct daemon *d, struct specialization *sp, struct loa
 static void lookup_work(uv_work_t *w);
 static void after_load(uv_work_t *w, int status);
 static void index_append(struct daemon *d, struct specialization *sp);
-static int index_record(const struct msg *m, msgpack_zone *zone, struct prewarm_rec *rec);
+static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
+                        struct prewarm_rec *rec);
 
 struct waiter_state {
 	ready_fn ready;
@@ -325,7 +326,7 @@ static int load_artifact(struct daemon *d, struct specialization *sp, const uint
 		msgpack_unpacked_destroy(&up);
 		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL, "unreadable output spec");
 	}
-	rc = shapes_read(&up.data, sp->zone, sp->dtype, &sp->y, err);
+	rc = shapes_read(&up.data, sp->zone, sp->dtype, sp->batch, &sp->y, err);
 	msgpack_unpacked_destroy(&up);
 	if (rc != 0)
 		return -1;
@@ -479,28 +480,37 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
                          const struct proto_err *err);
 
 struct bound_ctx {
-	int64_t steps, max;
+	int64_t steps, max, batch;
 	struct proto_err *err;
 };
 
 static int check_output_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 {
 	struct bound_ctx *b = ctx;
-	uint64_t n = leaf->tensor.numel * (uint64_t)b->steps;
+	struct tree_tensor t = leaf->tensor;
 
-	if (n <= (uint64_t)b->max)
+	/* numel <= max_elements <= 2^20 and steps <= 128: the product fits */
+	if (shapes_sizes(&t, b->batch) == 0 && t.numel <= (uint64_t)b->max &&
+	    t.numel * (uint64_t)b->steps <= (uint64_t)b->max)
 		return 0;
 	return proto_fail(b->err, PROTO_E_TOO_MANY_ELEMENTS, path,
-	                  "%s: the stacked output has %llu elements, over max_elements=%lld", path,
-	                  (unsigned long long)n, (long long)b->max);
+	                  "%s: the stacked output has %lld x %llu elements, over max_elements=%lld",
+	                  path, (long long)b->steps, (unsigned long long)t.numel,
+	                  (long long)b->max);
 }
 
-/* Stacked outputs are bounded too; known only once the graph exists. */
+int specs_check_outputs(const struct specialization *sp, int64_t batch, struct proto_err *err)
+{
+	struct bound_ctx b = {sp->steps, sp->adapter->def.max_elements, batch, err};
+
+	return tree_visit(&sp->y, "outputs", 0, check_output_leaf, &b);
+}
+
+/* Stacked outputs are bounded too; known only once the graph exists (for a
+ * symbolic batch, at batch size 1 here and at the request's before each run). */
 static bool outputs_too_large(struct specialization *sp, struct proto_err *err)
 {
-	struct bound_ctx b = {sp->steps, sp->adapter->def.max_elements, err};
-
-	return tree_visit(&sp->y, "outputs", 0, check_output_leaf, &b) != 0;
+	return specs_check_outputs(sp, 1, err) != 0;
 }
 
 struct lock_retry {
@@ -559,6 +569,24 @@ static bool retry_lookup(struct load_job *j)
 	return true;
 }
 
+static void largest_leaf(const struct tree_node *n, uint64_t *max)
+{
+	if (n->kind == TREE_TENSOR && n->tensor.numel > *max)
+		*max = n->tensor.numel;
+	for (uint32_t i = 0; i < n->count; i++)
+		largest_leaf(&n->items[i], max);
+}
+
+/* The largest batch size whose leaves stay within max_elements (sizes at 1). */
+static int64_t max_batch(const struct specialization *sp)
+{
+	uint64_t per = 1;
+
+	largest_leaf(&sp->carry, &per);
+	largest_leaf(&sp->inputs, &per);
+	return sp->adapter->def.max_elements / (int64_t)(per ? per : 1);
+}
+
 /* Fills job for the worker; refuses a definition that crashed the worker twice. */
 static int prepare_compile(struct load_job *j, struct proto_err *err)
 {
@@ -579,6 +607,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.inputs = &sp->inputs;
 	j->job.dtype = sp->dtype;
 	j->job.steps = sp->steps;
+	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
 	j->job.done = compile_done;
 	j->job.data = j;
 	cache_tmp_path(&j->d->cache, sp->key, j->job.output, sizeof j->job.output);
@@ -706,11 +735,13 @@ static int key_for(struct daemon *d, struct specialization *sp)
 {
 	struct adapter *a = sp->adapter;
 	const struct worker_info *wi = compiler_info(d->compiler);
-	char bounds[96], torch[160];
+	char bounds[128], torch[160];
 	const char *parts[12];
 
-	snprintf(bounds, sizeof bounds, "max_steps=%lld;max_elements=%lld",
-	         (long long)a->def.max_steps, (long long)a->def.max_elements);
+	/* a static adapter's keys are what they were before dynamic existed */
+	snprintf(bounds, sizeof bounds, "max_steps=%lld;max_elements=%lld%s",
+	         (long long)a->def.max_steps, (long long)a->def.max_elements,
+	         sp->batch ? ";dynamic=batch" : "");
 	snprintf(torch, sizeof torch, "%s;%s;cxx11abi=%d", wi->torch, wi->torch_git, wi->cxx11_abi);
 	parts[0] = a->def.name;
 	parts[1] = a->body_sha;
@@ -741,6 +772,7 @@ static struct specialization *spec_new(struct daemon *d, struct adapter *a,
 	sp->adapter = a;
 	adapter_ref(a);
 	sp->grad = args->grad;
+	sp->batch = args->batch > 0;
 	sp->dtype = args->dtype;
 	sp->steps = args->steps;
 	sp->signature = sp->zone ? msgpack_zone_malloc(sp->zone, n + 1) : NULL;
@@ -750,6 +782,8 @@ static struct specialization *spec_new(struct daemon *d, struct adapter *a,
 		return NULL;
 	}
 	memcpy(sp->signature, sig, n + 1);
+	if (sp->batch)
+		spec_mark_batch(&sp->carry, &sp->inputs);
 	key_for(d, sp);
 	sp->next = a->specs;
 	a->specs = sp;
@@ -787,8 +821,9 @@ void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *
 	struct specialization *sp;
 	struct load_job *j;
 
-	if (spec_signature(args->carry, args->inputs, args->dtype, args->steps, sig, sizeof sig) !=
-	    0) {
+	req->batch = args->batch;
+	if (spec_signature(args->carry, args->inputs, args->dtype, args->steps, args->batch > 0,
+	                   sig, sizeof sig) != 0) {
 		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, NULL,
 		                  "request signature too long");
 		return;
@@ -848,8 +883,9 @@ static void index_path(const struct daemon *d, const struct adapter *a, char *ou
 	char bounds[128], id[CACHE_KEY_HEX];
 	const char *parts[4];
 
-	snprintf(bounds, sizeof bounds, "%lld;%lld;%s", (long long)a->def.max_steps,
-	         (long long)a->def.max_elements, a->def.strategy);
+	snprintf(bounds, sizeof bounds, "%lld;%lld;%s%s", (long long)a->def.max_steps,
+	         (long long)a->def.max_elements, a->def.strategy,
+	         adapter_batched(a) ? ";dynamic=batch" : "");
 	parts[0] = a->def.name;
 	parts[1] = a->body_sha;
 	parts[2] = bounds;
@@ -925,7 +961,7 @@ static int index_read(struct daemon *d, struct adapter *a, msgpack_zone *zone,
 			body = frame_reader_take(&r, &len);
 			/* a record that does not parse is skipped, never counted */
 			if (msg_parse(&m, body, len, MSG_ANY, &err) == 0 &&
-			    index_record(&m, zone, &recs[count]) == 0)
+			    index_record(&m, zone, adapter_batched(a), &recs[count]) == 0)
 				count++;
 			msg_destroy(&m);
 			frame_free(body);
@@ -937,7 +973,8 @@ done:
 	return count;
 }
 
-static int index_record(const struct msg *m, msgpack_zone *zone, struct prewarm_rec *rec)
+static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
+                        struct prewarm_rec *rec)
 {
 	const char *s;
 	uint32_t n;
@@ -949,8 +986,8 @@ static int index_record(const struct msg *m, msgpack_zone *zone, struct prewarm_
 		return -1;
 	rec->dtype = n == 7 && memcmp(s, "float32", 7) == 0 ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
 	if (msg_field(m, "carry") == NULL || msg_field(m, "inputs") == NULL ||
-	    shapes_read(msg_field(m, "carry"), zone, rec->dtype, &rec->carry, &err) != 0 ||
-	    shapes_read(msg_field(m, "inputs"), zone, rec->dtype, &rec->inputs, &err) != 0)
+	    shapes_read(msg_field(m, "carry"), zone, rec->dtype, batch, &rec->carry, &err) != 0 ||
+	    shapes_read(msg_field(m, "inputs"), zone, rec->dtype, batch, &rec->inputs, &err) != 0)
 		return -1;
 	return 0;
 }
@@ -967,16 +1004,18 @@ unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct 
 	int n = zone ? index_read(d, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
 
 	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
-		struct scan_args args = {&recs[i].carry, &recs[i].inputs, recs[i].dtype, 0,
-		                         recs[i].grad};
+		struct scan_args args = {
+		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
+		    recs[i].grad};
 		char sig[SPEC_SIG_MAX];
 		struct specialization *sp;
 		struct load_job *j;
 		if (recs[i].inputs.kind == TREE_NONE)
 			continue;
 		args.steps = first_steps(&recs[i].inputs);
-		if (args.steps <= 0 || spec_signature(args.carry, args.inputs, args.dtype,
-		                                      args.steps, sig, sizeof sig) != 0)
+		if (args.steps <= 0 ||
+		    spec_signature(args.carry, args.inputs, args.dtype, args.steps, args.batch > 0,
+		                   sig, sizeof sig) != 0)
 			continue;
 		for (sp = a->specs; sp; sp = sp->next)
 			if (sp->grad == args.grad && strcmp(sp->signature, sig) == 0)

@@ -99,6 +99,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(NO_INPUTS, "NO_INPUTS", "the inputs tree has no tensor leaf")                            \
 	X(BAD_RANK, "BAD_RANK", "an input leaf is 0-d")                                            \
 	X(LENGTH_MISMATCH, "LENGTH_MISMATCH", "input leaves differ in leading length")             \
+	X(BATCH_MISMATCH, "BATCH_MISMATCH",                                                        \
+	  "leaves differ in batch size, or lack one (dynamic = batch)")                            \
 	X(TOO_MANY_STEPS, "TOO_MANY_STEPS", "T is 0 or exceeds max_steps")                         \
 	X(TOO_MANY_ELEMENTS, "TOO_MANY_ELEMENTS", "a leaf exceeds max_elements")                   \
 	X(SPEC_MISMATCH, "SPEC_MISMATCH", "tensors differ from the compiled signature")            \
@@ -126,6 +128,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	  "artifact needs AOTI's C++ proxy executor")                                              \
 	X(UNSAFE_ARTIFACT, "UNSAFE_ARTIFACT",                                                      \
 	  "artifact has an executable stack or text relocations")                                  \
+	X(BATCH_SPECIALIZED, "BATCH_SPECIALIZED",                                                  \
+	  "the body fixes the batch size (dynamic = batch)")                                       \
 	X(MISCOMPILE, "MISCOMPILE", "the compiled graph disagrees with the eager scan")            \
 	X(COMPILE_FAILED, "COMPILE_FAILED", "the compile failed for another reason")               \
 	X(COMPILE_TIMEOUT, "COMPILE_TIMEOUT", "the compile exceeded its timeout")                  \

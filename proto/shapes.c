@@ -37,13 +37,27 @@ void shapes_write(struct writer *w, const struct tree_node *n)
 		shapes_write(w, &n->items[i]);
 }
 
+int shapes_sizes(struct tree_tensor *t, int64_t batch)
+{
+	struct tree_tensor bound = *t;
+
+	for (uint32_t i = 0; i < bound.ndim; i++)
+		if (bound.shape[i] == SHAPES_BATCH)
+			bound.shape[i] = batch;
+	if (tree_tensor_sizes(&bound) != 0)
+		return -1;
+	t->numel = bound.numel;
+	t->nbytes = bound.nbytes;
+	return 0;
+}
+
 static int bad_spec(struct proto_err *err, const char *what)
 {
 	return proto_fail(err, PROTO_E_COMPILE_FAILED, NULL, "malformed spec tree: %s", what);
 }
 
-static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, struct tree_node *out,
-                            struct proto_err *err)
+static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, bool allow_batch,
+                            struct tree_node *out, struct proto_err *err)
 {
 	if (s == NULL || s->type != MSGPACK_OBJECT_ARRAY || s->via.array.size > PROTO_MAX_NDIM)
 		return bad_spec(err, "tensor shape");
@@ -52,11 +66,16 @@ static int read_tensor_spec(const msgpack_object *s, enum proto_dtype dtype, str
 	out->tensor.ndim = s->via.array.size;
 	for (uint32_t i = 0; i < out->tensor.ndim; i++) {
 		const msgpack_object *d = &s->via.array.ptr[i];
+		if (allow_batch && d->type == MSGPACK_OBJECT_NEGATIVE_INTEGER &&
+		    d->via.i64 == SHAPES_BATCH) {
+			out->tensor.shape[i] = SHAPES_BATCH;
+			continue;
+		}
 		if (d->type != MSGPACK_OBJECT_POSITIVE_INTEGER || d->via.u64 > INT64_MAX)
 			return bad_spec(err, "dimension");
 		out->tensor.shape[i] = (int64_t)d->via.u64;
 	}
-	return tree_tensor_sizes(&out->tensor) == 0 ? 0 : bad_spec(err, "size overflow");
+	return shapes_sizes(&out->tensor, 1) == 0 ? 0 : bad_spec(err, "size overflow");
 }
 
 static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree_node *out,
@@ -97,7 +116,7 @@ static int read_keys(const msgpack_object *keys, msgpack_zone *zone, struct tree
 }
 
 int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dtype,
-                struct tree_node *out, struct proto_err *err)
+                bool allow_batch, struct tree_node *out, struct proto_err *err)
 {
 	const char *k;
 	uint32_t klen;
@@ -109,7 +128,7 @@ int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dt
 	if (msg_get_str(o, "k", &k, &klen, err) != 0)
 		return bad_spec(err, "node kind");
 	if (klen == 1 && k[0] == 'T')
-		return read_tensor_spec(msg_obj_field(o, "s"), dtype, out, err);
+		return read_tensor_spec(msg_obj_field(o, "s"), dtype, allow_batch, out, err);
 	c = msg_obj_field(o, "c");
 	if (c == NULL || c->type != MSGPACK_OBJECT_ARRAY)
 		return bad_spec(err, "children");
@@ -128,7 +147,8 @@ int shapes_read(const msgpack_object *o, msgpack_zone *zone, enum proto_dtype dt
 	if (out->kind == TREE_DICT && read_keys(msg_obj_field(o, "keys"), zone, out, err) != 0)
 		return -1;
 	for (uint32_t i = 0; i < out->count; i++)
-		if (shapes_read(&c->via.array.ptr[i], zone, dtype, &out->items[i], err) != 0)
+		if (shapes_read(&c->via.array.ptr[i], zone, dtype, allow_batch, &out->items[i],
+		                err) != 0)
 			return -1;
 	return 0;
 }

@@ -180,6 +180,72 @@ def strip_dtype(spec: Any) -> Any:
     return out
 
 
+# ---- symbolic batch (adapter option dynamic = batch) ------------------------
+#
+# The daemon marks the batch dimension of a spec with -1: dimension 0 of every
+# carry leaf, dimension 1 (after T) of every input leaf. The graph is exported
+# with that dimension symbolic (one torch.export Dim shared by every leaf), so
+# it serves every batch size from 1 to the job's max_batch. The eager dry run
+# and the tracer see concrete probe sizes: small primes that equal no other
+# dimension of the job (so no size can be mistaken for the batch) and are not
+# 0 or 1 (which torch specializes).
+
+BATCH = -1
+
+
+def spec_has_batch(spec: Any) -> bool:
+    return any(BATCH in s for s in spec_leaves(spec))
+
+
+def spec_bind(spec: Any, batch: int) -> Any:
+    """The spec with its batch dimensions set to batch."""
+    if spec is None:
+        return None
+    if spec["k"] == "T":
+        return {**spec, "s": [batch if d == BATCH else d for d in spec["s"]]}
+    return {**spec, "c": [spec_bind(c, batch) for c in spec["c"]]}
+
+
+def probe_batches(carry: Any, inputs: Any, steps: int) -> tuple[int, int]:
+    """Two batch sizes to trace and check with: primes >= 3 that differ from
+    every other dimension of the job (and T). They may exceed the adapter's
+    largest batch size: the worker's probe tensors are not bounded by it."""
+    taken = {steps} | {d for s in spec_leaves(carry) + spec_leaves(inputs) for d in s}
+    found: list[int] = []
+    p = 3
+    while len(found) < 2:
+        if all(p % q for q in range(2, int(p ** 0.5) + 1)) and p not in taken:
+            found.append(p)
+        p += 1
+    return found[0], found[1]
+
+
+def batch_y_spec(y1: Any, y2: Any, b1: int, b2: int, path: str = "outputs") -> Any:
+    """The per-step output spec with -1 where it follows the batch size, from
+    the dry runs at b1 and b2; any other size that changes with the batch is
+    refused (the graph's buffers are laid out from this spec)."""
+    if y1 is None:
+        return None
+    if y1["k"] == "T":
+        dims = []
+        for i, (d1, d2) in enumerate(zip(y1["s"], y2["s"])):
+            if d1 == d2:
+                dims.append(d1)
+            elif (d1, d2) == (b1, b2):
+                dims.append(BATCH)
+            else:
+                raise JobError(
+                    "BATCH_SPECIALIZED",
+                    f"{path}: dimension {i} is {d1} at batch size {b1} and {d2} at {b2}; with "
+                    "dynamic = batch an output's sizes must be constant or the batch size "
+                    "itself",
+                    path,
+                )
+        return {**y1, "s": dims}
+    return {**y1, "c": [batch_y_spec(c1, c2, b1, b2, spec_path(path, y1, i))
+                        for i, (c1, c2) in enumerate(zip(y1["c"], y2["c"]))]}
+
+
 def carry_mismatch(expected: Any, actual: Any, path: str, dtype: str) -> str | None:
     """First difference between the carry spec and what the body returned."""
     if expected is None or actual is None:
@@ -279,6 +345,10 @@ class Scan:
                 f"at step {t}",
             )
         new_carry, y = out
+        if self.tracing:
+            # checked in the eager dry run; comparing a symbolic batch size with
+            # the spec's here would pin it to the probe size
+            return new_carry, y
         found = carry_mismatch(
             self.carry_spec, tree_spec(new_carry, "carry"), "carry", self.dtype
         )
@@ -390,6 +460,13 @@ def classify(exc: BaseException, phase: str) -> JobError:
     if resource is not None:
         return resource
     short = f"{type(exc).__name__}: {str(exc).strip()[:1500]}"
+    if "Constraints violated" in text:  # only ever with a symbolic batch
+        return JobError(
+            "BATCH_SPECIALIZED",
+            "dynamic = batch: the body fixes the batch size (it mixes the batch with a tensor "
+            "or size of its own), so one graph cannot serve every batch size; register the "
+            f"adapter without dynamic = batch to compile one graph per batch size. {short}",
+        )
     data_dependent = (
         "data-dependent" in text.lower()
         or "GuardOnDataDependentSymNode" in text
@@ -588,19 +665,27 @@ def elf_problems(data: bytes) -> str:
 # ---- the job ---------------------------------------------------------------
 
 
-def aoti_options(out_path: str) -> dict[str, Any]:
+def aoti_options(out_path: str, batched: bool = False) -> dict[str, Any]:
     """Inductor options for every artifact; part of the daemon's cache key.
 
     use_consts_asm_build=False: the assembly route (weights.S) has no
     .note.GNU-stack section, so the linker marks the whole .so as needing an
     executable stack -- dlopen would then make every thread stack of the
     daemon executable (and newer glibc refuses such a library outright).
+
+    check_lowerbound=False for a symbolic batch: Inductor assumes sizes >= 2
+    of a symbol (torch's 0/1 specialization) and its input checks (on in the
+    daemon) would refuse batch size 1; the daemon checks the batch (>= 1)
+    itself, and the parity check runs every such graph at batch size 1.
     """
-    return {
+    options = {
         "aot_inductor.output_path": out_path,
         "aot_inductor.use_consts_asm_build": False,
         "aot_inductor.package_constants_in_so": True,
     }
+    if batched:
+        options["aot_inductor.check_lowerbound"] = False
+    return options
 
 
 def example_inputs(scan: Scan, torch: Any) -> list[Any]:
@@ -650,25 +735,65 @@ def cotangents(torch: Any, outs: tuple[Any, ...]) -> list[Any]:
     return [torch.rand(o.shape, dtype=o.dtype, generator=gen) for o in outs]
 
 
+@dataclass
+class BatchDims:
+    """The symbolic batch of a dynamic = batch graph: which dimension of each
+    of its flat tensors is the batch size (-1 in these shapes)."""
+
+    dim: Any  # torch.export.Dim
+    inputs: list[list[int]]  # data inputs (cotangents included)
+    results: list[list[int]]  # results, which are also its out buffers
+
+    def spec(self, shapes: list[list[int]]) -> tuple[Any, ...]:
+        return tuple({i: self.dim for i, d in enumerate(s) if d == BATCH} or None
+                     for s in shapes)
+
+    def of(self, shapes: list[list[int]]) -> Any:
+        """torch.export's dynamic_shapes for a module taking *flat."""
+        return (self.spec(shapes),)
+
+
+def batch_dims(torch: Any, carry: Any, inputs: Any, y: Any, steps: int, kind: str,
+               max_batch: int) -> BatchDims:
+    carry_s, inputs_s = spec_leaves(carry), spec_leaves(inputs)
+    stacked = [[steps] + s for s in spec_leaves(y)]
+    ins, results = carry_s + inputs_s, carry_s + stacked
+    if kind == "vjp":
+        ins, results = ins + results, results + ins
+    dim = torch.export.Dim("B", min=1, max=max_batch)
+    return BatchDims(dim, ins, results)
+
+
 def capture(
-    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
+    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool,
+    dyn: BatchDims | None = None,
 ) -> tuple[Any, tuple[Any, ...]]:
     """torch.export of the flat scan (or make_fx of its VJP, then export), as
     a graph that writes its results into buffers passed after its inputs."""
-    module, example = capture_values(scan, torch, args, outs, kind, strict)
+    module, example = capture_values(scan, torch, args, outs, kind, strict, dyn)
     results = tuple(outs) + (tuple(args) if kind == "vjp" else ())
     bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
+    shapes = dyn.of(dyn.inputs + dyn.results) if dyn else None
     try:
-        ep = torch.export.export(OutModule(module, len(example)), example + bufs, strict=False)
+        ep = torch.export.export(OutModule(module, len(example)), example + bufs, strict=False,
+                                 dynamic_shapes=shapes)
     except Exception as exc:  # noqa: BLE001 - classified below
         raise classify(exc, "capture") from exc
     return ep.module(), example + bufs
 
 
 def capture_values(
-    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool
+    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool,
+    dyn: BatchDims | None = None,
 ) -> tuple[Any, tuple[Any, ...]]:
-    """The graph that returns its results (torch.export / make_fx + export)."""
+    """The graph that returns its results (torch.export / make_fx + export).
+
+    With a symbolic batch, make_fx traces the VJP symbolically (so no size is
+    baked into its views and expands) and lets the body's module-level
+    tensors in as real constants."""
+    forward_shapes = dyn.of(dyn.inputs[: len(args)]) if dyn else None
+    vjp_shapes = dyn.of(dyn.inputs) if dyn else None
+    trace = {"tracing_mode": "symbolic", "_allow_non_fake_inputs": True} if dyn else {}
     try:
         if kind == "vjp":
             from torch.fx.experimental.proxy_tensor import make_fx
@@ -678,17 +803,17 @@ def capture_values(
             ep = None
             if scan.strategy == "scan":
                 try:
-                    gm = make_fx(vjp_module_autograd(scan, torch, len(args)),
-                                 tracing_mode="real")(*args, *cot)
-                    ep = torch.export.export(Wrap(gm), example, strict=False)
+                    gm = make_fx(vjp_module_autograd(scan, torch, len(args)), **trace)(*args, *cot)
+                    ep = torch.export.export(Wrap(gm), example, strict=False,
+                                             dynamic_shapes=vjp_shapes)
                 except Exception as exc:  # noqa: BLE001 - the unrolled VJP below
                     log(f"the scan op's VJP could not be captured ({type(exc).__name__}: "
                         f"{str(exc)[:200]}); compiling the unrolled VJP instead")
             if ep is None:
                 unrolled = Scan(**{**scan.__dict__, "strategy": "unroll"})
-                gm = make_fx(vjp_module(unrolled, torch, len(args)),
-                             tracing_mode="real")(*args, *cot)
-                ep = torch.export.export(Wrap(gm), example, strict=False)
+                gm = make_fx(vjp_module(unrolled, torch, len(args)), **trace)(*args, *cot)
+                ep = torch.export.export(Wrap(gm), example, strict=False,
+                                         dynamic_shapes=vjp_shapes)
         elif scan.strategy == "scan" and captured_tensors(scan.body):
             # torch 2.14's scan op cannot take tensors its body captures from
             # the module (Inductor cannot lower them, and its tracer refuses
@@ -700,10 +825,12 @@ def capture_values(
                 "in the carry to use the scan op)")
             example = tuple(args)
             unrolled = Scan(**{**scan.__dict__, "strategy": "unroll"})
-            ep = torch.export.export(FlatModule(unrolled), example, strict=strict)
+            ep = torch.export.export(FlatModule(unrolled), example, strict=strict,
+                                     dynamic_shapes=forward_shapes)
         else:
             example = tuple(args)
-            ep = torch.export.export(FlatModule(scan), example, strict=strict)
+            ep = torch.export.export(FlatModule(scan), example, strict=strict,
+                                     dynamic_shapes=forward_shapes)
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
@@ -711,10 +838,12 @@ def capture_values(
     return ep.module(), example
 
 
-def build_artifact(torch: Any, module: Any, example: tuple[Any, ...], so_path: str) -> str:
+def build_artifact(torch: Any, module: Any, example: tuple[Any, ...], so_path: str,
+                   batched: bool = False) -> str:
     """AOT-compiles module into so_path; returns the .so's path."""
     try:
-        so = torch._inductor.aot_compile(module, example, options=aoti_options(so_path))
+        so = torch._inductor.aot_compile(module, example,
+                                         options=aoti_options(so_path, batched))
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
@@ -740,39 +869,42 @@ def parity_reference(scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, .
     return list(vjp_module(dry, torch, len(args))(*args, *cotangents(torch, outs)))
 
 
-def parity_check(torch: Any, so_path: str, example: tuple[Any, ...], want: list[Any],
+def parity_check(torch: Any, so_path: str, cases: list[tuple[int, tuple[Any, ...], list[Any]]],
                  dtype: str, n_carry: int, n_y: int) -> None:
-    """Runs the new artifact once on the example inputs (its results land in
-    fresh buffers) and refuses it with MISCOMPILE if any output disagrees with
-    the eager reference beyond PARITY_RTOL."""
+    """Runs the new artifact on each case's inputs (its results land in fresh
+    buffers) and refuses it with MISCOMPILE if any output disagrees with the
+    eager reference beyond PARITY_RTOL. A case is (batch size or 0, the
+    graph's data inputs, the eager results); a symbolic-batch graph is checked
+    at its probe size and at batch size 1."""
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
     artifacts_loaded[0] += 1
-    n_in = len(example) - len(want)
-    bufs = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in want]
-    got = runner.run([t.clone() for t in example[:n_in]] + bufs)
+    for batch, inputs, want in cases:
+        bufs = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in want]
+        got = runner.run([t.clone() for t in inputs] + bufs)
+        where = f" at batch size {batch}" if batch else ""
+        names = (["carry"] * n_carry + ["outputs"] * n_y + ["grad_carry"] * n_carry +
+                 ["grad_inputs"] * (len(want) - 2 * n_carry - n_y))
+        for i, (g, w) in enumerate(zip(got, want)):
+            g = g.detach().to(torch.float64)
+            w = w.detach().to(torch.float64)
+            if g.shape != w.shape:
+                raise JobError("MISCOMPILE", f"output {i} ({names[i]}) has shape "
+                               f"{list(g.shape)}{where}, the eager scan {list(w.shape)}")
+            both_nan = torch.isnan(g) & torch.isnan(w)
+            diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
+            scale = float(w.abs().nan_to_num(0.0).max()) if w.numel() else 0.0
+            err = float(diff.nan_to_num(float("inf")).max()) if w.numel() else 0.0
+            if err > PARITY_RTOL[dtype] * max(scale, 1e-30):
+                at = int(diff.nan_to_num(float("inf")).argmax())
+                raise JobError(
+                    "MISCOMPILE",
+                    f"the compiled graph disagrees with the eager scan on output {i} "
+                    f"({names[i]}){where}: max |compiled - eager| = {err:.3g} at flat index "
+                    f"{at} (compiled {float(g.reshape(-1)[at]):.17g}, eager "
+                    f"{float(w.reshape(-1)[at]):.17g}) against max |eager| = {scale:.3g}; "
+                    f"tolerance {PARITY_RTOL[dtype]:g} relative. Nothing was cached.",
+                    names[i])
     del runner
-    names = (["carry"] * n_carry + ["outputs"] * n_y + ["grad_carry"] * n_carry +
-             ["grad_inputs"] * (len(want) - 2 * n_carry - n_y))
-    for i, (g, w) in enumerate(zip(got, want)):
-        g = g.detach().to(torch.float64)
-        w = w.detach().to(torch.float64)
-        if g.shape != w.shape:
-            raise JobError("MISCOMPILE", f"output {i} ({names[i]}) has shape {list(g.shape)}, "
-                           f"the eager scan {list(w.shape)}")
-        both_nan = torch.isnan(g) & torch.isnan(w)
-        diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
-        scale = float(w.abs().nan_to_num(0.0).max()) if w.numel() else 0.0
-        err = float(diff.nan_to_num(float("inf")).max()) if w.numel() else 0.0
-        if err > PARITY_RTOL[dtype] * max(scale, 1e-30):
-            at = int(diff.nan_to_num(float("inf")).argmax())
-            raise JobError(
-                "MISCOMPILE",
-                f"the compiled graph disagrees with the eager scan on output {i} "
-                f"({names[i]}): max |compiled - eager| = {err:.3g} at flat index {at} "
-                f"(compiled {float(g.reshape(-1)[at]):.17g}, eager "
-                f"{float(w.reshape(-1)[at]):.17g}) against max |eager| = {scale:.3g}; "
-                f"tolerance {PARITY_RTOL[dtype]:g} relative. Nothing was cached.",
-                names[i])
 
 
 def check_body(job: dict[str, Any]) -> dict[str, Any]:
@@ -781,18 +913,36 @@ def check_body(job: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True}
 
 
+def dry_run(scan: Scan, torch: Any, kind: str) -> tuple[list[Any], tuple[Any, ...], list[Any]]:
+    """Eager scan at the scan's specs on random inputs: (inputs, outputs, the
+    parity check's case inputs and reference). Body exceptions and carry
+    changes get a step number and a leaf path before the tracer's messages
+    can hide them."""
+    args = example_inputs(scan, torch)
+    with torch.no_grad():
+        dry = Scan(**{**scan.__dict__, "strategy": "unroll"})
+        outs = dry.forward(*args)
+    scan.y_spec = dry.y_spec
+    data = tuple(args) + (tuple(cotangents(torch, outs)) if kind == "vjp" else ())
+    return args, outs, [data, parity_reference(scan, torch, args, outs, kind)]
+
+
 def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     started = time.monotonic()
-    scan = Scan(
-        body=load_body(job),
-        carry_spec=job["carry"],
-        inputs_spec=job["inputs"],
-        steps=int(job["steps"]),
-        dtype=job["dtype"],
-        strategy=job.get("strategy", "scan"),
-    )
+    carry, inputs, steps = job["carry"], job["inputs"], int(job["steps"])
+    batched = spec_has_batch(carry) or spec_has_batch(inputs)
+    max_batch = int(job.get("max_batch", 0) or 0)
+    b1, b2 = probe_batches(carry, inputs, steps) if batched else (0, 0)
+    body = load_body(job)
+
+    def at(batch: int) -> Scan:
+        return Scan(body=body, carry_spec=spec_bind(carry, batch),
+                    inputs_spec=spec_bind(inputs, batch), steps=steps, dtype=job["dtype"],
+                    strategy=job.get("strategy", "scan"))
+
+    scan = at(b1)
     if scan.dtype not in ("float32", "float64"):
         raise JobError("BAD_DTYPE", f"dtype {scan.dtype} is not float32 or float64")
     torch.manual_seed(0)
@@ -806,19 +956,32 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         mark = now
 
     phase("setup")
-    args = example_inputs(scan, torch)
-    n_in = len(args)
-    # Eager dry run of the whole scan: body exceptions and carry changes get
-    # a step number and a leaf path before the tracer's messages can hide them.
-    with torch.no_grad():
-        dry = Scan(**{**scan.__dict__, "strategy": "unroll"})
-        outs = dry.forward(*args)
-    scan.y_spec = dry.y_spec
     kind = job.get("kind", "forward")
-    want = parity_reference(scan, torch, args, outs, kind)
+
+    def traced_at(batch: int, fn: Callable[[], Any]) -> Any:
+        """A body error of a symbolic-batch compile says which batch size it ran at."""
+        try:
+            return fn()
+        except JobError as exc:
+            if batched:
+                exc.message += f" (dynamic = batch: the body ran at batch size {batch})"
+            raise
+
+    args, outs, case = traced_at(b1, lambda: dry_run(scan, torch, kind))
+    n_in = len(args)
+    cases = [(b1, *case)]
+    y_spec, dyn = scan.y_spec, None
+    if batched:
+        # the outputs' batch dimensions, from a second size; then batch size 1
+        # (which torch would otherwise specialize) for the parity check
+        other = at(b2)
+        traced_at(b2, lambda: dry_run(other, torch, "forward"))
+        y_spec = batch_y_spec(scan.y_spec, other.y_spec, b1, b2)
+        cases.append((1, *traced_at(1, lambda: dry_run(at(1), torch, kind))[2]))
+        dyn = batch_dims(torch, carry, inputs, y_spec, steps, kind, max(max_batch, b1, b2))
     phase("eager")
     scan.tracing = True
-    module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)))
+    module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)), dyn)
     phase("export")
     out_path = job["output"]
     # AOTI writes its intermediates (wrapper/kernel sources, objects, the
@@ -827,18 +990,18 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
     job_dir = out_path + ".d"
     os.makedirs(job_dir, mode=0o700)
     try:
-        so_path = build_artifact(torch, module, example, os.path.join(job_dir, "graph.so"))
+        so_path = build_artifact(torch, module, example, os.path.join(job_dir, "graph.so"),
+                                 batched)
         check_artifact(so_path, job_dir)
         phase("inductor")
-        parity_check(torch, so_path, example, want, scan.dtype, scan.n_carry,
-                     len(outs) - scan.n_carry)
+        parity_check(torch, so_path, cases, scan.dtype, scan.n_carry, len(outs) - scan.n_carry)
         phase("parity")
         os.replace(so_path, out_path)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
     return {
         "so": out_path,
-        "y": strip_dtype(scan.y_spec),
+        "y": strip_dtype(y_spec),
         "n_inputs": len(example),
         "n_outputs": len(outs) + (n_in if kind == "vjp" else 0),
         "torch": torch.__version__,
@@ -987,6 +1150,9 @@ def die_with_daemon() -> None:
 
 def main() -> int:
     die_with_daemon()
+    # The parity check runs artifacts as the daemon does: with the generated
+    # code's input checks on (read once per artifact, at its first run).
+    os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
     # Replies go to the real stdout; anything torch prints goes to stderr.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

@@ -300,6 +300,19 @@ Test(cli, no_daemon_exits_3_and_a_daemon_error_exits_1)
 		             1);
 		cr_assert(log_has(dir, "NOT_FOUND"));
 	}
+	/* --dynamic reaches the daemon: a mode it does not know is its error */
+	cr_assert_eq(cli(d.sock, dir,
+	                 (const char *[]){"register", "t5.dyn", "--body", "examples/bodies/ema.py",
+	                                  "--dynamic", "rows", NULL}),
+	             1);
+	cr_assert(log_has(dir, "INVALID_ARGUMENT"));
+	cr_assert(log_has(dir, "dynamic must be"));
+	cr_assert_eq(cli(d.sock, dir,
+	                 (const char *[]){"register", "t5.dyn", "--body", "examples/bodies/ema.py",
+	                                  "--dynamic", "batch", NULL}),
+	             0);
+	cr_assert_eq(cli(d.sock, dir, (const char *[]){"--json", "describe", "t5.dyn", NULL}), 0);
+	cr_assert(log_has(dir, "\"dynamic\":\"batch\""));
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"health", NULL}), 0);
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"health", "--live", NULL}), 0);
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"--json", "list", NULL}), 0);

@@ -52,8 +52,8 @@ static void decode_body(const uint8_t *body, size_t len)
 				if (tree_decode_in(&m.map->ptr[i].val, m.up.zone, "f", &region, &n,
 				                   &err) == 0)
 					(void)tree_visit(&n, "f", 0, touch, &sum);
-				if (shapes_read(&m.map->ptr[i].val, m.up.zone, PROTO_DTYPE_F64, &n,
-				                &err) == 0)
+				if (shapes_read(&m.map->ptr[i].val, m.up.zone, PROTO_DTYPE_F64,
+				                i % 2 == 0, &n, &err) == 0)
 					(void)tree_count_tensors(&n);
 			}
 		}

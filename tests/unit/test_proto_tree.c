@@ -550,3 +550,94 @@ Test(tree, placed_leaves_encode_as_references_and_decode_into_the_region)
 	writer_destroy(&w);
 	free(mem);
 }
+
+/* ---- symbolic batch: signatures and shape trees (daemon/spec.c, shapes.c) -- */
+
+#include "shapes.h"
+#include "spec.h"
+
+Test(tree, batch_dimensions_read_B_and_shape_trees_keep_the_marker)
+{
+	static const int64_t c_shape[] = {3, 8}, x_shape[] = {5, 3, 2};
+	struct tree_node items[2] = {tensor(PROTO_DTYPE_F64, 2, c_shape, NULL),
+	                             {.kind = TREE_NONE}};
+	struct tree_node carry = {.kind = TREE_TUPLE, .count = 2, .items = items};
+	struct tree_node inputs = tensor(PROTO_DTYPE_F64, 3, x_shape, NULL);
+	struct tree_node back;
+	msgpack_zone *zone = msgpack_zone_new(1024);
+	msgpack_unpacked up;
+	struct proto_err err;
+	struct writer w;
+	struct engine_tensor e[2] = {0};
+	size_t len, n = 0;
+	uint8_t *bytes;
+	char sig[256];
+
+	cr_assert_eq(spec_signature(&carry, &inputs, PROTO_DTYPE_F64, 5, false, sig, sizeof sig),
+	             0);
+	cr_assert_str_eq(sig, "float64 T=5 carry=t([3,8],N) inputs=[5,3,2]");
+	cr_assert_eq(spec_signature(&carry, &inputs, PROTO_DTYPE_F64, 5, true, sig, sizeof sig), 0);
+	cr_assert_str_eq(sig, "float64 T=5 carry=t([B,8],N) inputs=[5,B,2]");
+
+	/* marked: the dimension is SHAPES_BATCH, sizes those at batch size 1 */
+	spec_mark_batch(&carry, &inputs);
+	cr_assert_eq(items[0].tensor.shape[0], SHAPES_BATCH);
+	cr_assert_eq(inputs.tensor.shape[1], SHAPES_BATCH);
+	cr_assert_eq(inputs.tensor.numel, 10);
+	cr_assert_eq(items[0].tensor.nbytes, 64);
+	/* the marked tree reads the same without the batch flag (the cache index) */
+	cr_assert_eq(spec_signature(&carry, &inputs, PROTO_DTYPE_F64, 5, false, sig, sizeof sig),
+	             0);
+	cr_assert_str_eq(sig, "float64 T=5 carry=t([B,8],N) inputs=[5,B,2]");
+
+	/* through a shape tree (the worker's job, its reply, the index) and back */
+	cr_assert_eq(writer_init(&w), 0);
+	shapes_write(&w, &inputs);
+	bytes = writer_to_bytes(&w, &len);
+	writer_destroy(&w);
+	msgpack_unpacked_init(&up);
+	cr_assert_eq(msgpack_unpack_next(&up, (const char *)bytes + 4, len - 4, NULL),
+	             MSGPACK_UNPACK_SUCCESS);
+	cr_assert_eq(shapes_read(&up.data, zone, PROTO_DTYPE_F64, true, &back, &err), 0, "%s",
+	             err.message);
+	cr_assert_eq(back.tensor.shape[1], SHAPES_BATCH);
+	cr_assert_eq(back.tensor.numel, 10);
+	msgpack_unpacked_destroy(&up);
+	free(bytes);
+
+	/* bound to a request's batch size: shapes and byte counts */
+	spec_flatten(&carry, e, &n);
+	spec_flatten(&inputs, e, &n);
+	spec_bind(e, n, 7);
+	cr_assert_eq(e[0].shape[0], 7);
+	cr_assert_eq(e[0].nbytes, 7 * 8 * 8);
+	cr_assert_eq(e[1].shape[1], 7);
+	cr_assert_eq(e[1].nbytes, 5 * 7 * 2 * 8);
+	msgpack_zone_free(zone);
+}
+
+Test(tree, a_negative_dimension_other_than_the_batch_marker_is_refused)
+{
+	struct tbuf b;
+	msgpack_unpacked up;
+	msgpack_zone *zone = msgpack_zone_new(1024);
+	struct tree_node out;
+	struct proto_err err;
+
+	tbuf_init(&b);
+	msgpack_pack_map(&b.pk, 2);
+	tbuf_str(&b, "k");
+	tbuf_str(&b, "T");
+	tbuf_str(&b, "s");
+	msgpack_pack_array(&b.pk, 2);
+	msgpack_pack_int64(&b.pk, -2);
+	msgpack_pack_int64(&b.pk, 4);
+	msgpack_unpacked_init(&up);
+	cr_assert_eq(msgpack_unpack_next(&up, b.sb.data, b.sb.size, NULL), MSGPACK_UNPACK_SUCCESS);
+	cr_assert_eq(shapes_read(&up.data, zone, PROTO_DTYPE_F32, true, &out, &err), -1);
+	cr_assert_eq(err.code, PROTO_E_COMPILE_FAILED);
+	cr_assert(strstr(err.message, "dimension") != NULL, "%s", err.message);
+	msgpack_unpacked_destroy(&up);
+	tbuf_destroy(&b);
+	msgpack_zone_free(zone);
+}

@@ -114,8 +114,9 @@ class _Driver:
     """What a loop_adapter's scan closes over: bounds, a client, registrations."""
 
     def __init__(self, max_steps: int, max_elements: int, socket: str | None,
-                 name: str | None) -> None:
+                 name: str | None, dynamic: str | None = None) -> None:
         self.max_steps, self.max_elements = max_steps, max_elements
+        self.dynamic = dynamic
         self.client = Client(socket)
         self.name = name
         self.registered: dict[tuple[str, str], str] = {}
@@ -131,13 +132,15 @@ class _Driver:
 
     def _register(self, source: str, entry: str, module: str) -> str:
         digest = hashlib.sha256(
-            f"{source}\0{entry}\0{self.max_steps}\0{self.max_elements}".encode()
+            f"{source}\0{entry}\0{self.max_steps}\0{self.max_elements}"
+            f"{'' if self.dynamic is None else chr(0) + self.dynamic}".encode()
         ).hexdigest()[:16]
         name = self.name or f"py.{entry[:40]}.{digest}"
         if len(name) > 64 or not set(name) <= NAME_CHARS:
             raise ValueError("adapter name must match [A-Za-z0-9._-]{1,64}")
         self.client.register(name, source, entry, body_file=f"{module}.py",
-                             max_steps=self.max_steps, max_elements=self.max_elements)
+                             max_steps=self.max_steps, max_elements=self.max_elements,
+                             dynamic=self.dynamic)
         return name
 
     def call(self, op: str, body: Callable[..., Any], **fields: Any) -> dict:
@@ -229,12 +232,19 @@ class _ScanFunction(torch.autograd.Function):
 
 
 def loop_adapter(*, max_steps: int = 128, max_elements: int = 65_536, socket: str | None = None,
-                 name: str | None = None) -> Any:
+                 name: str | None = None, dynamic: str | None = None) -> Any:
     """A LoopAdapter whose scan runs in torchloopd (see the module docstring).
 
+    dynamic="batch" compiles one graph per (structure, T, dtype) that serves
+    every batch size: dimension 0 of each carry leaf and dimension 1 of each
+    input leaf (docs/protocol.md, "Symbolic batch").
+
     Raises ValueError with the reference adapter's messages for bad bounds or
-    a torch older than 2.14.  Nothing connects until the first scan.
+    a torch older than 2.14, and for a dynamic other than None, "none" or
+    "batch".  Nothing connects until the first scan.
     """
     check_bounds(max_steps, max_elements)
-    driver = _Driver(max_steps, max_elements, socket, name)
+    if dynamic not in (None, "none", "batch"):
+        raise ValueError('dynamic must be "none" or "batch"')
+    driver = _Driver(max_steps, max_elements, socket, name, dynamic)
     return _adapter_class()(scan=driver.scan)

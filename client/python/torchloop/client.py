@@ -298,11 +298,12 @@ class Client:
     def register(self, name: str, source: str, entry: str = "body", *,
                  body_file: str | None = None, max_steps: int | None = None,
                  max_elements: int | None = None, recompile_budget: int | None = None,
-                 strategy: str | None = None) -> dict:
+                 strategy: str | None = None, dynamic: str | None = None) -> dict:
         fields: dict[str, Any] = {"name": name, "body_source": source, "entry": entry}
         for key, value in (("body_file", body_file), ("max_steps", max_steps),
                            ("max_elements", max_elements),
-                           ("recompile_budget", recompile_budget), ("strategy", strategy)):
+                           ("recompile_budget", recompile_budget), ("strategy", strategy),
+                           ("dynamic", dynamic)):
             if value is not None:
                 fields[key] = value
         return self.call("register", **fields)

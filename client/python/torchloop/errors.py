@@ -15,6 +15,7 @@ VALUE_CODES = frozenset(
         "NO_INPUTS",
         "BAD_RANK",
         "LENGTH_MISMATCH",
+        "BATCH_MISMATCH",
         "TOO_MANY_STEPS",
         "TOO_MANY_ELEMENTS",
         "SPEC_MISMATCH",
