@@ -40,6 +40,8 @@ struct cache_meta {
 	uint32_t n_inputs, n_outputs;
 	double compile_seconds;
 	char strategy[16];
+	char lowered[16]; /* compile_result's, "" in entries from before it existed */
+	char note[256];
 	/* the worker's output spec ("y"), msgpack, owned (malloc) */
 	uint8_t *y_spec;
 	size_t y_spec_len;

@@ -467,6 +467,10 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 				res->phases[i] = p->via.f64;
 		}
 	}
+	if (msg_get_str(r, "lowered", &s, &n, NULL) == 0 && n < sizeof res->lowered)
+		memcpy(res->lowered, s, n);
+	if (msg_get_str(r, "note", &s, &n, NULL) == 0)
+		snprintf(res->note, sizeof res->note, "%.*s", (int)n, s);
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	msgpack_pack_object(&pk, *y);

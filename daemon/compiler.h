@@ -38,6 +38,10 @@ struct compile_result {
 	double compile_seconds;
 	/* where the compile went (the worker's "phases"), seconds; 0 when unknown */
 	double phases[COMPILE_PHASES];
+	/* how the loop was lowered ("unroll", "scan"), and why it is not what the
+	 * adapter's strategy asked for ("" when it is) */
+	char lowered[16];
+	char note[256];
 };
 
 struct compile_job;

@@ -82,6 +82,7 @@ struct specialization {
 	struct engine_graph *graph;
 	double compile_seconds;
 	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
+	char lowered[16], note[256];           /* compile_result's (or the cache entry's) */
 	bool from_cache;
 	uint64_t runs;     /* completed runs (loop thread only) */
 	double run_ema_us; /* their engine time, exponential moving average */

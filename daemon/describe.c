@@ -69,7 +69,8 @@ void describe_specs(struct writer *w, const struct adapter *a)
 		n++;
 	msgpack_pack_array(&w->pk, n);
 	for (const struct specialization *sp = a->specs; sp; sp = sp->next) {
-		msgpack_pack_map(&w->pk, sp->state == SPEC_FAILED ? 8 : 7);
+		msgpack_pack_map(&w->pk,
+		                 7 + (sp->state == SPEC_FAILED) + 2 * (sp->state == SPEC_READY));
 		writer_key_str(w, "signature", sp->signature);
 		writer_key_str(w, "key", sp->key);
 		writer_key_str(w, "kind", sp->grad ? "grad" : "scan");
@@ -80,5 +81,9 @@ void describe_specs(struct writer *w, const struct adapter *a)
 		describe_phases(w, sp);
 		if (sp->state == SPEC_FAILED)
 			writer_key_str(w, "error", proto_code_name(sp->error.code));
+		if (sp->state == SPEC_READY) {
+			writer_key_str(w, "lowered", sp->lowered);
+			writer_key_str(w, "note", sp->note);
+		}
 	}
 }

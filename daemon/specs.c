@@ -288,6 +288,9 @@ static void spec_ready(struct daemon *d, struct specialization *sp)
 		         sp->grad ? "grad" : "scan", sp->signature, sp->compile_seconds,
 		         sp->compile_phases[0], sp->compile_phases[1], sp->compile_phases[2],
 		         sp->compile_phases[3], sp->compile_phases[4]);
+	if (sp->note[0])
+		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s: %s",
+		         sp->grad ? "grad" : "scan", sp->signature, sp->note);
 	spec_ref(sp);
 	release_waiters(sp);
 	spec_unref(sp);
@@ -438,6 +441,8 @@ static void lookup_work(uv_work_t *w)
 	}
 	j->hit = true;
 	j->compile_seconds = meta.compile_seconds;
+	memcpy(sp->lowered, meta.lowered, sizeof sp->lowered);
+	memcpy(sp->note, meta.note, sizeof sp->note);
 	j->rc = load_artifact(j->d, sp, meta.y_spec, meta.y_spec_len, &j->err);
 	cache_meta_free(&meta);
 	if (j->rc == 0) {
@@ -459,6 +464,10 @@ static void commit_work(uv_work_t *w)
 	meta.n_outputs = j->res.n_outputs;
 	meta.compile_seconds = j->res.compile_seconds;
 	snprintf(meta.strategy, sizeof meta.strategy, "%s", sp->adapter->def.strategy);
+	memcpy(meta.lowered, j->res.lowered, sizeof meta.lowered);
+	memcpy(meta.note, j->res.note, sizeof meta.note);
+	memcpy(sp->lowered, j->res.lowered, sizeof sp->lowered);
+	memcpy(sp->note, j->res.note, sizeof sp->note);
 	meta.y_spec = j->res.y_spec;
 	meta.y_spec_len = j->res.y_spec_len;
 	j->rc = cache_commit(&j->d->cache, sp->key, j->res.so_path, &meta, &j->err);

@@ -28,10 +28,11 @@ import struct
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import msgpack
+import torch
 
 MIN_TORCH = (2, 14)
 PROTOCOL = 1
@@ -128,8 +129,6 @@ def spec_build(spec: Any, leaves: list[Any], pos: list[int]) -> Any:
 
 def tree_spec(tree: Any, path: str) -> Any:
     """The spec of a tree the body returned; refuses non-tensor leaves."""
-    import torch
-
     if tree is None:
         return None
     if isinstance(tree, torch.Tensor):
@@ -156,8 +155,6 @@ def tree_spec(tree: Any, path: str) -> Any:
 
 
 def flat_tensors(tree: Any) -> list[Any]:
-    import torch
-
     if tree is None:
         return []
     if isinstance(tree, torch.Tensor):
@@ -289,10 +286,52 @@ def first_path(message: str) -> str:
 # ---- the body ---------------------------------------------------------------
 
 
-def load_body(job: dict[str, Any]) -> Callable[..., Any]:
+# A spec node as the daemon sends it (see above); None for a None leaf.
+Spec = dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One compile (or register-time check) request from the daemon."""
+
+    body_source: str
+    body_file: str
+    entry: str
+    strategy: str = "unroll"
+    kind: str = "forward"  # or "vjp"
+    dtype: str = "float64"
+    steps: int = 0
+    max_batch: int = 0  # dynamic = batch: the largest batch size; specs mark it -1
+    output: str = ""
+    carry: Spec = None
+    inputs: Spec = None
+    strict: bool = False
+
+    @classmethod
+    def parse(cls, req: dict[str, Any]) -> Job:
+        """The fields of a compile/check request; missing optional ones get defaults."""
+        try:
+            return cls(
+                body_source=str(req["body_source"]),
+                body_file=str(req.get("body_file") or "<adapter>"),
+                entry=str(req["entry"]),
+                strategy=str(req.get("strategy", "unroll")),
+                kind=str(req.get("kind", "forward")),
+                dtype=str(req.get("dtype", "float64")),
+                steps=int(req.get("steps", 0)),
+                max_batch=int(req.get("max_batch", 0) or 0),
+                output=str(req.get("output", "")),
+                carry=req.get("carry"),
+                inputs=req.get("inputs"),
+                strict=bool(req.get("strict", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {exc!r}") from exc
+
+
+def load_body(job: Job) -> Callable[..., Any]:
     """Imports the body's module under a name unique to its source."""
-    source: str = job["body_source"]
-    filename: str = job.get("body_file") or "<adapter>"
+    source, filename = job.body_source, job.body_file
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     name = f"torchloop_body_{digest}"
     module = sys.modules.get(name)
@@ -306,9 +345,9 @@ def load_body(job: dict[str, Any]) -> Callable[..., Any]:
         except Exception as exc:  # the adapter's own module failed to import
             raise JobError("BODY_ERROR", f"importing {filename}: {exc!r}") from exc
         sys.modules[name] = module
-    fn = getattr(module, job["entry"], None)
+    fn = getattr(module, job.entry, None)
     if not callable(fn):
-        raise JobError("BODY_ERROR", f"{filename} has no function {job['entry']!r}")
+        raise JobError("BODY_ERROR", f"{filename} has no function {job.entry!r}")
     return fn
 
 
@@ -317,13 +356,17 @@ class Scan:
     """One specialization's scan over flat tensors (the graph to compile)."""
 
     body: Callable[..., Any]
-    carry_spec: Any
-    inputs_spec: Any
+    carry_spec: Spec
+    inputs_spec: Spec
     steps: int
     dtype: str
     strategy: str
-    y_spec: Any = None
+    y_spec: Spec = None
     tracing: bool = False  # False: the eager dry run, where failures are the body's
+    # what the graph turned out to be, and why when it is not what the strategy
+    # asked for (reported in the compile reply, describe and the log)
+    lowered: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def n_carry(self) -> int:
@@ -369,8 +412,6 @@ class Scan:
         return self.hop(carry, xs)
 
     def unrolled(self, carry: Any, xs: Any) -> tuple[Any, ...]:
-        import torch
-
         ys = []
         for t in range(self.steps):
             x_t = map_tensors(xs, lambda leaf, t=t: leaf[t])
@@ -407,8 +448,6 @@ def captured_tensors(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     """Module-level tensors the body's module refers to by name: the globals
     named in the code of any function defined in that module (the body's own
     helpers included), in a stable order."""
-    import torch
-
     g = getattr(fn, "__globals__", {})
     mod = getattr(fn, "__module__", None)
     names: set[str] = set()
@@ -427,8 +466,6 @@ def captured_tensors(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
 
 
 def map_tensors(tree: Any, fn: Callable[[Any], Any]) -> Any:
-    import torch
-
     if tree is None:
         return None
     if isinstance(tree, torch.Tensor):
@@ -688,14 +725,14 @@ def aoti_options(out_path: str, batched: bool = False) -> dict[str, Any]:
     return options
 
 
-def example_inputs(scan: Scan, torch: Any) -> list[Any]:
+def example_inputs(scan: Scan) -> list[Any]:
     dtype = getattr(torch, scan.dtype)
     gen = torch.Generator().manual_seed(0)
     shapes = spec_leaves(scan.carry_spec) + spec_leaves(scan.inputs_spec)
     return [torch.rand(s, dtype=dtype, generator=gen) for s in shapes]
 
 
-def vjp_module(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
+def vjp_module(scan: Scan, n_in: int) -> Callable[..., Any]:
     """forward + VJP over the flat scan, traced with make_fx (first order)."""
     from torch.func import vjp
 
@@ -708,7 +745,7 @@ def vjp_module(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
     return fn
 
 
-def vjp_module_autograd(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]:
+def vjp_module_autograd(scan: Scan, n_in: int) -> Callable[..., Any]:
     """forward + VJP with torch.autograd.grad, for strategy "scan": torch.func.vjp
     cannot trace through the scan op (it refuses functorch transforms of the
     compiled function), but the scan op has an autograd formula (a reversed scan)
@@ -729,7 +766,7 @@ def vjp_module_autograd(scan: Scan, torch: Any, n_in: int) -> Callable[..., Any]
     return fn
 
 
-def cotangents(torch: Any, outs: tuple[Any, ...]) -> list[Any]:
+def cotangents(outs: tuple[Any, ...]) -> list[Any]:
     """The VJP graph's example cotangents (also the parity check's)."""
     gen = torch.Generator().manual_seed(1)
     return [torch.rand(o.shape, dtype=o.dtype, generator=gen) for o in outs]
@@ -753,7 +790,7 @@ class BatchDims:
         return (self.spec(shapes),)
 
 
-def batch_dims(torch: Any, carry: Any, inputs: Any, y: Any, steps: int, kind: str,
+def batch_dims(carry: Any, inputs: Any, y: Any, steps: int, kind: str,
                max_batch: int) -> BatchDims:
     carry_s, inputs_s = spec_leaves(carry), spec_leaves(inputs)
     stacked = [[steps] + s for s in spec_leaves(y)]
@@ -765,12 +802,12 @@ def batch_dims(torch: Any, carry: Any, inputs: Any, y: Any, steps: int, kind: st
 
 
 def capture(
-    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool,
+    scan: Scan, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool,
     dyn: BatchDims | None = None,
 ) -> tuple[Any, tuple[Any, ...]]:
     """torch.export of the flat scan (or make_fx of its VJP, then export), as
     a graph that writes its results into buffers passed after its inputs."""
-    module, example = capture_values(scan, torch, args, outs, kind, strict, dyn)
+    module, example = capture_values(scan, args, outs, kind, strict, dyn)
     results = tuple(outs) + (tuple(args) if kind == "vjp" else ())
     bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
     shapes = dyn.of(dyn.inputs + dyn.results) if dyn else None
@@ -783,7 +820,7 @@ def capture(
 
 
 def capture_values(
-    scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool,
+    scan: Scan, args: list[Any], outs: tuple[Any, ...], kind: str, strict: bool,
     dyn: BatchDims | None = None,
 ) -> tuple[Any, tuple[Any, ...]]:
     """The graph that returns its results (torch.export / make_fx + export).
@@ -794,43 +831,47 @@ def capture_values(
     forward_shapes = dyn.of(dyn.inputs[: len(args)]) if dyn else None
     vjp_shapes = dyn.of(dyn.inputs) if dyn else None
     trace = {"tracing_mode": "symbolic", "_allow_non_fake_inputs": True} if dyn else {}
+    use_scan = scan.strategy == "scan"
+    if use_scan and captured_tensors(scan.body):
+        # torch 2.14's scan op cannot take tensors its body captures from the
+        # module (Inductor cannot lower them, and its tracer refuses swapping
+        # them for carried ones): the unrolled loop instead -- the same numbers,
+        # the unrolled graph's compile time -- and the reply says so
+        names = ", ".join(n for n, _ in captured_tensors(scan.body))
+        scan.notes.append(
+            f"strategy scan: the body captures module-level tensors ({names}), which "
+            "torch's scan op cannot take; compiled the unrolled loop instead (pass them "
+            "in the carry to use the scan op)")
+        log(scan.notes[-1])
+        use_scan = False
+    unrolled = replace(scan, strategy="unroll")
     try:
         if kind == "vjp":
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            cot = cotangents(torch, outs)
+            cot = cotangents(outs)
             example = tuple(args) + tuple(cot)
             ep = None
-            if scan.strategy == "scan":
+            if use_scan:
                 try:
-                    gm = make_fx(vjp_module_autograd(scan, torch, len(args)), **trace)(*args, *cot)
+                    gm = make_fx(vjp_module_autograd(scan, len(args)), **trace)(*args, *cot)
                     ep = torch.export.export(Wrap(gm), example, strict=False,
                                              dynamic_shapes=vjp_shapes)
                 except Exception as exc:  # noqa: BLE001 - the unrolled VJP below
-                    log(f"the scan op's VJP could not be captured ({type(exc).__name__}: "
-                        f"{str(exc)[:200]}); compiling the unrolled VJP instead")
+                    scan.notes.append(
+                        f"the scan op's VJP could not be captured ({type(exc).__name__}: "
+                        f"{str(exc)[:120]}); compiled the unrolled VJP instead")
+                    log(scan.notes[-1])
             if ep is None:
-                unrolled = Scan(**{**scan.__dict__, "strategy": "unroll"})
-                gm = make_fx(vjp_module(unrolled, torch, len(args)), **trace)(*args, *cot)
+                gm = make_fx(vjp_module(unrolled, len(args)), **trace)(*args, *cot)
                 ep = torch.export.export(Wrap(gm), example, strict=False,
                                          dynamic_shapes=vjp_shapes)
-        elif scan.strategy == "scan" and captured_tensors(scan.body):
-            # torch 2.14's scan op cannot take tensors its body captures from
-            # the module (Inductor cannot lower them, and its tracer refuses
-            # swapping them for carried ones): the unrolled loop instead, said
-            # in the log -- the same numbers, the unrolled graph's compile time
-            names = ", ".join(n for n, _ in captured_tensors(scan.body))
-            log(f"strategy scan: the body captures module-level tensors ({names}), which "
-                "torch's scan op cannot take; compiling the unrolled loop instead (pass them "
-                "in the carry to use the scan op)")
-            example = tuple(args)
-            unrolled = Scan(**{**scan.__dict__, "strategy": "unroll"})
-            ep = torch.export.export(FlatModule(unrolled), example, strict=strict,
-                                     dynamic_shapes=forward_shapes)
+            scan.lowered = "scan" if use_scan and not scan.notes else "unroll"
         else:
             example = tuple(args)
-            ep = torch.export.export(FlatModule(scan), example, strict=strict,
-                                     dynamic_shapes=forward_shapes)
+            ep = torch.export.export(FlatModule(scan if use_scan else unrolled), example,
+                                     strict=strict, dynamic_shapes=forward_shapes)
+            scan.lowered = "scan" if use_scan else "unroll"
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
@@ -838,7 +879,7 @@ def capture_values(
     return ep.module(), example
 
 
-def build_artifact(torch: Any, module: Any, example: tuple[Any, ...], so_path: str,
+def build_artifact(module: Any, example: tuple[Any, ...], so_path: str,
                    batched: bool = False) -> str:
     """AOT-compiles module into so_path; returns the .so's path."""
     try:
@@ -859,17 +900,17 @@ def build_artifact(torch: Any, module: Any, example: tuple[Any, ...], so_path: s
 PARITY_RTOL = {"float64": 1e-6, "float32": 1e-3}
 
 
-def parity_reference(scan: Scan, torch: Any, args: list[Any], outs: tuple[Any, ...],
+def parity_reference(scan: Scan, args: list[Any], outs: tuple[Any, ...],
                      kind: str) -> list[Any]:
     """What the artifact must compute, eagerly and without the tracer: the dry
     run's outputs, and for a VJP graph torch.func.vjp of the unrolled loop."""
     if kind != "vjp":
         return list(outs)
-    dry = Scan(**{**scan.__dict__, "strategy": "unroll", "tracing": False})
-    return list(vjp_module(dry, torch, len(args))(*args, *cotangents(torch, outs)))
+    dry = replace(scan, strategy="unroll", tracing=False)
+    return list(vjp_module(dry, len(args))(*args, *cotangents(outs)))
 
 
-def parity_check(torch: Any, so_path: str, cases: list[tuple[int, tuple[Any, ...], list[Any]]],
+def parity_check(so_path: str, cases: list[tuple[int, tuple[Any, ...], list[Any]]],
                  dtype: str, n_carry: int, n_y: int) -> None:
     """Runs the new artifact on each case's inputs (its results land in fresh
     buffers) and refuses it with MISCOMPILE if any output disagrees with the
@@ -907,40 +948,38 @@ def parity_check(torch: Any, so_path: str, cases: list[tuple[int, tuple[Any, ...
     del runner
 
 
-def check_body(job: dict[str, Any]) -> dict[str, Any]:
+def check_body(job: Job) -> dict[str, Any]:
     """Register-time check: the source imports and defines a callable entry."""
     load_body(job)
     return {"ok": True}
 
 
-def dry_run(scan: Scan, torch: Any, kind: str) -> tuple[list[Any], tuple[Any, ...], list[Any]]:
+def dry_run(scan: Scan, kind: str) -> tuple[list[Any], tuple[Any, ...], list[Any]]:
     """Eager scan at the scan's specs on random inputs: (inputs, outputs, the
     parity check's case inputs and reference). Body exceptions and carry
     changes get a step number and a leaf path before the tracer's messages
     can hide them."""
-    args = example_inputs(scan, torch)
+    args = example_inputs(scan)
     with torch.no_grad():
-        dry = Scan(**{**scan.__dict__, "strategy": "unroll"})
+        dry = replace(scan, strategy="unroll")
         outs = dry.forward(*args)
     scan.y_spec = dry.y_spec
-    data = tuple(args) + (tuple(cotangents(torch, outs)) if kind == "vjp" else ())
-    return args, outs, [data, parity_reference(scan, torch, args, outs, kind)]
+    data = tuple(args) + (tuple(cotangents(outs)) if kind == "vjp" else ())
+    return args, outs, [data, parity_reference(scan, args, outs, kind)]
 
 
-def compile_job(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
+def compile_job(job: Job) -> dict[str, Any]:
     started = time.monotonic()
-    carry, inputs, steps = job["carry"], job["inputs"], int(job["steps"])
+    carry, inputs, steps = job.carry, job.inputs, job.steps
     batched = spec_has_batch(carry) or spec_has_batch(inputs)
-    max_batch = int(job.get("max_batch", 0) or 0)
+    max_batch = job.max_batch
     b1, b2 = probe_batches(carry, inputs, steps) if batched else (0, 0)
     body = load_body(job)
 
     def at(batch: int) -> Scan:
         return Scan(body=body, carry_spec=spec_bind(carry, batch),
-                    inputs_spec=spec_bind(inputs, batch), steps=steps, dtype=job["dtype"],
-                    strategy=job.get("strategy", "scan"))
+                    inputs_spec=spec_bind(inputs, batch), steps=steps, dtype=job.dtype,
+                    strategy=job.strategy)
 
     scan = at(b1)
     if scan.dtype not in ("float32", "float64"):
@@ -956,7 +995,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         mark = now
 
     phase("setup")
-    kind = job.get("kind", "forward")
+    kind = job.kind
 
     def traced_at(batch: int, fn: Callable[[], Any]) -> Any:
         """A body error of a symbolic-batch compile says which batch size it ran at."""
@@ -967,7 +1006,7 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
                 exc.message += f" (dynamic = batch: the body ran at batch size {batch})"
             raise
 
-    args, outs, case = traced_at(b1, lambda: dry_run(scan, torch, kind))
+    args, outs, case = traced_at(b1, lambda: dry_run(scan, kind))
     n_in = len(args)
     cases = [(b1, *case)]
     y_spec, dyn = scan.y_spec, None
@@ -975,26 +1014,26 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         # the outputs' batch dimensions, from a second size; then batch size 1
         # (which torch would otherwise specialize) for the parity check
         other = at(b2)
-        traced_at(b2, lambda: dry_run(other, torch, "forward"))
+        traced_at(b2, lambda: dry_run(other, "forward"))
         y_spec = batch_y_spec(scan.y_spec, other.y_spec, b1, b2)
-        cases.append((1, *traced_at(1, lambda: dry_run(at(1), torch, kind))[2]))
-        dyn = batch_dims(torch, carry, inputs, y_spec, steps, kind, max(max_batch, b1, b2))
+        cases.append((1, *traced_at(1, lambda: dry_run(at(1), kind))[2]))
+        dyn = batch_dims(carry, inputs, y_spec, steps, kind, max(max_batch, b1, b2))
     phase("eager")
     scan.tracing = True
-    module, example = capture(scan, torch, args, outs, kind, bool(job.get("strict", False)), dyn)
+    module, example = capture(scan, args, outs, kind, job.strict, dyn)
     phase("export")
-    out_path = job["output"]
+    out_path = job.output
     # AOTI writes its intermediates (wrapper/kernel sources, objects, the
     # extern-node json) beside output_path: give it a directory of its own,
     # named after the output so the daemon can remove it whatever happens here.
     job_dir = out_path + ".d"
     os.makedirs(job_dir, mode=0o700)
     try:
-        so_path = build_artifact(torch, module, example, os.path.join(job_dir, "graph.so"),
+        so_path = build_artifact(module, example, os.path.join(job_dir, "graph.so"),
                                  batched)
         check_artifact(so_path, job_dir)
         phase("inductor")
-        parity_check(torch, so_path, cases, scan.dtype, scan.n_carry, len(outs) - scan.n_carry)
+        parity_check(so_path, cases, scan.dtype, scan.n_carry, len(outs) - scan.n_carry)
         phase("parity")
         os.replace(so_path, out_path)
     finally:
@@ -1010,67 +1049,53 @@ def compile_job(job: dict[str, Any]) -> dict[str, Any]:
         # reference), torch.export, AOTInductor (lowering + C++ compile), the
         # parity run
         "phases": phases,
+        # how the loop was lowered, and why when not as the strategy asked
+        "lowered": scan.lowered,
+        "note": "; ".join(scan.notes),
     }
 
 
-class FlatModule:  # replaced below once torch is imported
-    pass
+class FlatModule(torch.nn.Module):
+    """The flat scan as a module for torch.export."""
+
+    def __init__(self, scan: Scan) -> None:
+        super().__init__()
+        self.scan = scan
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.scan.forward(*flat)
 
 
-class Wrap:  # replaced below once torch is imported
-    pass
+class Wrap(torch.nn.Module):
+    """A traced function (make_fx's graph) as a module for torch.export."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *flat: torch.Tensor) -> Any:
+        return self.fn(*flat)
 
 
-class OutModule:  # replaced below once torch is imported
-    pass
+class OutModule(torch.nn.Module):
+    """The daemon's calling convention: inputs, then one buffer per result;
+    the results are written into the buffers (the daemon passes the client's
+    shared memory, or memory of its own) and the buffers are returned."""
 
+    def __init__(self, fn: Callable[..., Any], n_in: int) -> None:
+        super().__init__()
+        self.fn = fn
+        self.n_in = n_in
 
-def define_modules() -> None:
-    import torch
-
-    global FlatModule, Wrap, OutModule
-
-    class _Flat(torch.nn.Module):
-        def __init__(self, scan: Scan) -> None:
-            super().__init__()
-            self.scan = scan
-
-        def forward(self, *flat: Any) -> tuple[Any, ...]:
-            return self.scan.forward(*flat)
-
-    class _Wrap(torch.nn.Module):
-        def __init__(self, fn: Callable[..., Any]) -> None:
-            super().__init__()
-            self.fn = fn
-
-        def forward(self, *flat: Any) -> Any:
-            return self.fn(*flat)
-
-    class _Out(torch.nn.Module):
-        """The daemon's calling convention: inputs, then one buffer per result;
-        the results are written into the buffers (the daemon passes the client's
-        shared memory, or memory of its own) and the buffers are returned."""
-
-        def __init__(self, fn: Callable[..., Any], n_in: int) -> None:
-            super().__init__()
-            self.fn = fn
-            self.n_in = n_in
-
-        def forward(self, *flat: Any) -> tuple[Any, ...]:
-            results = self.fn(*flat[: self.n_in])
-            bufs = flat[self.n_in :]
-            for buf, r in zip(bufs, results):
-                buf.copy_(r)
-            return tuple(bufs)
-
-    FlatModule = _Flat  # type: ignore[misc]
-    Wrap = _Wrap  # type: ignore[misc]
-    OutModule = _Out  # type: ignore[misc]
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        results = self.fn(*flat[: self.n_in])
+        bufs = flat[self.n_in :]
+        for buf, r in zip(bufs, results):
+            buf.copy_(r)
+        return tuple(bufs)
 
 
 def hello() -> dict[str, Any]:
-    import torch
-
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     return {
         "protocol": PROTOCOL,
@@ -1119,9 +1144,9 @@ def handle_op(req: dict[str, Any]) -> dict[str, Any]:
         if op == "hello":
             return {"id": rid, "result": hello()}
         if op == "compile":
-            return {"id": rid, "result": compile_job(req)}
+            return {"id": rid, "result": compile_job(Job.parse(req))}
         if op == "check":
-            return {"id": rid, "result": check_body(req)}
+            return {"id": rid, "result": check_body(Job.parse(req))}
         raise JobError("UNKNOWN_OP", f"worker has no op {op!r}")
     except JobError as exc:
         return exc.reply(rid)
@@ -1157,9 +1182,7 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     stdin = sys.stdin.buffer
-    import torch  # noqa: F401 - import once, up front: every job needs it
 
-    define_modules()
     log(f"ready (torch {torch.__version__})")
     while True:
         try:
