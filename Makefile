@@ -138,9 +138,11 @@ bench: build
 	$(PY) tests/bench/report.py $(BUILD)/bench docs/performance.md
 	cp $(BUILD)/bench/*.png docs/
 
-# pkg-config file for the build tree (tests) and for an install.
-$(BUILD)/torchloop.pc: client/torchloop.pc.in
-	sed -e 's|@PREFIX@|$(CURDIR)|' -e 's|@LIBDIR@|$(CURDIR)/$(BUILD)|' \
+# pkg-config file for the build tree (tests) and for an install; the version
+# is proto/protocol.h's TORCHLOOP_VERSION.
+VERSION := $(shell sed -n 's/^\#define TORCHLOOP_VERSION "\(.*\)"/\1/p' proto/protocol.h)
+$(BUILD)/torchloop.pc: client/torchloop.pc.in proto/protocol.h
+	sed -e 's|@PREFIX@|$(CURDIR)|' -e 's|@LIBDIR@|$(CURDIR)/$(BUILD)|' -e 's|@VERSION@|$(VERSION)|' \
 	    -e 's|@INCLUDEDIR@|$(CURDIR)/client|' -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' $< > $@
 
 PREFIX      ?= /usr/local
@@ -160,7 +162,7 @@ install: build $(BUILD)/torchloop.pc
 	install -m 0644 $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 0644 client/torchloop.h $(DESTDIR)$(PREFIX)/include/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PREFIX)/lib|' -e 's|@INCLUDEDIR@|$(PREFIX)/include|' \
-	    -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' client/torchloop.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc
+	    -e 's|@VERSION@|$(VERSION)|' -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' client/torchloop.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc
 	install -m 0644 daemon/worker/compile_worker.py $(DESTDIR)$(PREFIX)/lib/torchloopd/
 	sed -e 's|/usr/local/bin/torchloopd|$(PREFIX)/bin/torchloopd --worker $(PREFIX)/lib/torchloopd/compile_worker.py --python $(PY)|' \
 	    systemd/torchloopd.service > $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service

@@ -5,6 +5,7 @@
  *   0 ok, 1 the daemon returned an error, 2 usage error, 3 cannot connect.
  * Trees are .npy paths, null, or JSON trees of those (docs/cli.md).
  */
+#include "protocol.h"
 #include "torchloop.h"
 #include "treejson.h"
 
@@ -44,32 +45,63 @@ static int usage_error(const char *fmt, ...)
 	return EXIT_USAGE;
 }
 
-static const char *const HELP[][2] = {
-    {"health", "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
-    {"register", "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
-                 "         [--budget N] [--strategy unroll|scan] [--dynamic none|batch]\n"
-                 "  register or replace an adapter (admin)"},
-    {"unregister", "unregister NAME\n  drop an adapter and its graphs (admin)"},
-    {"list", "list\n  adapters with bounds and budget use"},
-    {"describe", "describe NAME\n  one adapter: bounds, graphs, counters"},
-    {"scan", "scan ADAPTER --carry TREE --inputs TREE --out DIR\n"
-             "  run a scan; DIR gets one .npy per leaf and tree.json"},
-    {"grad",
+/* ---- the subcommands: one row each ------------------------------------- */
+
+struct cli;
+struct sub_opts;
+typedef int (*command_fn)(struct cli *c, const struct sub_opts *o, const char *cmd,
+                          const char *arg);
+static int run_health(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg);
+static int run_register(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg);
+static int run_scan(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg);
+static int run_compile(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg);
+static int run_json(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg);
+
+static const struct command {
+	const char *name;
+	const char *arg; /* the one positional argument it needs ("a NAME"), or NULL */
+	command_fn run;
+	const char *usage;
+} COMMANDS[] = {
+    {"health", NULL, run_health,
+     "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
+    {"register", "a NAME", run_register,
+     "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
+     "         [--budget N] [--strategy unroll|scan] [--dynamic none|batch]\n"
+     "  register or replace an adapter (admin)"},
+    {"unregister", "a NAME", run_json, "unregister NAME\n  drop an adapter and its graphs (admin)"},
+    {"list", NULL, run_json, "list\n  adapters with bounds and budget use"},
+    {"describe", "a NAME", run_json, "describe NAME\n  one adapter: bounds, graphs, counters"},
+    {"scan", "an ADAPTER", run_scan,
+     "scan ADAPTER --carry TREE --inputs TREE --out DIR\n"
+     "  run a scan; DIR gets one .npy per leaf and tree.json"},
+    {"grad", "an ADAPTER", run_scan,
      "grad ADAPTER --carry TREE --inputs TREE [--cot-carry TREE] [--cot-outputs TREE] --out DIR\n"
      "  scan plus the vector-Jacobian product (None or absent cotangents are zero)"},
-    {"compile", "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64] [--grad]\n"
-                "  warm a specialization; leaves may be .npy files or shape:AxB strings"},
-    {"stats", "stats [--prometheus]\n  counters per adapter"},
-    {"shutdown", "shutdown\n  stop the daemon after in-flight requests (admin)"},
+    {"compile", "an ADAPTER", run_compile,
+     "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64] [--grad]\n"
+     "  warm a specialization; leaves may be .npy files or shape:AxB strings"},
+    {"stats", NULL, run_json, "stats [--prometheus]\n  counters per adapter"},
+    {"shutdown", NULL, run_json, "shutdown\n  stop the daemon after in-flight requests (admin)"},
 };
+
+#define N_COMMANDS (sizeof COMMANDS / sizeof COMMANDS[0])
+
+static const struct command *find_command(const char *name)
+{
+	for (size_t i = 0; i < N_COMMANDS; i++)
+		if (strcmp(name, COMMANDS[i].name) == 0)
+			return &COMMANDS[i];
+	return NULL;
+}
 
 static void print_help(FILE *f, const char *cmd)
 {
-	for (size_t i = 0; i < sizeof HELP / sizeof HELP[0]; i++) {
-		if (cmd && strcmp(cmd, HELP[i][0]) != 0)
+	for (size_t i = 0; i < N_COMMANDS; i++) {
+		if (cmd && strcmp(cmd, COMMANDS[i].name) != 0)
 			continue;
 		fprintf(f, "%storchloop [--socket PATH] [--json] %s\n", cmd ? "usage: " : "  ",
-		        HELP[i][1]);
+		        COMMANDS[i].usage);
 	}
 	if (!cmd)
 		fprintf(f, "\nTREE: a .npy path, null, or JSON: [..] list, {..} dict, "
@@ -262,7 +294,7 @@ static char *slurp(const char *path)
 
 	if (f == NULL)
 		return NULL;
-	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && n < (1 << 20) &&
+	if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && n <= PROTO_MAX_SOURCE &&
 	    fseek(f, 0, SEEK_SET) == 0) {
 		buf = calloc(1, (size_t)n + 1);
 		if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
@@ -463,41 +495,56 @@ static int cmd_json(struct cli *c, const struct sub_opts *o, const char *op, con
 	return EXIT_OK;
 }
 
+static int run_health(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg)
+{
+	(void)cmd;
+	(void)arg;
+	return cmd_health(c, o);
+}
+
+static int run_register(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg)
+{
+	(void)cmd;
+	return cmd_register(c, o, arg);
+}
+
+static int run_scan(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg)
+{
+	return cmd_run(c, o, arg, strcmp(cmd, "grad") == 0);
+}
+
+static int run_compile(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg)
+{
+	(void)cmd;
+	return cmd_compile(c, o, arg);
+}
+
+static int run_json(struct cli *c, const struct sub_opts *o, const char *cmd, const char *arg)
+{
+	return cmd_json(c, o, cmd, arg);
+}
+
 static int dispatch(struct cli *c, const char *cmd, int argc, char **argv)
 {
+	const struct command *command = find_command(cmd);
 	struct sub_opts o = {0};
 	const char *arg;
-	int rc = parse_sub(argc, argv, &o, cmd);
-	bool needs_arg = strcmp(cmd, "register") == 0 || strcmp(cmd, "unregister") == 0 ||
-	                 strcmp(cmd, "describe") == 0 || strcmp(cmd, "scan") == 0 ||
-	                 strcmp(cmd, "grad") == 0 || strcmp(cmd, "compile") == 0;
+	int rc;
 
+	if (command == NULL)
+		return usage_error("unknown command '%s'", cmd);
+	rc = parse_sub(argc, argv, &o, cmd);
 	if (rc < 0)
 		return EXIT_OK; /* --help */
 	if (rc != EXIT_OK)
 		return rc;
 	arg = optind < argc ? argv[optind] : NULL;
-	if (needs_arg && arg == NULL)
-		return usage_error("%s needs %s", cmd,
-		                   strcmp(cmd, "scan") == 0 || strcmp(cmd, "grad") == 0 ||
-		                           strcmp(cmd, "compile") == 0
-		                       ? "an ADAPTER"
-		                       : "a NAME");
-	if (optind + (needs_arg ? 1 : 0) < argc)
+	if (command->arg && arg == NULL)
+		return usage_error("%s needs %s", cmd, command->arg);
+	if (optind + (command->arg ? 1 : 0) < argc)
 		return usage_error("%s: unexpected argument '%s'", cmd,
-		                   argv[optind + (needs_arg ? 1 : 0)]);
-	if (strcmp(cmd, "health") == 0)
-		return cmd_health(c, &o);
-	if (strcmp(cmd, "register") == 0)
-		return cmd_register(c, &o, arg);
-	if (strcmp(cmd, "scan") == 0 || strcmp(cmd, "grad") == 0)
-		return cmd_run(c, &o, arg, strcmp(cmd, "grad") == 0);
-	if (strcmp(cmd, "compile") == 0)
-		return cmd_compile(c, &o, arg);
-	if (strcmp(cmd, "unregister") == 0 || strcmp(cmd, "describe") == 0 ||
-	    strcmp(cmd, "list") == 0 || strcmp(cmd, "stats") == 0 || strcmp(cmd, "shutdown") == 0)
-		return cmd_json(c, &o, cmd, arg);
-	return usage_error("unknown command '%s'", cmd);
+		                   argv[optind + (command->arg ? 1 : 0)]);
+	return command->run(c, &o, cmd, arg);
 }
 
 int main(int argc, char **argv)

@@ -644,9 +644,11 @@ int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl
 	writer_key_str(&w, "entry", def->entry ? def->entry : "body");
 	writer_key_str(&w, "strategy", def->strategy ? def->strategy : "unroll");
 	writer_key_str(&w, "dynamic", def->dynamic ? def->dynamic : "none");
-	writer_key_i64(&w, "max_steps", def->max_steps ? def->max_steps : 128);
-	writer_key_i64(&w, "max_elements", def->max_elements ? def->max_elements : 65536);
-	writer_key_i64(&w, "recompile_budget", def->recompile_budget ? def->recompile_budget : 8);
+	writer_key_i64(&w, "max_steps", def->max_steps ? def->max_steps : PROTO_DEFAULT_STEPS);
+	writer_key_i64(&w, "max_elements",
+	               def->max_elements ? def->max_elements : PROTO_DEFAULT_ELEMENTS);
+	writer_key_i64(&w, "recompile_budget",
+	               def->recompile_budget ? def->recompile_budget : PROTO_DEFAULT_BUDGET);
 	rc = roundtrip(c, &w, id, NULL, err);
 	writer_destroy(&w);
 	return rc;

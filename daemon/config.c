@@ -15,9 +15,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#ifndef TORCHLOOPD_VERSION
-#define TORCHLOOPD_VERSION "0.1.0"
-#endif
 #ifndef TORCHLOOPD_PREFIX
 #define TORCHLOOPD_PREFIX ""
 #endif
@@ -255,7 +252,7 @@ int config_parse(struct config *c, int argc, char **argv)
 		if (opt == OPT_HELP)
 			return usage(stdout), 1;
 		if (opt == OPT_VERSION)
-			return printf("torchloopd %s (protocol %d)\n", TORCHLOOPD_VERSION,
+			return printf("torchloopd %s (protocol %d)\n", TORCHLOOP_VERSION,
 			              PROTO_VERSION),
 			       1;
 		if (opt >= OPT_LIMIT0 && opt < OPT_LIMIT0 + (int)N_LIMITS) {

@@ -13,7 +13,7 @@
 
 /* name, field, min, default, max, help */
 #define CONFIG_LIMITS(X)                                                                           \
-	X("max-frame", max_frame, 1024, 64LL << 20, 1LL << 30,                                     \
+	X("max-frame", max_frame, PROTO_FRAME_MIN, PROTO_FRAME_DEFAULT, PROTO_FRAME_MAX,           \
 	  "largest frame accepted or sent, in bytes")                                              \
 	X("max-inflight", max_inflight, 1, 64, 4096, "requests one connection may have in flight") \
 	X("write-queue-cap", write_queue_cap, 1LL << 20, 256LL << 20, 4LL << 30,                   \

@@ -25,17 +25,12 @@
 #include <sys/types.h>
 #include <uv.h>
 
-#define TORCHLOOPD_VERSION_STR "0.1.0"
-#define AOTI_OPTIONS           "use_consts_asm_build=0;package_constants_in_so=1"
-#define LATENCY_RING           1024
+#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1"
+#define LATENCY_RING 1024
 
 /* ---- adapters --------------------------------------------------------- */
 
-#define ADAPTER_NAME_MAX     64
-#define ADAPTER_MAX_STEPS    128
-#define ADAPTER_MAX_ELEMENTS 1048576
-#define ADAPTER_MAX_BUDGET   64
-#define ADAPTER_SOURCE_MAX   (1 << 20)
+#define ADAPTER_NAME_MAX 64
 
 /* Where an adapter came from: a client's register, an --adapters file, or a
  * registration persisted in --state-dir and restored at start (persist.c). */
@@ -196,7 +191,10 @@ struct outmsg {
 
 /* ---- ops -------------------------------------------------------------- */
 
-enum op_flags { OP_ADMIN = 1 };
+enum op_flags {
+	OP_ADMIN = 1,         /* the daemon's uid, root and --admin-group only */
+	OP_WHILE_STOPPING = 2 /* still answered after shutdown began */
+};
 
 struct op_desc {
 	const char *name;

@@ -29,4 +29,4 @@ static void op_health(struct request *req)
 	request_reply(req, out);
 }
 
-const struct op_desc op_health_desc = {"health", op_health, 0};
+const struct op_desc op_health_desc = {"health", op_health, OP_WHILE_STOPPING};

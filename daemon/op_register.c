@@ -78,9 +78,9 @@ static int get_source(struct request *req, struct adapter_def *def, struct proto
 	if (rc > 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
 		                  "register needs body_source (the body's Python source)");
-	if (n > ADAPTER_SOURCE_MAX)
+	if (n > PROTO_MAX_SOURCE)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
-		                  "body_source is over %d bytes", ADAPTER_SOURCE_MAX);
+		                  "body_source is over %d bytes", PROTO_MAX_SOURCE);
 	def->source = malloc(n + 1);
 	if (def->source == NULL)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -93,12 +93,12 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 {
 	adapter_def_defaults(def);
 	if (get_name(req, def, err) ||
-	    get_bound(req, "max_steps", &def->max_steps, "max_steps must be an integer in [1, 128]",
-	              err) ||
+	    get_bound(req, "max_steps", &def->max_steps,
+	              PROTO_BOUND_MESSAGE("max_steps", PROTO_MAX_STEPS), err) ||
 	    get_bound(req, "max_elements", &def->max_elements,
-	              "max_elements must be an integer in [1, 1048576]", err) ||
+	              PROTO_BOUND_MESSAGE("max_elements", PROTO_MAX_ELEMENTS), err) ||
 	    get_bound(req, "recompile_budget", &def->budget,
-	              "recompile_budget must be an integer in [1, 64]", err) ||
+	              PROTO_BOUND_MESSAGE("recompile_budget", PROTO_MAX_BUDGET), err) ||
 	    copy_str(req, "entry", def->entry, sizeof def->entry, false, err) ||
 	    copy_str(req, "strategy", def->strategy, sizeof def->strategy, false, err) ||
 	    copy_str(req, "dynamic", def->dynamic, sizeof def->dynamic, false, err) ||

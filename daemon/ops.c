@@ -1,30 +1,17 @@
 /*
- * ops.c - the op table: one line per op, each op in its own op_*.c file.
- * Adding an op: a new file exporting its descriptor, one line in
- * PROTO_OPS (proto/protocol.h) and one line here.
+ * ops.c - the op table, generated from PROTO_OPS (proto/protocol.h).  Each op
+ * lives in its own op_<id>.c, which defines op_<id>_desc: adding an op is
+ * that file and one line in PROTO_OPS; an op without a descriptor is a link
+ * error, never a NULL call.
  */
 #include "daemon.h"
 
-#define X(e, s) extern const struct op_desc op_##e##_desc;
-X(hello, "")
-X(health, "")
-X(register, "")
-X(unregister, "")
-X(list, "")
-X(describe, "")
-X(scan, "")
-X(grad, "")
-X(compile, "")
-X(stats, "")
-X(shutdown, "")
-X(attach, "")
+#define X(e, id) extern const struct op_desc op_##id##_desc;
+PROTO_OPS(X)
 #undef X
 
 const struct op_desc *const OP_TABLE[PROTO_OP__COUNT] = {
-    [PROTO_OP_HELLO] = &op_hello_desc,       [PROTO_OP_HEALTH] = &op_health_desc,
-    [PROTO_OP_REGISTER] = &op_register_desc, [PROTO_OP_UNREGISTER] = &op_unregister_desc,
-    [PROTO_OP_LIST] = &op_list_desc,         [PROTO_OP_DESCRIBE] = &op_describe_desc,
-    [PROTO_OP_SCAN] = &op_scan_desc,         [PROTO_OP_GRAD] = &op_grad_desc,
-    [PROTO_OP_COMPILE] = &op_compile_desc,   [PROTO_OP_STATS] = &op_stats_desc,
-    [PROTO_OP_SHUTDOWN] = &op_shutdown_desc, [PROTO_OP_ATTACH] = &op_attach_desc,
+#define X(e, id) [PROTO_OP_##e] = &op_##id##_desc,
+    PROTO_OPS(X)
+#undef X
 };

@@ -38,7 +38,7 @@ static void probe_key(struct probe *p)
 {
 	const struct worker_info *wi = compiler_info(p->d->compiler);
 	const char *parts[] = {"torchloopd.probe", PROBE_SOURCE, wi->torch,
-	                       wi->torch_git,      AOTI_OPTIONS, TORCHLOOPD_VERSION_STR,
+	                       wi->torch_git,      AOTI_OPTIONS, TORCHLOOP_VERSION,
 	                       p->d->worker_sha,   p->d->isa};
 
 	cache_key(parts, sizeof parts / sizeof parts[0], p->key);

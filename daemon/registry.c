@@ -64,15 +64,15 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
 	if (!name_ok(def->name))
 		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
 		                  "adapter name must match [A-Za-z0-9._-]{1,64}");
-	if (def->max_steps < 1 || def->max_steps > ADAPTER_MAX_STEPS)
+	if (def->max_steps < 1 || def->max_steps > PROTO_MAX_STEPS)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_steps",
-		                  "max_steps must be an integer in [1, 128]");
-	if (def->max_elements < 1 || def->max_elements > ADAPTER_MAX_ELEMENTS)
+		                  PROTO_BOUND_MESSAGE("max_steps", PROTO_MAX_STEPS));
+	if (def->max_elements < 1 || def->max_elements > PROTO_MAX_ELEMENTS)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_elements",
-		                  "max_elements must be an integer in [1, 1048576]");
-	if (def->budget < 1 || def->budget > ADAPTER_MAX_BUDGET)
+		                  PROTO_BOUND_MESSAGE("max_elements", PROTO_MAX_ELEMENTS));
+	if (def->budget < 1 || def->budget > PROTO_MAX_BUDGET)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "recompile_budget",
-		                  "recompile_budget must be an integer in [1, 64]");
+		                  PROTO_BOUND_MESSAGE("recompile_budget", PROTO_MAX_BUDGET));
 	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "strategy",
 		                  "strategy must be \"unroll\" or \"scan\"");
@@ -319,9 +319,9 @@ static int set_field(struct adapter_def *def, const char *k, const char *v, char
 void adapter_def_defaults(struct adapter_def *def)
 {
 	memset(def, 0, sizeof *def);
-	def->max_steps = 128;
-	def->max_elements = 65536;
-	def->budget = 8;
+	def->max_steps = PROTO_DEFAULT_STEPS;
+	def->max_elements = PROTO_DEFAULT_ELEMENTS;
+	def->budget = PROTO_DEFAULT_BUDGET;
 	snprintf(def->strategy, sizeof def->strategy, "unroll");
 	snprintf(def->dynamic, sizeof def->dynamic, "none");
 	snprintf(def->entry, sizeof def->entry, "body");
@@ -370,7 +370,7 @@ static int parse_file(const char *dir, const char *file, enum adapter_origin ori
 		                  path);
 	snprintf(full, sizeof full, "%s%s%s", body[0] == '/' ? "" : dir, body[0] == '/' ? "" : "/",
 	         body);
-	def->source = read_text(full, ADAPTER_SOURCE_MAX);
+	def->source = read_text(full, PROTO_MAX_SOURCE);
 	if (def->source == NULL) {
 		*body_unreadable = true;
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s: body %s: %s", path,

@@ -207,7 +207,7 @@ void request_dispatch(struct conn *c, uint8_t *body, uint32_t len)
 		return;
 	}
 	op = OP_TABLE[req->op];
-	if (d->shutting_down && req->op != PROTO_OP_HEALTH && req->op != PROTO_OP_HELLO) {
+	if (d->shutting_down && !(op->flags & OP_WHILE_STOPPING)) {
 		request_fail_code(req, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
 		return;
 	}

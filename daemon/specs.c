@@ -760,7 +760,7 @@ static int key_for(struct daemon *d, struct specialization *sp)
 	parts[5] = torch;
 	parts[6] = AOTI_OPTIONS;
 	parts[7] = a->def.strategy;
-	parts[8] = TORCHLOOPD_VERSION_STR;
+	parts[8] = TORCHLOOP_VERSION;
 	parts[9] = d->worker_sha;
 	parts[10] = d->isa;
 	cache_key(parts, 11, sp->key);
@@ -898,7 +898,7 @@ static void index_path(const struct daemon *d, const struct adapter *a, char *ou
 	parts[0] = a->def.name;
 	parts[1] = a->body_sha;
 	parts[2] = bounds;
-	parts[3] = TORCHLOOPD_VERSION_STR;
+	parts[3] = TORCHLOOP_VERSION;
 	cache_key(parts, 4, id);
 	snprintf(out, size, "%s/index/%s.idx", d->cache.dir, id);
 }
@@ -1007,7 +1007,7 @@ static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
  */
 unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d))
 {
-	struct prewarm_rec recs[ADAPTER_MAX_BUDGET * 4];
+	struct prewarm_rec recs[PROTO_MAX_BUDGET * 4];
 	msgpack_zone *zone = msgpack_zone_new(4096);
 	unsigned started = 0;
 	int n = zone ? index_read(d, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;

@@ -16,7 +16,7 @@ static const char *const code_names[] = {
 };
 
 static const char *const op_names[] = {
-#define PROTO_X_OPNAME(e, s) s,
+#define PROTO_X_OPNAME(e, id) #id,
     PROTO_OPS(PROTO_X_OPNAME)
 #undef PROTO_X_OPNAME
 };

@@ -14,6 +14,26 @@
 #include <stdint.h>
 
 #define PROTO_VERSION 1
+/* The release of daemon, client library and CLI (one number for all three). */
+#define TORCHLOOP_VERSION "0.1.0"
+
+/*
+ * Adapter bounds, the in-process reference adapter's (docs/protocol.md):
+ * each an integer in [1, MAX], DEFAULT when a registration leaves it out.
+ * The Python client's copies are checked against these by
+ * tests/python/test_limits.py.
+ */
+#define PROTO_MAX_STEPS        128
+#define PROTO_DEFAULT_STEPS    128
+#define PROTO_MAX_ELEMENTS     1048576
+#define PROTO_DEFAULT_ELEMENTS 65536
+#define PROTO_MAX_BUDGET       64
+#define PROTO_DEFAULT_BUDGET   8
+#define PROTO_MAX_SOURCE       (1 << 20) /* body source bytes */
+#define PROTO_STR_(x)          #x
+#define PROTO_STR(x)           PROTO_STR_(x)
+/* "max_steps must be an integer in [1, 128]": the reference's message */
+#define PROTO_BOUND_MESSAGE(field, max) field " must be an integer in [1, " PROTO_STR(max) "]"
 
 /* Framing: 4-byte big-endian body length, then one msgpack map. */
 #define PROTO_FRAME_HEADER  4
@@ -45,20 +65,25 @@
 
 enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 
-/* Op names, as sent in the `op` field. */
+/*
+ * The ops: enum name and wire name (the `op` field, #id).  The daemon's op
+ * table is generated from this list (daemon/ops.c): each op's descriptor
+ * op_<id>_desc lives in daemon/op_<id>.c, so an op listed here without one
+ * does not link.
+ */
 #define PROTO_OPS(X)                                                                               \
-	X(HELLO, "hello")                                                                          \
-	X(HEALTH, "health")                                                                        \
-	X(REGISTER, "register")                                                                    \
-	X(UNREGISTER, "unregister")                                                                \
-	X(LIST, "list")                                                                            \
-	X(DESCRIBE, "describe")                                                                    \
-	X(SCAN, "scan")                                                                            \
-	X(GRAD, "grad")                                                                            \
-	X(COMPILE, "compile")                                                                      \
-	X(STATS, "stats")                                                                          \
-	X(SHUTDOWN, "shutdown")                                                                    \
-	X(ATTACH, "attach")
+	X(HELLO, hello)                                                                            \
+	X(HEALTH, health)                                                                          \
+	X(REGISTER, register)                                                                      \
+	X(UNREGISTER, unregister)                                                                  \
+	X(LIST, list)                                                                              \
+	X(DESCRIBE, describe)                                                                      \
+	X(SCAN, scan)                                                                              \
+	X(GRAD, grad)                                                                              \
+	X(COMPILE, compile)                                                                        \
+	X(STATS, stats)                                                                            \
+	X(SHUTDOWN, shutdown)                                                                      \
+	X(ATTACH, attach)
 
 /*
  * Error codes: enum name, wire string, one-line meaning.  The wire string
@@ -150,7 +175,7 @@ enum proto_code {
 };
 
 enum proto_op {
-#define PROTO_X_OP(e, s) PROTO_OP_##e,
+#define PROTO_X_OP(e, id) PROTO_OP_##e,
 	PROTO_OPS(PROTO_X_OP)
 #undef PROTO_X_OP
 	    PROTO_OP__COUNT

@@ -267,3 +267,23 @@ Test(msg, every_code_and_op_name_maps_back_to_itself)
 		cr_assert_eq(proto_op_from_name(n, strlen(n)), o, "%s", n);
 	}
 }
+
+/* ---- the daemon's op table (daemon/ops.c, generated from PROTO_OPS) -------- */
+
+#include "daemon.h"
+
+Test(msg, the_op_table_has_a_handler_under_each_wire_name)
+{
+	for (int o = 0; o < PROTO_OP__COUNT; o++) {
+		const struct op_desc *op = OP_TABLE[o];
+		cr_assert_not_null(op, "op %d has no descriptor", o);
+		cr_assert_not_null(op->handler, "%s", proto_op_name(o));
+		cr_assert_str_eq(op->name, proto_op_name(o));
+	}
+	/* only the answers a client needs while the daemon drains */
+	cr_assert(OP_TABLE[PROTO_OP_HEALTH]->flags & OP_WHILE_STOPPING);
+	cr_assert(OP_TABLE[PROTO_OP_HELLO]->flags & OP_WHILE_STOPPING);
+	cr_assert_not(OP_TABLE[PROTO_OP_SCAN]->flags & OP_WHILE_STOPPING);
+	cr_assert(OP_TABLE[PROTO_OP_REGISTER]->flags & OP_ADMIN);
+	cr_assert_not(OP_TABLE[PROTO_OP_SCAN]->flags & OP_ADMIN);
+}

@@ -81,12 +81,18 @@ def unflatten(tdef: Any, leaves: list[Any], pos: list[int]) -> Any:
 
 
 # ---- bounds (the reference adapter's checks and messages) -------------------
+# proto/protocol.h's PROTO_MAX_* / PROTO_DEFAULT_*; tests/python/test_limits.py
+# checks that they agree.
+
+MAX_STEPS, DEFAULT_STEPS = 128, 128
+MAX_ELEMENTS, DEFAULT_ELEMENTS = 1_048_576, 65_536
+
 
 def check_bounds(max_steps: object, max_elements: object) -> None:
-    if type(max_steps) is not int or not 1 <= max_steps <= 128:
-        raise ValueError("max_steps must be an integer in [1, 128]")
-    if type(max_elements) is not int or not 1 <= max_elements <= 1_048_576:
-        raise ValueError("max_elements must be an integer in [1, 1048576]")
+    if type(max_steps) is not int or not 1 <= max_steps <= MAX_STEPS:
+        raise ValueError(f"max_steps must be an integer in [1, {MAX_STEPS}]")
+    if type(max_elements) is not int or not 1 <= max_elements <= MAX_ELEMENTS:
+        raise ValueError(f"max_elements must be an integer in [1, {MAX_ELEMENTS}]")
     version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     if version < (2, 14):
         raise ValueError("Compiled loops require Torch >=2.14; eager Torch is unchanged")
@@ -231,7 +237,8 @@ class _ScanFunction(torch.autograd.Function):
         return (None, *gleaves)
 
 
-def loop_adapter(*, max_steps: int = 128, max_elements: int = 65_536, socket: str | None = None,
+def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_ELEMENTS,
+                 socket: str | None = None,
                  name: str | None = None, dynamic: str | None = None) -> Any:
     """A LoopAdapter whose scan runs in torchloopd (see the module docstring).
 
