@@ -59,7 +59,7 @@ endif
 
 .PHONY: binaries tests
 binaries: $(BINARIES)
-tests: $(UNIT_BIN) $(E2E_BIN)
+tests: $(UNIT_BIN) $(E2E_BIN) $(BUILD)/torchloopd-testhooks
 
 $(BUILD)/%.o: %.c $(wildcard proto/*.h daemon/*.h client/*.h)
 	@mkdir -p $(dir $@)
@@ -72,6 +72,15 @@ $(BUILD)/libdaemon.a: $(DAEMON_OBJ)
 	ar rcs $@ $^
 
 $(BUILD)/torchloopd: $(BUILD)/daemon/main.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
+	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+
+# The same daemon with test-only hooks (SIGUSR2 stalls the loop, for the
+# watchdog test); the installed torchloopd never has them.
+$(BUILD)/daemon/daemon-testhooks.o: daemon/daemon.c $(wildcard proto/*.h daemon/*.h client/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) -DTORCHLOOPD_TEST_HOOKS $(CFLAGS) -c $< -o $@
+
+$(BUILD)/torchloopd-testhooks: $(BUILD)/daemon/main.o $(BUILD)/daemon/daemon-testhooks.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 $(BUILD)/libtorchloop.a: $(CLIENT_OBJ) $(PROTO_OBJ)

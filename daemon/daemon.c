@@ -63,8 +63,9 @@ static void finish_shutdown(struct daemon *d)
 	signal(SIGTERM, SIG_IGN);
 	signal(SIGINT, SIG_IGN);
 	signal(SIGHUP, SIG_IGN);
-	if (d->test_hooks)
-		uv_close((uv_handle_t *)&d->sigusr2, NULL);
+#ifdef TORCHLOOPD_TEST_HOOKS
+	uv_close((uv_handle_t *)&d->sigusr2, NULL);
+#endif
 	sd_glue_stop(d);
 	if (d->compiler)
 		compiler_stop(d->compiler);
@@ -192,12 +193,14 @@ static void on_signal(uv_signal_t *s, int signum)
 {
 	struct daemon *d = s->data;
 
+#ifdef TORCHLOOPD_TEST_HOOKS
 	if (signum == SIGUSR2) {
 		/* test hook: a stalled loop must stop the watchdog pings */
 		log_warn("test hook: stalling the event loop for 3 s");
 		sleep(3);
 		return;
 	}
+#endif
 	if (signum == SIGHUP) {
 		if (!d->shutting_down)
 			start_reload(d);
@@ -410,13 +413,12 @@ int daemon_start(struct daemon *d)
 	uv_signal_start(&d->sigterm, on_signal, SIGTERM);
 	uv_signal_start(&d->sigint, on_signal, SIGINT);
 	uv_signal_start(&d->sighup, on_signal, SIGHUP);
-	d->test_hooks =
-	    getenv("TORCHLOOPD_TEST_HOOKS") && strcmp(getenv("TORCHLOOPD_TEST_HOOKS"), "1") == 0;
-	if (d->test_hooks) {
-		uv_signal_init(d->loop, &d->sigusr2);
-		d->sigusr2.data = d;
-		uv_signal_start(&d->sigusr2, on_signal, SIGUSR2);
-	}
+#ifdef TORCHLOOPD_TEST_HOOKS
+	/* only in build/torchloopd-testhooks (the Makefile), never in torchloopd */
+	uv_signal_init(d->loop, &d->sigusr2);
+	d->sigusr2.data = d;
+	uv_signal_start(&d->sigusr2, on_signal, SIGUSR2);
+#endif
 	if (sd_glue_init(d) != 0 || (!d->server_open && server_listen(d, &err) != 0)) {
 		if (!d->server_open || err.message[0])
 			log_error("%s", err.message);

@@ -229,8 +229,10 @@ struct daemon {
 	uv_timer_t conn_sweep; /* conn.c: frame/write stalls and idle connections */
 	uv_idle_t resume_idle; /* conn.c: resumes paused connections at a safe point */
 	unsigned n_paused;     /* connections whose reads are paused */
-	uv_signal_t sigterm, sigint, sighup, sigusr2;
-	bool test_hooks;
+	uv_signal_t sigterm, sigint, sighup;
+	/* used only by the test build's loop-stall hook (daemon.c), but always
+	 * here: every object must agree on this struct's layout */
+	uv_signal_t sigusr2;
 	uv_timer_t drain_timer, watchdog, exit_timer;
 	/* the thread pool's canary (daemon.c): a no-op job queued every second */
 	uv_timer_t pool_timer;

@@ -14,16 +14,14 @@ both, interleaved (same client, same IPC; the difference is the graph's).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from strategy import start_daemon  # noqa: E402
+from strategy import finish, fresh_daemon  # noqa: E402
 from tlwire import Client  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -50,10 +48,7 @@ def round_trip_us(c: Client, name: str, carry, xs) -> float:
 
 def main() -> None:
     build, out = sys.argv[1], sys.argv[2]
-    tmp = tempfile.mkdtemp(prefix="tl-batch-")
-    sock = os.path.join(tmp, "sock")
-    proc = start_daemon(build, os.path.join(tmp, "cache"), sock, os.path.join(tmp, "log"))
-    c = Client(sock)
+    proc, c = fresh_daemon(build, "tl-batch-")
     rows = []
     for body, (path, entry) in BODIES.items():
         src = open(os.path.join(ROOT, path)).read()
@@ -84,11 +79,7 @@ def main() -> None:
                          "static_p50_us": float(np.median(times["none"])),
                          "dynamic_p50_us": float(np.median(times["batch"]))})
             print(rows[-1], flush=True)
-    proc.terminate()
-    proc.wait(timeout=120)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+    finish(proc, out, rows)
 
 
 if __name__ == "__main__":

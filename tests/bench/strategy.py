@@ -73,12 +73,17 @@ def spec(tree):
     return {"k": "T", "s": list(tree.shape)}
 
 
-def main() -> None:
-    build, out = sys.argv[1], sys.argv[2]
-    tmp = tempfile.mkdtemp(prefix="tl-bench-")
+def fresh_daemon(build: str, prefix: str) -> tuple[subprocess.Popen, Client]:
+    """A daemon on a new, empty cache (every compile cold) and a client of it."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
     sock = os.path.join(tmp, "sock")
     proc = start_daemon(build, os.path.join(tmp, "cache"), sock, os.path.join(tmp, "log"))
-    c = Client(sock)
+    return proc, Client(sock)
+
+
+def main() -> None:
+    build, out = sys.argv[1], sys.argv[2]
+    proc, c = fresh_daemon(build, "tl-bench-")
     rows = []
     bodies = {"ema": ("examples/bodies/ema.py", "body"), "rnn": ("examples/bodies/rnn_carry.py", "cell"),
               "lorenz": ("examples/bodies/lorenz.py", "rk4"),
@@ -117,6 +122,11 @@ def main() -> None:
                              "phases": reply["result"].get("compile_phases", {}),
                              "run_p50_us": d["run_p50_us"], "run_p99_us": d["run_p99_us"]})
                 print(rows[-1], flush=True)
+    finish(proc, out, rows)
+
+
+def finish(proc: subprocess.Popen, out: str, rows: list[dict]) -> None:
+    """Stops the benchmark's daemon and writes its rows to out (JSON)."""
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

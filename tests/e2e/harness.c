@@ -65,8 +65,10 @@ void hd_start(struct hd *d, const char *cache, const char *const *extra)
 	snprintf(d->sock, sizeof d->sock, "%s/sock", d->dir);
 	snprintf(d->log, sizeof d->log, "%s/log", d->dir);
 	snprintf(d->cache, sizeof d->cache, "%s", cache ? cache : h_shared_cache());
-	snprintf(bin, sizeof bin, "%s/%s/torchloopd", h_root(),
-	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build");
+	/* TORCHLOOPD_TEST_HOOKS=1: the build with test-only hooks (Makefile) */
+	snprintf(bin, sizeof bin, "%s/%s/torchloopd%s", h_root(),
+	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build",
+	         getenv("TORCHLOOPD_TEST_HOOKS") ? "-testhooks" : "");
 	argv[n++] = bin;
 	argv[n++] = "--socket";
 	argv[n++] = d->sock;
@@ -509,4 +511,27 @@ int raw_recv(int fd, char *code, size_t code_size, long long *id, char *message,
 	msg_destroy(&m);
 	frame_free(body);
 	return 0;
+}
+
+struct tl_tree *h_rand_tensor(struct tl_builder *b, struct h_bufs *bb, int ndim,
+                              const int64_t *shape, uint64_t seed)
+{
+	size_t n = 1;
+	double *buf;
+
+	cr_assert_lt(bb->n, (int)(sizeof bb->p / sizeof bb->p[0]), "h_bufs is full");
+	for (int i = 0; i < ndim; i++)
+		n *= (size_t)shape[i];
+	buf = aligned_alloc(64, (n * 8 / 64 + 1) * 64);
+	cr_assert_not_null(buf);
+	h_fill(buf, TL_FLOAT64, n, seed);
+	bb->p[bb->n++] = buf;
+	return tl_tensor(b, TL_FLOAT64, ndim, shape, buf);
+}
+
+void h_bufs_free(struct h_bufs *bb)
+{
+	for (int k = 0; k < bb->n; k++)
+		free(bb->p[k]);
+	bb->n = 0;
 }

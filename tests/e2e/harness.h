@@ -55,6 +55,17 @@ double hd_counter(struct tl_client *c, const char *adapter, const char *counter)
 /* Deterministic pseudo-random fill in [-1, 1). */
 void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed);
 
+/* float64 buffers a test builds trees on, freed together (h_bufs_free). */
+struct h_bufs {
+	void *p[64];
+	int n;
+};
+/* A float64 tensor leaf of that shape over a fresh 64-byte-aligned buffer
+ * filled by h_fill(seed), kept in bb. */
+struct tl_tree *h_rand_tensor(struct tl_builder *b, struct h_bufs *bb, int ndim,
+                              const int64_t *shape, uint64_t seed);
+void h_bufs_free(struct h_bufs *bb);
+
 /*
  * Writes carry/inputs (and cotangents when non-NULL) to dir/in.json and
  * runs the eager reference; returns the reference trees loaded in tj.

@@ -19,32 +19,6 @@ TestSuite(dynamic, .timeout = 900);
 
 static const char *const ARGS[] = {"--no-probe", NULL};
 
-struct bufs {
-	void *p[32];
-	int n;
-};
-
-static struct tl_tree *rnd(struct tl_builder *b, struct bufs *bb, int ndim, const int64_t *shape,
-                           uint64_t seed)
-{
-	size_t n = 1;
-	double *buf;
-
-	for (int i = 0; i < ndim; i++)
-		n *= (size_t)shape[i];
-	buf = aligned_alloc(64, (n * 8 / 64 + 1) * 64);
-	h_fill(buf, TL_FLOAT64, n, seed);
-	bb->p[bb->n++] = buf;
-	return tl_tensor(b, TL_FLOAT64, ndim, shape, buf);
-}
-
-static void free_bufs(struct bufs *bb)
-{
-	for (int k = 0; k < bb->n; k++)
-		free(bb->p[k]);
-	bb->n = 0;
-}
-
 static int register_dynamic(struct tl_client *c, const char *name, const char *body_path,
                             const char *entry, const char *dynamic, struct tl_error *err)
 {
@@ -77,18 +51,18 @@ static int register_dynamic(struct tl_client *c, const char *name, const char *b
 }
 
 /* rnn.py's (h, None) carry, inputs [T, batch, 3], cotangents of (h, None) and y. */
-static void rnn_trees(struct tl_builder *b, struct bufs *bb, int64_t batch, uint64_t seed,
+static void rnn_trees(struct tl_builder *b, struct h_bufs *bb, int64_t batch, uint64_t seed,
                       struct tl_tree **carry, struct tl_tree **inputs, struct tl_tree **cot_c,
                       struct tl_tree **cot_y)
 {
 	int64_t h[] = {batch, 8}, x[] = {T, batch, 3}, y[] = {T, batch, 8};
-	struct tl_tree *items[2] = {rnd(b, bb, 2, h, seed), tl_none(b)};
-	struct tl_tree *citems[2] = {rnd(b, bb, 2, h, seed + 1), tl_none(b)};
+	struct tl_tree *items[2] = {h_rand_tensor(b, bb, 2, h, seed), tl_none(b)};
+	struct tl_tree *citems[2] = {h_rand_tensor(b, bb, 2, h, seed + 1), tl_none(b)};
 
 	*carry = tl_tuple(b, 2, items);
-	*inputs = rnd(b, bb, 3, x, seed + 2);
+	*inputs = h_rand_tensor(b, bb, 3, x, seed + 2);
 	*cot_c = tl_tuple(b, 2, citems);
-	*cot_y = rnd(b, bb, 3, y, seed + 3);
+	*cot_y = h_rand_tensor(b, bb, 3, y, seed + 3);
 }
 
 Test(dynamic, one_graph_serves_every_batch_size_for_scan_and_grad)
@@ -105,7 +79,7 @@ Test(dynamic, one_graph_serves_every_batch_size_for_scan_and_grad)
 	             0, "%s %s", err.code, err.message);
 	for (size_t i = 0; i < sizeof batches / sizeof batches[0]; i++) {
 		struct tl_builder *b = tl_builder_new();
-		struct bufs bb = {{0}, 0};
+		struct h_bufs bb = {{0}, 0};
 		struct tl_tree *carry, *inputs, *cot_c, *cot_y;
 		struct tl_reply *r, *g;
 		struct treejson tj;
@@ -137,7 +111,7 @@ Test(dynamic, one_graph_serves_every_batch_size_for_scan_and_grad)
 		tl_reply_free(r);
 		tl_reply_free(g);
 		treejson_free(&tj);
-		free_bufs(&bb);
+		h_bufs_free(&bb);
 		tl_builder_free(b);
 	}
 	/* four batch sizes, one graph per kind: two compiles, two budget slots */
@@ -177,7 +151,7 @@ static void expect_fail(struct tl_client *c, const struct tl_tree *carry,
 Test(dynamic, batch_errors_get_their_code_and_path_and_the_daemon_serves_on)
 {
 	struct tl_builder *b = tl_builder_new();
-	struct bufs bb = {{0}, 0};
+	struct h_bufs bb = {{0}, 0};
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y, *items[2];
 	struct tl_reply *r;
 	struct tl_error err;
@@ -199,30 +173,33 @@ Test(dynamic, batch_errors_get_their_code_and_path_and_the_daemon_serves_on)
 	rnn_trees(b, &bb, 3, 70, &carry, &inputs, &cot_c, &cot_y);
 
 	/* carry batch 3, inputs batch 4 */
-	expect_fail(c, carry, rnd(b, &bb, 3, x4, 1), "BATCH_MISMATCH", "inputs", carry, inputs);
+	expect_fail(c, carry, h_rand_tensor(b, &bb, 3, x4, 1), "BATCH_MISMATCH", "inputs", carry,
+	            inputs);
 	/* an input leaf without a batch dimension */
-	expect_fail(c, carry, rnd(b, &bb, 1, x1d, 2), "BATCH_MISMATCH", "inputs", carry, inputs);
+	expect_fail(c, carry, h_rand_tensor(b, &bb, 1, x1d, 2), "BATCH_MISMATCH", "inputs", carry,
+	            inputs);
 	/* batch size 0 */
-	items[0] = rnd(b, &bb, 2, h0, 3);
+	items[0] = h_rand_tensor(b, &bb, 2, h0, 3);
 	items[1] = tl_none(b);
-	expect_fail(c, tl_tuple(b, 2, items), rnd(b, &bb, 3, x0, 4), "BATCH_MISMATCH", "carry[0]",
-	            carry, inputs);
+	expect_fail(c, tl_tuple(b, 2, items), h_rand_tensor(b, &bb, 3, x0, 4), "BATCH_MISMATCH",
+	            "carry[0]", carry, inputs);
 	/* within max_elements per leaf (200 x 8, 3 x 200 x 3) but the stacked
 	 * outputs (3 x 200 x 8 = 4800) are over 4096 */
-	items[0] = rnd(b, &bb, 2, h200, 5);
-	expect_fail(c, tl_tuple(b, 2, items), rnd(b, &bb, 3, x200, 6), "TOO_MANY_ELEMENTS",
-	            "outputs", carry, inputs);
+	items[0] = h_rand_tensor(b, &bb, 2, h200, 5);
+	expect_fail(c, tl_tuple(b, 2, items), h_rand_tensor(b, &bb, 3, x200, 6),
+	            "TOO_MANY_ELEMENTS", "outputs", carry, inputs);
 	/* a cotangent of another batch size */
-	items[0] = rnd(b, &bb, 2, h3, 7);
-	cr_assert_eq(tl_grad(c, "t7.rnn", carry, inputs, cot_c, rnd(b, &bb, 3, y4, 8), &r, &err),
-	             -1);
+	items[0] = h_rand_tensor(b, &bb, 2, h3, 7);
+	cr_assert_eq(
+	    tl_grad(c, "t7.rnn", carry, inputs, cot_c, h_rand_tensor(b, &bb, 3, y4, 8), &r, &err),
+	    -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH", "%s", err.message);
 	cr_assert_str_eq(err.path, "cot_outputs");
 	cr_assert_eq(tl_grad(c, "t7.rnn", carry, inputs, cot_c, cot_y, &r, &err), 0, "%s %s",
 	             err.code, err.message);
 	tl_reply_free(r);
 	cr_assert_eq(hd_counter(c, "t7.rnn", "graphs"), 2, "errors take no budget slot");
-	free_bufs(&bb);
+	h_bufs_free(&bb);
 	tl_builder_free(b);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
@@ -244,7 +221,7 @@ Test(dynamic, a_body_that_fixes_the_batch_size_is_refused_with_BATCH_SPECIALIZED
 	static const char *const paths[] = {"", "outputs"};
 	char dir[512], body[600];
 	struct tl_builder *b = tl_builder_new();
-	struct bufs bb = {{0}, 0};
+	struct h_bufs bb = {{0}, 0};
 	struct tl_reply *r;
 	struct tl_error err;
 	struct hd d;
@@ -266,9 +243,9 @@ Test(dynamic, a_body_that_fixes_the_batch_size_is_refused_with_BATCH_SPECIALIZED
 		snprintf(name, sizeof name, "t7.%s", entries[i]);
 		cr_assert_eq(register_dynamic(c, name, body, entries[i], "batch", &err), 0, "%s",
 		             err.message);
-		cr_assert_eq(
-		    tl_scan(c, name, rnd(b, &bb, 2, cs, 1), rnd(b, &bb, 3, xs, 2), &r, &err), -1,
-		    "%s compiled", entries[i]);
+		cr_assert_eq(tl_scan(c, name, h_rand_tensor(b, &bb, 2, cs, 1),
+		                     h_rand_tensor(b, &bb, 3, xs, 2), &r, &err),
+		             -1, "%s compiled", entries[i]);
 		cr_assert_str_eq(err.code, "BATCH_SPECIALIZED", "%s: %s", entries[i], err.message);
 		cr_assert_str_eq(err.path, paths[i], "%s: %s", entries[i], err.message);
 		cr_assert(strstr(err.message, "batch") != NULL, "%s", err.message);
@@ -277,12 +254,12 @@ Test(dynamic, a_body_that_fixes_the_batch_size_is_refused_with_BATCH_SPECIALIZED
 	/* the same body without dynamic = batch compiles per batch size, and serves */
 	cr_assert_eq(register_dynamic(c, "t7.static", body, "flat", "none", &err), 0, "%s",
 	             err.message);
-	cr_assert_eq(
-	    tl_scan(c, "t7.static", rnd(b, &bb, 2, cs, 3), rnd(b, &bb, 3, xs, 4), &r, &err), 0,
-	    "%s %s", err.code, err.message);
+	cr_assert_eq(tl_scan(c, "t7.static", h_rand_tensor(b, &bb, 2, cs, 3),
+	                     h_rand_tensor(b, &bb, 3, xs, 4), &r, &err),
+	             0, "%s %s", err.code, err.message);
 	cr_assert_eq(tl_tree_shape(tl_reply_tree(r, "outputs"))[1], 6);
 	tl_reply_free(r);
-	free_bufs(&bb);
+	h_bufs_free(&bb);
 	tl_builder_free(b);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
@@ -293,7 +270,7 @@ Test(dynamic, symbolic_graphs_are_loaded_from_the_cache_after_a_restart)
 	char dir[512], path[700];
 	const char *args[] = {"--no-probe", "--adapters", dir, NULL};
 	struct tl_builder *b = tl_builder_new();
-	struct bufs bb = {{0}, 0};
+	struct h_bufs bb = {{0}, 0};
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
 	struct tl_reply *r;
 	struct tl_error err;
@@ -334,14 +311,14 @@ Test(dynamic, symbolic_graphs_are_loaded_from_the_cache_after_a_restart)
 		                 "float64 T=3 carry=t([B,8],N) inputs=[3,B,3]");
 	}
 	json_decref(desc);
-	free_bufs(&bb);
+	h_bufs_free(&bb);
 	rnn_trees(b, &bb, 2, 95, &carry, &inputs, &cot_c, &cot_y);
 	cr_assert_eq(tl_scan(c, "t7.rnn", carry, inputs, &r, &err), 0, "%s %s", err.code,
 	             err.message);
 	cr_assert_eq(tl_tree_shape(tl_reply_tree(r, "outputs"))[1], 2);
 	tl_reply_free(r);
 	cr_assert_eq(hd_counter(c, "t7.rnn", "compiles"), 0, "another batch size, no compile");
-	free_bufs(&bb);
+	h_bufs_free(&bb);
 	tl_builder_free(b);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);

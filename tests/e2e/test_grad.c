@@ -51,27 +51,8 @@ static const struct gcase CASES[] = {
 
 #define N_CASES (sizeof CASES / sizeof CASES[0])
 
-struct bufs {
-	void *p[16];
-	int n;
-};
-
-static struct tl_tree *rnd(struct tl_builder *b, struct bufs *bb, int ndim, const int64_t *shape,
-                           uint64_t seed)
-{
-	size_t n = 1;
-	double *buf;
-
-	for (int i = 0; i < ndim; i++)
-		n *= (size_t)shape[i];
-	buf = aligned_alloc(64, (n * 8 / 64 + 1) * 64);
-	h_fill(buf, TL_FLOAT64, n, seed);
-	bb->p[bb->n++] = buf;
-	return tl_tensor(b, TL_FLOAT64, ndim, shape, buf);
-}
-
 /* carry, inputs and cotangents (None for the carry's None leaves). */
-static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb,
+static void build(const struct gcase *gc, struct tl_builder *b, struct h_bufs *bb,
                   struct tl_tree **carry, struct tl_tree **inputs, struct tl_tree **cot_c,
                   struct tl_tree **cot_y)
 {
@@ -82,37 +63,39 @@ static void build(const struct gcase *gc, struct tl_builder *b, struct bufs *bb,
 		if (strcmp(gc->entry, "body") == 0 && strstr(gc->file, "dict_out")) {
 			const char *k[] = {"value", "nothing"};
 			struct tl_tree *items[2];
-			*carry = rnd(b, bb, 2, c, 1);
-			*inputs = rnd(b, bb, 3, x, 2);
-			*cot_c = rnd(b, bb, 2, c, 3);
-			items[0] = rnd(b, bb, 3, x, 4);
+			*carry = h_rand_tensor(b, bb, 2, c, 1);
+			*inputs = h_rand_tensor(b, bb, 3, x, 2);
+			*cot_c = h_rand_tensor(b, bb, 2, c, 3);
+			items[0] = h_rand_tensor(b, bb, 3, x, 4);
 			items[1] = tl_none(b);
 			*cot_y = tl_dict(b, 2, k, items);
 			return;
 		}
-		*carry = rnd(b, bb, 2, c, 1);
-		*inputs = rnd(b, bb, 3, x, 2);
-		*cot_c = rnd(b, bb, 2, c, 3);
-		*cot_y = rnd(b, bb, 3, x, 4);
+		*carry = h_rand_tensor(b, bb, 2, c, 1);
+		*inputs = h_rand_tensor(b, bb, 3, x, 2);
+		*cot_c = h_rand_tensor(b, bb, 2, c, 3);
+		*cot_y = h_rand_tensor(b, bb, 3, x, 4);
 	} else if (gc->kind == 1) {
 		int64_t c[] = {3}, x[] = {T, 3};
 		const char *keys[] = {"x", "y", "z"}, *fk[] = {"forcing"};
-		struct tl_tree *xyz[3] = {rnd(b, bb, 1, c, 5), rnd(b, bb, 1, c, 6),
-		                          rnd(b, bb, 1, c, 7)};
-		struct tl_tree *cxyz[3] = {rnd(b, bb, 1, c, 8), tl_none(b), rnd(b, bb, 1, c, 9)};
-		struct tl_tree *f = rnd(b, bb, 2, x, 10);
+		struct tl_tree *xyz[3] = {h_rand_tensor(b, bb, 1, c, 5),
+		                          h_rand_tensor(b, bb, 1, c, 6),
+		                          h_rand_tensor(b, bb, 1, c, 7)};
+		struct tl_tree *cxyz[3] = {h_rand_tensor(b, bb, 1, c, 8), tl_none(b),
+		                           h_rand_tensor(b, bb, 1, c, 9)};
+		struct tl_tree *f = h_rand_tensor(b, bb, 2, x, 10);
 		*carry = tl_dict(b, 3, keys, xyz);
 		*inputs = tl_dict(b, 1, fk, &f);
 		*cot_c = tl_dict(b, 3, keys, cxyz); /* a None leaf: zero cotangent for y */
-		*cot_y = rnd(b, bb, 2, x, 11);
+		*cot_y = h_rand_tensor(b, bb, 2, x, 11);
 	} else {
 		int64_t h[] = {2, 8}, x[] = {T, 2, 3}, y[] = {T, 2, 8};
-		struct tl_tree *items[2] = {rnd(b, bb, 2, h, 12), tl_none(b)};
-		struct tl_tree *citems[2] = {rnd(b, bb, 2, h, 13), tl_none(b)};
+		struct tl_tree *items[2] = {h_rand_tensor(b, bb, 2, h, 12), tl_none(b)};
+		struct tl_tree *citems[2] = {h_rand_tensor(b, bb, 2, h, 13), tl_none(b)};
 		*carry = tl_tuple(b, 2, items);
-		*inputs = rnd(b, bb, 3, x, 14);
+		*inputs = h_rand_tensor(b, bb, 3, x, 14);
 		*cot_c = tl_tuple(b, 2, citems);
-		*cot_y = rnd(b, bb, 3, y, 15);
+		*cot_y = h_rand_tensor(b, bb, 3, y, 15);
 	}
 }
 
@@ -126,7 +109,7 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 	struct tl_reply *r;
 	struct tl_error err;
 	struct treejson tj;
-	struct bufs bb = {{0}, 0};
+	struct h_bufs bb = {{0}, 0};
 	struct hd d;
 	struct tl_client *c;
 	char dir[512];
@@ -176,8 +159,7 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 	}
 	tl_reply_free(r);
 	treejson_free(&tj);
-	for (int k = 0; k < bb.n; k++)
-		free(bb.p[k]);
+	h_bufs_free(&bb);
 	tl_builder_free(b);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
@@ -192,7 +174,7 @@ Test(grad, mismatched_cotangents_get_their_code_and_leaf_path)
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
 	struct tl_reply *r;
 	struct tl_error err;
-	struct bufs bb = {{0}, 0};
+	struct h_bufs bb = {{0}, 0};
 	struct hd d;
 	struct tl_client *c;
 	const struct gcase *gc = &CASES[5]; /* rnn, T = MAX_STEPS: tuple carry with None */
@@ -244,8 +226,7 @@ Test(grad, mismatched_cotangents_get_their_code_and_leaf_path)
 	}
 	tl_reply_free(r);
 	(void)y;
-	for (int k = 0; k < bb.n; k++)
-		free(bb.p[k]);
+	h_bufs_free(&bb);
 	tl_builder_free(b);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
