@@ -998,9 +998,13 @@ static uint64_t check_scan_reply(struct fixture *f, int fd)
  */
 Test(daemon, pipelined_scans_past_the_write_queue_cap_pause_then_all_arrive)
 {
-	static const char *const args[] = {
-	    "--no-probe", "--socket-mode",  "0666", "--write-queue-cap",
-	    "1048576",    "--max-inflight", "4096", NULL};
+	/* --inline-run-us at its maximum: whether these µs-scale runs stay on the
+	 * loop must not depend on how fast this machine (or ASan) runs them */
+	static const char *const args[] = {"--no-probe", "--socket-mode",
+	                                   "0666",       "--write-queue-cap",
+	                                   "1048576",    "--max-inflight",
+	                                   "4096",       "--inline-run-us",
+	                                   "100000",     NULL};
 	enum { N_REQ = 12000 };
 	struct fixture f;
 	size_t one;
