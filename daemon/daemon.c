@@ -55,17 +55,9 @@ static void finish_shutdown(struct daemon *d)
 	 * loop alive for ever: past the grace period, exit without it. */
 	uv_timer_start(&d->exit_timer, on_exit_grace, EXIT_GRACE_MS, 0);
 	uv_unref((uv_handle_t *)&d->exit_timer);
-	uv_close((uv_handle_t *)&d->sigterm, NULL);
-	uv_close((uv_handle_t *)&d->sigint, NULL);
-	uv_close((uv_handle_t *)&d->sighup, NULL);
-	/* with the handles gone, a repeated SIGTERM must not kill the clean-up;
-	 * the drain is bounded by drain-timeout and systemd's stop timeout */
-	signal(SIGTERM, SIG_IGN);
-	signal(SIGINT, SIG_IGN);
-	signal(SIGHUP, SIG_IGN);
-#ifdef TORCHLOOPD_TEST_HOOKS
-	uv_close((uv_handle_t *)&d->sigusr2, NULL);
-#endif
+	/* signals still arrive (and are ignored: shutting_down) but no longer
+	 * hold the loop; main() stops the thread once the loop is done */
+	sigthread_unref(&d->sig);
 	sd_glue_stop(d);
 	if (d->compiler)
 		compiler_stop(d->compiler);
@@ -189,9 +181,9 @@ static void start_reload(struct daemon *d)
 		reloaded(d, 1);
 }
 
-static void on_signal(uv_signal_t *s, int signum)
+static void on_signal(void *arg, int signum)
 {
-	struct daemon *d = s->data;
+	struct daemon *d = arg;
 
 #ifdef TORCHLOOPD_TEST_HOOKS
 	if (signum == SIGUSR2) {
@@ -381,6 +373,19 @@ static int check_fd_limit(const struct config *cfg)
 	return -1;
 }
 
+int daemon_block_signals(struct daemon *d)
+{
+	sigemptyset(&d->sig.set);
+	sigaddset(&d->sig.set, SIGTERM);
+	sigaddset(&d->sig.set, SIGINT);
+	sigaddset(&d->sig.set, SIGHUP);
+#ifdef TORCHLOOPD_TEST_HOOKS
+	/* only in build/torchloopd-testhooks (the Makefile), never in torchloopd */
+	sigaddset(&d->sig.set, SIGUSR2);
+#endif
+	return sigthread_block(&d->sig.set);
+}
+
 int daemon_start(struct daemon *d)
 {
 	struct proto_err err;
@@ -406,19 +411,10 @@ int daemon_start(struct daemon *d)
 	uv_timer_init(d->loop, &d->pool_timer);
 	d->pool_timer.data = d;
 	uv_timer_start(&d->pool_timer, on_pool_timer, 1000, 1000);
-	uv_signal_init(d->loop, &d->sigterm);
-	uv_signal_init(d->loop, &d->sigint);
-	uv_signal_init(d->loop, &d->sighup);
-	d->sigterm.data = d->sigint.data = d->sighup.data = d;
-	uv_signal_start(&d->sigterm, on_signal, SIGTERM);
-	uv_signal_start(&d->sigint, on_signal, SIGINT);
-	uv_signal_start(&d->sighup, on_signal, SIGHUP);
-#ifdef TORCHLOOPD_TEST_HOOKS
-	/* only in build/torchloopd-testhooks (the Makefile), never in torchloopd */
-	uv_signal_init(d->loop, &d->sigusr2);
-	d->sigusr2.data = d;
-	uv_signal_start(&d->sigusr2, on_signal, SIGUSR2);
-#endif
+	if (sigthread_start(&d->sig, d->loop, on_signal, d) != 0) {
+		finish_shutdown(d);
+		return -1;
+	}
 	if (sd_glue_init(d) != 0 || (!d->server_open && server_listen(d, &err) != 0)) {
 		if (!d->server_open || err.message[0])
 			log_error("%s", err.message);

@@ -18,6 +18,7 @@
 #include "engine.h"
 #include "frame.h"
 #include "msg.h"
+#include "sigthread.h"
 #include "tree.h"
 #include "writer.h"
 
@@ -229,10 +230,7 @@ struct daemon {
 	uv_timer_t conn_sweep; /* conn.c: frame/write stalls and idle connections */
 	uv_idle_t resume_idle; /* conn.c: resumes paused connections at a safe point */
 	unsigned n_paused;     /* connections whose reads are paused */
-	uv_signal_t sigterm, sigint, sighup;
-	/* used only by the test build's loop-stall hook (daemon.c), but always
-	 * here: every object must agree on this struct's layout */
-	uv_signal_t sigusr2;
+	struct sigthread sig;  /* SIGTERM, SIGINT, SIGHUP (+ SIGUSR2 in the test build) */
 	uv_timer_t drain_timer, watchdog, exit_timer;
 	/* the thread pool's canary (daemon.c): a no-op job queued every second */
 	uv_timer_t pool_timer;

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+int daemon_block_signals(struct daemon *d);
 int daemon_start(struct daemon *d);
 
 int main(int argc, char **argv)
@@ -23,6 +24,10 @@ int main(int argc, char **argv)
 	if (rc != 0)
 		return rc > 0 ? 0 : 2;
 	signal(SIGPIPE, SIG_IGN);
+	/* before any thread exists, so that every thread inherits the mask and
+	 * only the daemon's signal thread takes them (sigthread.c) */
+	if (daemon_block_signals(&d) != 0)
+		return 1;
 	/* graph runs + cache I/O and dlopen, which must not queue behind runs */
 	snprintf(pool, sizeof pool, "%lld", d.cfg.threads + 2);
 	setenv("UV_THREADPOOL_SIZE", pool, 1);
@@ -35,10 +40,12 @@ int main(int argc, char **argv)
 	if (daemon_start(&d) != 0)
 		d.exit_code = 1;
 	uv_run(d.loop, UV_RUN_DEFAULT);
-	if (d.exit_timer.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d.exit_timer)) {
-		uv_close((uv_handle_t *)&d.exit_timer, NULL); /* unref'd: it never held the loop */
-		uv_run(d.loop, UV_RUN_DEFAULT);
-	}
+	/* what is left never held the loop: the signal thread's handle and the
+	 * exit timer (both unref'd) */
+	sigthread_stop(&d.sig);
+	if (d.exit_timer.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d.exit_timer))
+		uv_close((uv_handle_t *)&d.exit_timer, NULL);
+	uv_run(d.loop, UV_RUN_DEFAULT);
 	rc = uv_loop_close(d.loop);
 	if (rc != 0)
 		log_warn("loop closed with handles open: %s", uv_strerror(rc));

@@ -27,6 +27,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 TestSuite(daemon, .timeout = 900);
@@ -694,6 +695,50 @@ Test(daemon, sigterm_with_requests_in_flight_sends_no_truncated_reply)
 	tl_close(f.c);
 	cr_assert_eq(hd_stop(&f.d), 0);
 	cr_assert_neq(stat(f.d.sock, &st), 0, "the socket file is removed");
+}
+
+/*
+ * A supervisor may repeat its stop request, and a harness may follow the
+ * `shutdown` op with SIGTERM: no signal may kill a daemon that is stopping.  (libuv restores
+ * SIG_DFL when a uv_signal_t closes; the daemon used to close its handles during shutdown, and a
+ * SIGTERM in the gap killed it: seen once under ASan.  Its signals now go to one sigwait thread.)
+ * Graph runs first, so that the pool and OpenMP threads exist.
+ */
+Test(daemon, signals_flooding_a_stopping_daemon_never_kill_it)
+{
+	static const int sigs[] = {SIGTERM, SIGINT, SIGHUP};
+	struct fixture f;
+	int status = 0;
+	pid_t got = 0, flooder;
+	time_t end;
+
+	setup(&f, NULL);
+	scan_ok(&f, f.c);
+	scan_ok(&f, f.c);
+	kill(f.d.pid, SIGHUP); /* no --adapters: a reload that has nothing to do */
+	scan_ok(&f, f.c);      /* and the daemon still serves */
+	/* a child floods while this thread reaps: the first SIGTERM starts the
+	 * shutdown and the rest land during it (a few µs wide, before the fix) */
+	flooder = fork();
+	cr_assert_neq(flooder, -1);
+	if (flooder == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		for (long k = 0;; k++)
+			if (kill(f.d.pid, k % 8 == 7 ? sigs[1 + k % 2] : SIGTERM) != 0)
+				_exit(0);
+	}
+	end = time(NULL) + 120;
+	while ((got = waitpid(f.d.pid, &status, WNOHANG)) == 0 && time(NULL) < end)
+		usleep(1000);
+	kill(flooder, SIGKILL);
+	waitpid(flooder, NULL, 0);
+	cr_assert_eq(got, f.d.pid, "the daemon did not stop within 120 s; log %s", f.d.log);
+	f.d.pid = 0;
+	cr_assert(WIFEXITED(status), "torchloopd died of signal %d; log %s",
+	          WIFSIGNALED(status) ? WTERMSIG(status) : 0, f.d.log);
+	cr_assert_eq(WEXITSTATUS(status), 0, "log %s", f.d.log);
+	tl_builder_free(f.b);
+	tl_close(f.c);
 }
 
 Test(daemon, a_restart_on_a_warm_cache_scans_without_compiling)
