@@ -95,10 +95,12 @@ $(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/client/treejson.o $(BUILD)/li
 TEST_DEPS := $(BUILD)/libproto.a $(DAEMON_LIB) $(wildcard tests/unit/*.h tests/unit/helpers.c)
 $(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) -Itests/unit $(CFLAGS) -o $@ $< $(wildcard tests/unit/helpers.c) $(DAEMON_LIB) $(BUILD)/libproto.a \
+	$(CC) $(CPPFLAGS) -Itests/unit $(CFLAGS) $(TEST_LDFLAGS) -o $@ $< $(wildcard tests/unit/helpers.c) $(DAEMON_LIB) $(BUILD)/libproto.a \
 		$(CRIT_LIBS) $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+# test_oom fails our own allocations in turn (malloc fault injection)
+$(BUILD)/tests/test_oom: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc
 
-E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h tests/unit/params.h client/treejson.c $(BUILD)/libtorchloop.a
+E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h tests/e2e/fixture.h tests/unit/params.h client/treejson.c $(BUILD)/libtorchloop.a
 $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMON_LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -Itests/e2e -Itests/unit $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c client/treejson.c \

@@ -67,7 +67,7 @@ static const struct command {
      "health [--live]\n  exit 0 only when the daemon is ready (--live: when it answers)"},
     {"register", "a NAME", run_register,
      "register NAME --body FILE.py [--entry FN] [--max-steps N] [--max-elements N]\n"
-     "         [--budget N] [--strategy unroll|scan] [--dynamic none|batch]\n"
+     "         [--budget N] [--strategy unroll|scan|chunk] [--dynamic none|batch]\n"
      "  register or replace an adapter (admin)"},
     {"unregister", "a NAME", run_json, "unregister NAME\n  drop an adapter and its graphs (admin)"},
     {"list", NULL, run_json, "list\n  adapters with bounds and budget use"},

@@ -88,7 +88,7 @@ struct tl_adapter_def {
 	const char *body_source;  /* Python source text */
 	const char *body_file;    /* shown in errors; may be NULL */
 	const char *entry;        /* NULL: "body" */
-	const char *strategy;     /* NULL: "unroll"; or "scan" */
+	const char *strategy;     /* NULL: "unroll"; or "scan", "chunk" */
 	int64_t max_steps;        /* 0: the default 128 */
 	int64_t max_elements;     /* 0: 65536 */
 	int64_t recompile_budget; /* 0: 8 */

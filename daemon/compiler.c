@@ -17,7 +17,7 @@
 #include "proctree.h"
 #include "uvframe.h"
 #include "msg.h"
-#include "spec.h"
+#include "signature.h"
 #include "writer.h"
 
 #include <signal.h>
@@ -644,7 +644,11 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
 	else
 		snprintf(c->last_exit, sizeof c->last_exit, "exited with status %lld",
 		         (long long)status);
-	log_warn("compile worker %d %s%s", p->pid, c->last_exit, wp->killed ? " (killed)" : "");
+	if (c->stopping)
+		log_info("compile worker %d stopped", p->pid); /* compiler_stop killed it */
+	else
+		log_warn("compile worker %d %s%s", p->pid, c->last_exit,
+		         wp->killed ? " (killed)" : "");
 	if (live)
 		c->wp = NULL;
 	if (!wp->killed)

@@ -223,7 +223,7 @@ static void declare_ready(struct daemon *d)
 static void prewarmed(struct daemon *d)
 {
 	if (--d->pending_loads == 0 && !d->ready && !d->shutting_down) {
-		log_info("preloaded adapters' graphs loaded from the cache (%u)", specs_loaded(d));
+		log_info("preloaded adapters' graphs loaded from the cache (%u)", graphs_loaded(d));
 		declare_ready(d);
 	}
 }
@@ -237,7 +237,7 @@ static void adapters_loaded(struct daemon *d, int failed)
 	/* graphs these adapters had before a restart load before we say ready */
 	d->pending_loads = 1;
 	for (struct adapter *a = d->reg.head; a; a = a->next)
-		d->pending_loads += specs_prewarm(d, a, prewarmed);
+		d->pending_loads += graphs_prewarm(d, a, prewarmed);
 	prewarmed(d);
 }
 
@@ -266,10 +266,8 @@ static void probe_done(struct daemon *d, const struct proto_err *err)
 		restored(d, 1);
 }
 
-static void worker_ready(struct compiler *c, const struct proto_err *err)
+static void worker_up(struct daemon *d, const struct proto_err *err)
 {
-	struct daemon *d = compiler_data(c);
-
 	if (d->shutting_down)
 		return;
 	if (err != NULL) {
@@ -277,15 +275,24 @@ static void worker_ready(struct compiler *c, const struct proto_err *err)
 		return;
 	}
 	d->worker_ok = true;
-	/* what the worker generates code for is part of every cache key */
-	strncat(d->isa, ";worker:", sizeof d->isa - strlen(d->isa) - 1);
-	strncat(d->isa, compiler_info(c)->isa, sizeof d->isa - strlen(d->isa) - 1);
-	log_info("compile worker ready: torch %s, target %s", compiler_info(c)->torch,
-	         compiler_info(c)->isa);
+	log_info("compile worker ready: torch %s, target %s", compiler_info(d->compiler)->torch,
+	         compiler_info(d->compiler)->isa);
 	if (d->cfg.probe)
 		probe_start(d, probe_done);
 	else
 		probe_done(d, NULL);
+}
+
+static void worker_ready(struct compiler *c, const struct proto_err *err)
+{
+	struct daemon *d = compiler_data(c);
+
+	if (err == NULL) {
+		/* what the worker generates code for is part of every cache key */
+		strncat(d->isa, ";worker:", sizeof d->isa - strlen(d->isa) - 1);
+		strncat(d->isa, compiler_info(c)->isa, sizeof d->isa - strlen(d->isa) - 1);
+	}
+	d->worker_up(d, err);
 }
 
 /*
@@ -386,15 +393,12 @@ int daemon_block_signals(struct daemon *d)
 	return sigthread_block(&d->sig.set);
 }
 
-int daemon_start(struct daemon *d)
+int daemon_graphs_open(struct daemon *d)
 {
 	struct proto_err err;
 	uint64_t size;
 
-	d->started = now_seconds();
-	d->loop = uv_default_loop();
-	log_threshold = (enum log_level)d->cfg.log_level;
-	if (read_isa(d) != 0 || check_fd_limit(&d->cfg) != 0)
+	if (read_isa(d) != 0)
 		return -1;
 	if (sha256_file(d->cfg.worker, d->worker_sha, &size) != 0) {
 		log_error("compile worker script %s: cannot read it", d->cfg.worker);
@@ -404,6 +408,29 @@ int daemon_start(struct daemon *d)
 		log_error("cache: %s", err.message);
 		return -1;
 	}
+	return 0;
+}
+
+int daemon_graphs_start_worker(struct daemon *d,
+                               void (*up)(struct daemon *d, const struct proto_err *err))
+{
+	struct compiler_opts o = {d->cfg.python, d->cfg.worker, (double)d->cfg.compile_timeout,
+	                          target_env(d->cfg.target_isa)};
+
+	d->worker_up = up;
+	d->compiler = compiler_start(d->loop, &o, worker_ready, d);
+	return d->compiler ? 0 : -1;
+}
+
+int daemon_start(struct daemon *d)
+{
+	struct proto_err err;
+
+	d->started = now_seconds();
+	d->loop = uv_default_loop();
+	log_threshold = (enum log_level)d->cfg.log_level;
+	if (check_fd_limit(&d->cfg) != 0 || daemon_graphs_open(d) != 0)
+		return -1;
 	uv_timer_init(d->loop, &d->drain_timer);
 	d->drain_timer.data = d;
 	uv_timer_init(d->loop, &d->exit_timer);
@@ -423,11 +450,5 @@ int daemon_start(struct daemon *d)
 	}
 	conns_start_sweep(d);
 	log_info("cache %s", d->cfg.cache_dir);
-	{
-		struct compiler_opts o = {d->cfg.python, d->cfg.worker,
-		                          (double)d->cfg.compile_timeout,
-		                          target_env(d->cfg.target_isa)};
-		d->compiler = compiler_start(d->loop, &o, worker_ready, d);
-	}
-	return d->compiler ? 0 : -1;
+	return daemon_graphs_start_worker(d, worker_up);
 }

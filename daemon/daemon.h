@@ -17,6 +17,7 @@
 #include "config.h"
 #include "engine.h"
 #include "frame.h"
+#include "graphs.h"
 #include "msg.h"
 #include "sigthread.h"
 #include "tree.h"
@@ -88,7 +89,7 @@ struct specialization {
 	unsigned omp_tries;
 	double omp_best_us[2];  /* fastest run with a one-core share / all cores */
 	struct proto_err error; /* SPEC_FAILED */
-	struct request *waiters;
+	struct graph_waiter *waiters;
 	uv_timer_t *progress;
 	double wait_started;
 	int lock_fd;
@@ -167,9 +168,13 @@ struct request {
 	int op;
 	double started;
 	struct adapter *adapter; /* set by ops that run on one; holds a reference */
-	struct request *next_waiter;
+	/* waiting for a specialization (request_acquire): ready runs when it can */
+	struct graph_waiter waiter;
+	void (*ready)(struct request *req, struct specialization *sp);
 	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
-	int64_t batch; /* its batch size, for a dynamic = batch adapter (specs_acquire) */
+	int64_t batch;  /* its batch size, for a dynamic = batch adapter (request_acquire) */
+	int64_t chunks; /* strategy = chunk: runs of the graph this scan takes (0: not split) */
+	struct tree_node chunk_inputs; /* the inputs' shapes for one chunk (in the body's zone) */
 	struct shm_out out;
 	void *state; /* op-specific, owned by the op */
 	void (*state_free)(void *state);
@@ -249,6 +254,8 @@ struct daemon {
 	unsigned pending_loads;       /* preloads not yet READY */
 	bool reloading, reload_again; /* SIGHUP: a directory load in flight, another asked */
 	void (*on_ready)(struct daemon *d);
+	/* the compile worker said hello (err NULL) or cannot start (daemon.c) */
+	void (*worker_up)(struct daemon *d, const struct proto_err *err);
 };
 
 double now_seconds(void);
@@ -260,16 +267,20 @@ void request_fail_code(struct request *req, enum proto_code code, const char *pa
                        ...) __attribute__((format(printf, 4, 5)));
 /* Begins a reply frame {id, result: {nfields...}}; returns NULL when out of memory. */
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields);
-/* Sends a notification tied to the request (the request stays open). */
-void request_event(struct request *req, const char *event, const char *adapter,
-                   const char *signature, double elapsed);
 void request_free(struct request *req);
 bool request_is_admin(const struct request *req);
+/* graphs_acquire for the request: ready(req, sp) when sp can run (sp is
+ * referenced for the call); otherwise the request fails with the reason.
+ * Compile events reach the client as notifications. */
+void request_acquire(struct request *req, struct adapter *a, const struct scan_args *args,
+                     void (*ready)(struct request *req, struct specialization *sp));
 /* Reads the `name` field; on error fails the request (INVALID_NAME) and returns -1. */
 int request_name(struct request *req, const char **name, uint32_t *len);
 
 /* conn.c */
 int server_listen(struct daemon *d, struct proto_err *err);
+/* Starts accepting on d->server (bound here, or inherited from systemd). */
+void server_start_listening(struct daemon *d, int *rc);
 void server_close(struct daemon *d);
 void conn_send(struct conn *c, struct outmsg *out);
 void conn_ref(struct conn *c);
@@ -311,38 +322,17 @@ int registry_load_dir(struct daemon *d, const char *dir, bool reload,
                       void (*done)(struct daemon *d, int failed));
 void adapter_def_defaults(struct adapter_def *def);
 
-/* specs.c: specializations (lookup, single-flight compile, load, run) */
-struct scan_args {
-	const struct tree_node *carry, *inputs;
-	enum proto_dtype dtype;
-	int64_t steps;
-	int64_t batch; /* dynamic = batch adapters: the request's batch size (>= 1); else 0 */
-	bool grad;
-};
-/*
- * Finds or starts the specialization of args for a; calls ready(req, sp)
- * when it can run (maybe at once) or fails the request.  Holds a reference
- * on sp for the duration of ready.
- */
-void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
-                   struct request *req,
-                   void (*ready)(struct request *req, struct specialization *sp));
-void spec_ref(struct specialization *sp);
-void spec_unref(struct specialization *sp);
-void specs_drop_all(struct adapter *a);
-/*
- * Stacked outputs within max_elements at this batch size (the specialization's
- * own for a static one); -1 with TOO_MANY_ELEMENTS and the leaf's path.
- */
-int specs_check_outputs(const struct specialization *sp, int64_t batch, struct proto_err *err);
-/* A READY graph proved wrong (outputs off its signature): drop it and
- * quarantine its cache entry, so the next request rebuilds it. */
-void specs_invalidate(struct daemon *d, struct specialization *sp, const char *why);
-/* Loads a's specializations listed in the cache's index; done(d) per load. */
-unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d));
-unsigned specs_loaded(const struct daemon *d);
-
 /* daemon.c */
+/* main(): before any thread exists (every thread inherits the blocked set). */
+int daemon_block_signals(struct daemon *d);
+int daemon_start(struct daemon *d);
+/* What the graph layer needs around it, without a socket (the unit tests use
+ * these too): the ISA and worker hash of the cache keys, the cache. */
+int daemon_graphs_open(struct daemon *d);
+/* Starts the compile worker; up(d, err) once it said hello (its target is
+ * then part of d->isa) or cannot start. */
+int daemon_graphs_start_worker(struct daemon *d,
+                               void (*up)(struct daemon *d, const struct proto_err *err));
 void daemon_begin_shutdown(struct daemon *d, const char *why);
 /* Seconds the oldest pool canary has waited (0 when none is waiting). */
 double daemon_pool_wait(const struct daemon *d);

@@ -286,43 +286,20 @@ static int read_output(struct engine_result *res, size_t i, const struct engine_
 	return 0;
 }
 
-int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
-               const struct engine_tensor *expected, const struct engine_tensor *expected_out,
-               uint8_t *out_base, struct engine_result *res, struct proto_err *err)
+/* Wraps the inputs and res's output buffers, runs the container and reads
+ * its outputs into res (res->tensors and res->handles are set up). */
+static int run_graph(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
+                     const struct engine_tensor *expected_out, struct engine_result *res,
+                     struct proto_err *err)
 {
 	size_t n_all = n_in + g->n_out, made = 0;
-	AtenTensorHandle *handles;
-	void **copies;
-	uint64_t *offsets = NULL, total;
+	AtenTensorHandle *handles = calloc(n_all ? n_all : 1, sizeof *handles);
+	void **copies = calloc(n_all ? n_all : 1, sizeof *copies);
 	int rc = -1;
 
-	memset(res, 0, sizeof *res);
-	if (check_inputs(g, in, n_in, expected, err) != 0)
-		return -1;
-	handles = calloc(n_all ? n_all : 1, sizeof *handles);
-	copies = calloc(n_all ? n_all : 1, sizeof *copies);
-	offsets = calloc(g->n_out ? g->n_out : 1, sizeof *offsets);
-	res->n = g->n_out;
-	res->tensors = calloc(g->n_out ? g->n_out : 1, sizeof *res->tensors);
-	res->handles = calloc(g->n_out ? g->n_out : 1, sizeof *res->handles);
-	if (!handles || !copies || !offsets || !res->tensors || !res->handles) {
+	if (!handles || !copies) {
 		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
 		goto out;
-	}
-	total = engine_out_layout(expected_out, g->n_out, offsets);
-	if (out_base == NULL) {
-		res->block =
-		    aligned_alloc(PROTO_TENSOR_ALIGN, (total + PROTO_TENSOR_ALIGN) & ~(uint64_t)63);
-		if (res->block == NULL) {
-			proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory for the results");
-			goto out;
-		}
-		out_base = res->block;
-	}
-	for (size_t i = 0; i < g->n_out; i++) {
-		res->tensors[i] = expected_out[i];
-		res->tensors[i].nbytes = tensor_bytes(&expected_out[i]);
-		res->tensors[i].data = out_base + offsets[i];
 	}
 	for (; made < n_all; made++) {
 		const struct engine_tensor *t =
@@ -346,9 +323,72 @@ out:
 		free(copies[i]);
 	free(handles);
 	free(copies);
+	return rc;
+}
+
+int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
+               const struct engine_tensor *expected, const struct engine_tensor *expected_out,
+               uint8_t *out_base, struct engine_result *res, struct proto_err *err)
+{
+	uint64_t *offsets = NULL, total;
+	int rc = -1;
+
+	memset(res, 0, sizeof *res);
+	if (check_inputs(g, in, n_in, expected, err) != 0)
+		return -1;
+	offsets = calloc(g->n_out ? g->n_out : 1, sizeof *offsets);
+	res->n = g->n_out;
+	res->tensors = calloc(g->n_out ? g->n_out : 1, sizeof *res->tensors);
+	res->handles = calloc(g->n_out ? g->n_out : 1, sizeof *res->handles);
+	if (!offsets || !res->tensors || !res->handles) {
+		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+		goto out;
+	}
+	total = engine_out_layout(expected_out, g->n_out, offsets);
+	if (out_base == NULL) {
+		res->block =
+		    aligned_alloc(PROTO_TENSOR_ALIGN, (total + PROTO_TENSOR_ALIGN) & ~(uint64_t)63);
+		if (res->block == NULL) {
+			proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory for the results");
+			goto out;
+		}
+		out_base = res->block;
+	}
+	for (size_t i = 0; i < g->n_out; i++) {
+		res->tensors[i] = expected_out[i];
+		res->tensors[i].nbytes = tensor_bytes(&expected_out[i]);
+		res->tensors[i].data = out_base + offsets[i];
+	}
+	rc = run_graph(g, in, n_in, expected_out, res, err);
+out:
 	free(offsets);
 	if (rc != 0)
 		engine_result_free(res);
+	return rc;
+}
+
+int engine_run_into(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
+                    const struct engine_tensor *expected, struct engine_tensor *out, size_t n_out,
+                    struct proto_err *err)
+{
+	struct engine_result res = {n_out, out, NULL, NULL};
+	int rc;
+
+	if (n_out != g->n_out)
+		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+		                  "the graph has %zu outputs, its signature %zu", g->n_out, n_out);
+	if (check_inputs(g, in, n_in, expected, err) != 0)
+		return -1;
+	res.handles = calloc(n_out ? n_out : 1, sizeof *res.handles);
+	if (res.handles == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	for (size_t i = 0; i < n_out; i++)
+		out[i].nbytes = tensor_bytes(&out[i]);
+	rc = run_graph(g, in, n_in, out, &res, err);
+	for (size_t i = 0; i < n_out; i++)
+		if (res.handles[i])
+			aoti_torch_delete_tensor_object(res.handles[i]);
+	free(res.handles);
 	return rc;
 }
 

@@ -69,6 +69,14 @@ int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_
                const struct engine_tensor *expected, const struct engine_tensor *expected_out,
                uint8_t *out_base, struct engine_result *res, struct proto_err *err);
 void engine_result_free(struct engine_result *res);
+/*
+ * engine_run with the outputs written where out[i].data points (shapes and
+ * dtypes in out[i]; nbytes is set here): for a run split in chunks, whose
+ * results land in slices of bigger buffers.  Nothing is left allocated.
+ */
+int engine_run_into(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
+                    const struct engine_tensor *expected, struct engine_tensor *out, size_t n_out,
+                    struct proto_err *err);
 
 /* How many distinct libgomp images are mapped into this process (1 is right). */
 int engine_count_openmp_runtimes(void);

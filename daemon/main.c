@@ -12,9 +12,6 @@
 #include <string.h>
 #include <unistd.h>
 
-int daemon_block_signals(struct daemon *d);
-int daemon_start(struct daemon *d);
-
 int main(int argc, char **argv)
 {
 	static struct daemon d;

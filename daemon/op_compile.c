@@ -9,7 +9,7 @@
 #include "scanrun.h"
 #include "describe.h"
 
-#include "spec.h"
+#include "signature.h"
 
 #include <string.h>
 
@@ -97,11 +97,12 @@ static void op_compile(struct request *req)
 	req->adapter = a;
 	a->stats.requests++;
 	if (parse(req, &args, &err) != 0 ||
-	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0) {
+	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
+	    scan_chunk(req, a, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}
-	specs_acquire(req->d, a, &args, req, compile_ready);
+	request_acquire(req, a, &args, compile_ready);
 }
 
 const struct op_desc op_compile_desc = {"compile", op_compile, OP_ADMIN};

@@ -7,7 +7,7 @@
  */
 #include "scanrun.h"
 #include "shm.h"
-#include "spec.h"
+#include "signature.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +31,7 @@ static void zero_slots(const struct tree_node *spec, struct cot_ctx *c)
 {
 	size_t first = c->n;
 
-	spec_flatten(spec, c->slots, &c->n);
+	signature_flatten(spec, c->slots, &c->n);
 	for (size_t i = first; i < c->n; i++) {
 		struct engine_tensor *t = &c->slots[i];
 		if (c->steps > 0) {
@@ -39,7 +39,7 @@ static void zero_slots(const struct tree_node *spec, struct cot_ctx *c)
 			t->shape[0] = c->steps;
 			t->ndim++;
 		}
-		spec_bind(t, 1, c->batch);
+		signature_bind(t, 1, c->batch);
 		t->data = NULL; /* patched to a shared zero buffer */
 		if (t->nbytes > c->zero_bytes)
 			c->zero_bytes = t->nbytes;
@@ -63,7 +63,7 @@ static int cot_tensor(const struct tree_node *spec, const struct tree_node *cot,
 	}
 	if (!same)
 		return cot_mismatch(c, path, "shape differs from the value it is a cotangent of");
-	spec_flatten(cot, c->slots, &c->n);
+	signature_flatten(cot, c->slots, &c->n);
 	return 0;
 }
 
@@ -102,7 +102,7 @@ static int add_cotangents(struct run_job *j, struct request *req, struct special
 	char path[PROTO_PATH_MAX] = "cot_carry";
 	void *zeros;
 
-	c.slots = run_job_slots(j, &c.n);
+	c.slots = run_slots(j, &c.n);
 	if (cot_walk(&sp->carry, &req->cot_carry, path, 9, &c) != 0)
 		return -1;
 	c.steps = sp->steps;
@@ -116,27 +116,28 @@ static int add_cotangents(struct run_job *j, struct request *req, struct special
 	for (size_t i = 0; i < c.n; i++)
 		if (c.slots[i].data == NULL)
 			c.slots[i].data = zeros;
-	run_job_own(j, zeros);
-	run_job_set_count(j, c.n);
+	run_own(j, zeros);
+	run_set_count(j, c.n);
 	return 0;
 }
 
 static void grad_ready(struct request *req, struct specialization *sp)
 {
 	struct proto_err err;
-	struct run_job *j = run_job_new(req, sp, &err);
+	struct run_job *j = scan_run_new(req, sp, &err);
 
 	if (j == NULL) {
 		request_fail(req, &err);
 		return;
 	}
-	run_job_add(j, &req->carry);
-	run_job_add(j, &req->inputs);
+	run_add(j, &req->carry);
+	run_add(j, &req->inputs);
 	if (add_cotangents(j, req, sp, &err) != 0) {
-		run_job_abort(j, &err);
+		run_free(j);
+		request_fail(req, &err);
 		return;
 	}
-	run_job_start(j);
+	scan_run_start(j, req);
 }
 
 static int optional_tree(struct request *req, const char *key, struct tree_node *out,
@@ -164,7 +165,7 @@ static void op_grad(struct request *req)
 		return;
 	}
 	args.grad = true;
-	specs_acquire(req->d, a, &args, req, grad_ready);
+	request_acquire(req, a, &args, grad_ready);
 }
 
 const struct op_desc op_grad_desc = {"grad", op_grad, 0};

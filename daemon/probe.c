@@ -9,7 +9,7 @@
 #include "daemon.h"
 
 #include "log.h"
-#include "spec.h"
+#include "signature.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -73,9 +73,10 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
 	if (def->budget < 1 || def->budget > PROTO_MAX_BUDGET)
 		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "recompile_budget",
 		                  PROTO_BOUND_MESSAGE("recompile_budget", PROTO_MAX_BUDGET));
-	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0)
+	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0 &&
+	    strcmp(def->strategy, "chunk") != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "strategy",
-		                  "strategy must be \"unroll\" or \"scan\"");
+		                  "strategy must be \"unroll\", \"scan\" or \"chunk\"");
 	if (strcmp(def->dynamic, "none") != 0 && strcmp(def->dynamic, "batch") != 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "dynamic",
 		                  "dynamic must be \"none\" or \"batch\"");
@@ -144,7 +145,7 @@ static void unlist(struct daemon *d, struct adapter *a)
 		*pp = a->next;
 	d->reg.count--;
 	a->live = false;
-	specs_drop_all(a);
+	graphs_drop_all(a);
 	adapter_unref(a);
 }
 

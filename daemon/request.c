@@ -15,6 +15,7 @@
 #include <grp.h>
 #include <pwd.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,8 +98,8 @@ void request_fail_code(struct request *req, enum proto_code code, const char *pa
 	request_fail(req, &err);
 }
 
-void request_event(struct request *req, const char *event, const char *adapter,
-                   const char *signature, double elapsed)
+static void request_event(struct request *req, const char *event, const char *adapter,
+                          const char *signature, double elapsed)
 {
 	struct outmsg *out = outmsg_new(req->conn);
 
@@ -109,6 +110,36 @@ void request_event(struct request *req, const char *event, const char *adapter,
 	writer_key_str(&out->w, "signature", signature);
 	writer_key_f64(&out->w, "elapsed", elapsed);
 	conn_send(req->conn, out);
+}
+
+/* ---- waiting for a specialization (the graph layer's waiter) ----------- */
+
+#define REQUEST_OF(w) ((struct request *)((char *)(w)-offsetof(struct request, waiter)))
+
+static void waiter_done(struct graph_waiter *w, struct specialization *sp,
+                        const struct proto_err *err)
+{
+	struct request *req = REQUEST_OF(w);
+
+	if (sp)
+		req->ready(req, sp);
+	else
+		request_fail(req, err);
+}
+
+static void waiter_event(struct graph_waiter *w, const char *event, const struct specialization *sp,
+                         double elapsed)
+{
+	request_event(REQUEST_OF(w), event, sp->adapter->def.name, sp->signature, elapsed);
+}
+
+void request_acquire(struct request *req, struct adapter *a, const struct scan_args *args,
+                     void (*ready)(struct request *req, struct specialization *sp))
+{
+	req->batch = args->batch;
+	req->ready = ready;
+	req->waiter = (struct graph_waiter){NULL, waiter_done, waiter_event};
+	graphs_acquire(req->d, a, args, &req->waiter);
 }
 
 int request_name(struct request *req, const char **name, uint32_t *len)

@@ -6,6 +6,7 @@
 #define TORCHLOOP_SCANRUN_H
 
 #include "daemon.h"
+#include "run.h"
 
 /*
  * Checks carry and inputs against the adapter's bounds and DESIGN.md's
@@ -19,19 +20,23 @@ int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry
                 struct tree_node *inputs, struct proto_err *err);
 
 /*
- * A run of a READY specialization for req; inputs are added in graph order.
- * NULL with err: out of memory, or (symbolic batch) stacked outputs over
- * max_elements at the request's batch size.
+ * strategy = chunk: a scan (not a grad) of T > PROTO_CHUNK_STEPS steps, T a
+ * multiple of it, asks for the graph of PROTO_CHUNK_STEPS steps instead
+ * (args now say so) and runs it T / PROTO_CHUNK_STEPS times (req->chunks).
+ * Anything else is left as it is.
  */
-struct run_job;
-struct run_job *run_job_new(struct request *req, struct specialization *sp, struct proto_err *err);
-void run_job_add(struct run_job *j, const struct tree_node *tree);
-struct engine_tensor *run_job_slots(struct run_job *j, size_t *n);
-/* Hands the job a buffer to free with it (zero cotangents). */
-void run_job_own(struct run_job *j, void *buf);
-void run_job_set_count(struct run_job *j, size_t n);
-void run_job_start(struct run_job *j);
-/* Fails the request and frees the job (nothing ran). */
-void run_job_abort(struct run_job *j, const struct proto_err *err);
+int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
+               struct proto_err *err);
+
+/*
+ * A run of a READY specialization for req, at its batch size, its results
+ * into its shared-memory area if it named one.  NULL with err: out of memory,
+ * or (symbolic batch) stacked outputs over max_elements at that batch size.
+ * Inputs are added with run_add / run_slots (run.h); scan_run_start submits
+ * it and replies to req with its results or its error; a job that cannot be
+ * started is freed with run_free.
+ */
+struct run_job *scan_run_new(struct request *req, struct specialization *sp, struct proto_err *err);
+void scan_run_start(struct run_job *j, struct request *req);
 
 #endif

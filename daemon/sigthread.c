@@ -22,9 +22,18 @@ int sigthread_block(const sigset_t *set)
 {
 	int rc = pthread_sigmask(SIG_BLOCK, set, NULL);
 
-	if (rc != 0)
+	if (rc != 0) {
 		log_error("pthread_sigmask: %s", strerror(rc));
-	return rc == 0 ? 0 : -1;
+		return -1;
+	}
+	/* An ignored signal is discarded even while blocked, so sigwait would
+	 * never see it: a daemon started from a non-interactive shell's
+	 * background job inherits SIGINT ignored, a test runner may pass others
+	 * on.  Blocked everywhere, SIG_DFL never runs. */
+	for (int sig = 1; sig < NSIG; sig++)
+		if (sigismember(set, sig) == 1)
+			signal(sig, SIG_DFL);
+	return 0;
 }
 
 static void *signal_main(void *arg)

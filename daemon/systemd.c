@@ -25,7 +25,7 @@ static void on_watchdog(uv_timer_t *t)
 	         d->pool_stalled ? "thread pool stalled"
 	         : d->ready      ? "ready"
 	                         : "starting",
-	         d->reg.count, specs_loaded(d), d->inflight);
+	         d->reg.count, graphs_loaded(d), d->inflight);
 	sd_notify(0, status);
 }
 
@@ -46,10 +46,8 @@ static int adopt_socket(struct daemon *d)
 	d->server_open = true;
 	d->own_socket = false;
 	rc = uv_pipe_open(&d->server, SD_LISTEN_FDS_START);
-	if (rc == 0) {
-		extern void server_start_listening(struct daemon * d, int *rc);
+	if (rc == 0)
 		server_start_listening(d, &rc);
-	}
 	if (rc != 0) {
 		log_error("cannot use the inherited socket: %s", uv_strerror(rc));
 		return -1;

@@ -23,8 +23,11 @@
  * The Python client's copies are checked against these by
  * tests/python/test_limits.py.
  */
-#define PROTO_MAX_STEPS        128
-#define PROTO_DEFAULT_STEPS    128
+#define PROTO_MAX_STEPS     128
+#define PROTO_DEFAULT_STEPS 128
+/* strategy = chunk: a T-step scan with T a multiple of this (and larger)
+ * runs a graph of this many steps T / PROTO_CHUNK_STEPS times */
+#define PROTO_CHUNK_STEPS      16
 #define PROTO_MAX_ELEMENTS     1048576
 #define PROTO_DEFAULT_ELEMENTS 65536
 #define PROTO_MAX_BUDGET       64

@@ -341,7 +341,7 @@ def syscalls_per_scan(build: str, d: Daemon, tmp: str, iters: int = 2000) -> dic
 
 
 PROFILE_FUNCS = ("on_read", "request_dispatch", "msg_parse", "scan_decode", "scan_validate",
-                 "specs_acquire", "spec_signature", "engine_run", "conn_send", "after_run")
+                 "graphs_acquire", "signature_of", "engine_run", "conn_send", "after_run")
 
 
 def callgrind_profile(build: str, cache: str, tmp: str, iters: int = 2000) -> dict:

@@ -7,7 +7,9 @@
 #include "harness.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,6 +110,14 @@ Test(systemd, the_service_scores_at_most_2_0_in_systemd_analyze_security)
 
 /* ---- a fake notify receiver ------------------------------------------------------------ */
 
+/*
+ * A thread drains the socket the whole time, as systemd does.  A unix
+ * datagram socket holds net.unix.max_dgram_qlen (10) messages; past that the
+ * daemon's sd_notify blocks its loop until someone reads -- which a receiver
+ * that read only inside receiver_collect turned into a deadlock with the
+ * harness's health request during start-up (the watchdog test hung for 300 s
+ * now and then).
+ */
 struct note {
 	double t;
 	char text[256];
@@ -118,11 +128,36 @@ struct receiver {
 	char addr[128]; /* what goes into NOTIFY_SOCKET */
 	struct note notes[512];
 	int n;
+	pthread_t tid;
+	pthread_mutex_t mu;
+	atomic_bool stop;
 };
+
+static void *receiver_main(void *arg)
+{
+	struct receiver *r = arg;
+
+	while (!atomic_load(&r->stop)) {
+		char buf[1024];
+		ssize_t k = recv(r->fd, buf, sizeof buf - 1, 0);
+		if (k <= 0)
+			continue;
+		buf[k] = '\0';
+		pthread_mutex_lock(&r->mu);
+		if (r->n < 512) {
+			r->notes[r->n].t = now();
+			snprintf(r->notes[r->n].text, sizeof r->notes[0].text, "%s", buf);
+			r->n++;
+		}
+		pthread_mutex_unlock(&r->mu);
+	}
+	return NULL;
+}
 
 static void receiver_open(struct receiver *r, bool abstract)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	struct timeval tv = {0, 50000};
 	char dir[256];
 	socklen_t len;
 
@@ -139,44 +174,58 @@ static void receiver_open(struct receiver *r, bool abstract)
 		len = sizeof sa;
 	}
 	cr_assert_eq(bind(r->fd, (struct sockaddr *)&sa, len), 0, "bind %s", r->addr);
+	setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	pthread_mutex_init(&r->mu, NULL);
+	atomic_store(&r->stop, false);
+	cr_assert_eq(pthread_create(&r->tid, NULL, receiver_main, r), 0);
 	setenv("NOTIFY_SOCKET", r->addr, 1);
 }
 
-/* Collects messages for `seconds`. */
+static void receiver_close(struct receiver *r)
+{
+	atomic_store(&r->stop, true);
+	pthread_join(r->tid, NULL);
+	close(r->fd);
+	pthread_mutex_destroy(&r->mu);
+}
+
+/* Lets messages arrive for `seconds` (the thread collects them). */
 static void receiver_collect(struct receiver *r, double seconds)
 {
-	double end = now() + seconds;
+	(void)r;
+	usleep((useconds_t)(seconds * 1e6));
+}
 
-	while (now() < end && r->n < 512) {
-		struct timeval tv = {0, 50000};
-		char buf[1024];
-		ssize_t k;
-		setsockopt(r->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-		k = recv(r->fd, buf, sizeof buf - 1, 0);
-		if (k <= 0)
-			continue;
-		buf[k] = '\0';
-		r->notes[r->n].t = now();
-		snprintf(r->notes[r->n].text, sizeof r->notes[0].text, "%s", buf);
-		r->n++;
-	}
+static int receiver_count(struct receiver *r)
+{
+	int n;
+
+	pthread_mutex_lock(&r->mu);
+	n = r->n;
+	pthread_mutex_unlock(&r->mu);
+	return n;
 }
 
 /* Index of the first note at or after `from` containing needle, or -1. */
-static int find(const struct receiver *r, int from, const char *needle)
+static int find(struct receiver *r, int from, const char *needle)
 {
-	for (int i = from; i < r->n; i++)
+	int found = -1;
+
+	pthread_mutex_lock(&r->mu);
+	for (int i = from; i < r->n && found < 0; i++)
 		if (strstr(r->notes[i].text, needle))
-			return i;
-	return -1;
+			found = i;
+	pthread_mutex_unlock(&r->mu);
+	return found;
 }
 
-static int pings(const struct receiver *r, double from, double to, double *max_gap)
+static int pings(struct receiver *r, double from, double to, double *max_gap)
 {
 	double last = -1;
 	int n = 0;
 
 	*max_gap = 0;
+	pthread_mutex_lock(&r->mu);
 	for (int i = 0; i < r->n; i++) {
 		if (!strstr(r->notes[i].text, "WATCHDOG=1") || r->notes[i].t < from ||
 		    r->notes[i].t > to)
@@ -186,6 +235,7 @@ static int pings(const struct receiver *r, double from, double to, double *max_g
 		last = r->notes[i].t;
 		n++;
 	}
+	pthread_mutex_unlock(&r->mu);
 	return n;
 }
 
@@ -211,7 +261,7 @@ static void notify_lifecycle(bool abstract)
 	cr_assert_geq(n, 9, "%d watchdog pings in 10 s", n);
 	cr_assert_leq(gap, 1.0, "largest gap between pings %.3f s", gap);
 	/* SIGHUP: RELOADING=1 then READY=1 */
-	n = r.n;
+	n = receiver_count(&r);
 	kill(d.pid, SIGHUP);
 	receiver_collect(&r, 1.0);
 	{
@@ -219,12 +269,12 @@ static void notify_lifecycle(bool abstract)
 		cr_assert_geq(reloading, 0, "RELOADING=1 on SIGHUP");
 		cr_assert_geq(find(&r, reloading, "READY=1"), 0, "READY=1 after the reload");
 	}
-	n = r.n;
+	n = receiver_count(&r);
 	kill(d.pid, SIGTERM);
 	receiver_collect(&r, 1.0);
 	cr_assert_geq(find(&r, n, "STOPPING=1"), 0, "STOPPING=1 on SIGTERM");
 	cr_assert_eq(hd_stop(&d), 0);
-	close(r.fd);
+	receiver_close(&r);
 }
 
 Test(systemd, notify_on_a_path_socket_reports_ready_watchdog_reload_and_stop)
@@ -252,7 +302,7 @@ Test(systemd, no_watchdog_pings_when_watchdog_pid_is_another_process)
 	cr_assert_eq(pings(&r, 0, 1e18, &gap), 0, "pings for someone else's watchdog");
 	cr_assert_geq(find(&r, 0, "READY=1"), 0);
 	cr_assert_eq(hd_stop(&d), 0);
-	close(r.fd);
+	receiver_close(&r);
 }
 
 Test(systemd, pings_stop_while_the_event_loop_is_stalled)
@@ -276,7 +326,7 @@ Test(systemd, pings_stop_while_the_event_loop_is_stalled)
 	cr_assert_geq(gap, 2.5, "no ping while the loop was stalled (largest gap %.2f s)", gap);
 	unsetenv("TORCHLOOPD_TEST_HOOKS");
 	cr_assert_eq(hd_stop(&d), 0);
-	close(r.fd);
+	receiver_close(&r);
 }
 
 /* ---- socket activation --------------------------------------------------------------- */

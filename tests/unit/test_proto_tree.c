@@ -551,10 +551,10 @@ Test(tree, placed_leaves_encode_as_references_and_decode_into_the_region)
 	free(mem);
 }
 
-/* ---- symbolic batch: signatures and shape trees (daemon/spec.c, shapes.c) -- */
+/* ---- symbolic batch: signatures and shape trees (daemon/signature.c, proto/shapes.c) -- */
 
 #include "shapes.h"
-#include "spec.h"
+#include "signature.h"
 
 Test(tree, batch_dimensions_read_B_and_shape_trees_keep_the_marker)
 {
@@ -573,21 +573,19 @@ Test(tree, batch_dimensions_read_B_and_shape_trees_keep_the_marker)
 	uint8_t *bytes;
 	char sig[256];
 
-	cr_assert_eq(spec_signature(&carry, &inputs, PROTO_DTYPE_F64, 5, false, sig, sizeof sig),
-	             0);
+	cr_assert_eq(signature_of(&carry, &inputs, PROTO_DTYPE_F64, 5, false, sig, sizeof sig), 0);
 	cr_assert_str_eq(sig, "float64 T=5 carry=t([3,8],N) inputs=[5,3,2]");
-	cr_assert_eq(spec_signature(&carry, &inputs, PROTO_DTYPE_F64, 5, true, sig, sizeof sig), 0);
+	cr_assert_eq(signature_of(&carry, &inputs, PROTO_DTYPE_F64, 5, true, sig, sizeof sig), 0);
 	cr_assert_str_eq(sig, "float64 T=5 carry=t([B,8],N) inputs=[5,B,2]");
 
 	/* marked: the dimension is SHAPES_BATCH, sizes those at batch size 1 */
-	spec_mark_batch(&carry, &inputs);
+	signature_mark_batch(&carry, &inputs);
 	cr_assert_eq(items[0].tensor.shape[0], SHAPES_BATCH);
 	cr_assert_eq(inputs.tensor.shape[1], SHAPES_BATCH);
 	cr_assert_eq(inputs.tensor.numel, 10);
 	cr_assert_eq(items[0].tensor.nbytes, 64);
 	/* the marked tree reads the same without the batch flag (the cache index) */
-	cr_assert_eq(spec_signature(&carry, &inputs, PROTO_DTYPE_F64, 5, false, sig, sizeof sig),
-	             0);
+	cr_assert_eq(signature_of(&carry, &inputs, PROTO_DTYPE_F64, 5, false, sig, sizeof sig), 0);
 	cr_assert_str_eq(sig, "float64 T=5 carry=t([B,8],N) inputs=[5,B,2]");
 
 	/* through a shape tree (the worker's job, its reply, the index) and back */
@@ -606,9 +604,9 @@ Test(tree, batch_dimensions_read_B_and_shape_trees_keep_the_marker)
 	free(bytes);
 
 	/* bound to a request's batch size: shapes and byte counts */
-	spec_flatten(&carry, e, &n);
-	spec_flatten(&inputs, e, &n);
-	spec_bind(e, n, 7);
+	signature_flatten(&carry, e, &n);
+	signature_flatten(&inputs, e, &n);
+	signature_bind(e, n, 7);
 	cr_assert_eq(e[0].shape[0], 7);
 	cr_assert_eq(e[0].nbytes, 7 * 8 * 8);
 	cr_assert_eq(e[1].shape[1], 7);

@@ -1,5 +1,5 @@
 /*
- * specs.c - specializations of an adapter: find, budget, single-flight
+ * graphs.c - specializations of an adapter: find, budget, single-flight
  * compile, load, and the waiters in between.
  *
  * States: LOADING (a pool thread looks in the cache and, on a hit,
@@ -25,15 +25,20 @@
  * the loop also reads (compile_seconds) go into the job and are published
  * by the completion callback.
  */
+#include "graphs.h"
+
 #include "daemon.h"
 
 #include "log.h"
-#include "spec.h"
+#include "signature.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+/* the graph layer never sees a request or a connection (docs/architecture.md) */
+#pragma GCC poison request conn outmsg
 
 #define PROGRESS_MS 2000
 
@@ -52,8 +57,6 @@ struct load_job {
 	struct compile_job job;
 };
 
-typedef void (*ready_fn)(struct request *req, struct specialization *sp);
-
 struct prewarm_rec;
 static void start_lookup(struct daemon *d, struct specialization *sp, struct load_job *j);
 static void lookup_work(uv_work_t *w);
@@ -62,11 +65,7 @@ static void index_append(struct daemon *d, struct specialization *sp);
 static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
                         struct prewarm_rec *rec);
 
-struct waiter_state {
-	ready_fn ready;
-};
-
-void spec_ref(struct specialization *sp)
+void graphs_ref(struct specialization *sp)
 {
 	sp->refs++;
 }
@@ -76,7 +75,7 @@ static void progress_closed(uv_handle_t *h)
 	free(h);
 }
 
-void spec_unref(struct specialization *sp)
+void graphs_unref(struct specialization *sp)
 {
 	if (--sp->refs > 0)
 		return;
@@ -111,10 +110,10 @@ static void unlist_spec(struct specialization *sp)
 		a->held--;
 	if (sp->state == SPEC_FAILED && a->failed > 0)
 		a->failed--;
-	spec_unref(sp);
+	graphs_unref(sp);
 }
 
-void specs_drop_all(struct adapter *a)
+void graphs_drop_all(struct adapter *a)
 {
 	while (a->specs)
 		unlist_spec(a->specs);
@@ -122,7 +121,7 @@ void specs_drop_all(struct adapter *a)
 	a->failed = 0;
 }
 
-void specs_invalidate(struct daemon *d, struct specialization *sp, const char *why)
+void graphs_invalidate(struct daemon *d, struct specialization *sp, const char *why)
 {
 	cache_quarantine(&d->cache, sp->key, why);
 	log_line(LOG_ERROR, 0, sp->adapter->def.name, "%s %s dropped: %s",
@@ -147,7 +146,7 @@ static void bound_failed(struct daemon *d, struct adapter *a)
 	}
 }
 
-unsigned specs_loaded(const struct daemon *d)
+unsigned graphs_loaded(const struct daemon *d)
 {
 	unsigned n = 0;
 
@@ -169,61 +168,49 @@ static void stop_progress(struct specialization *sp)
 
 static void release_waiters(struct specialization *sp)
 {
-	struct request *w = sp->waiters;
+	struct graph_waiter *w = sp->waiters;
 
 	sp->waiters = NULL;
 	stop_progress(sp);
 	while (w) {
-		struct request *next = w->next_waiter;
-		ready_fn ready = ((struct waiter_state *)w->state)->ready;
-		free(w->state);
-		w->state = NULL;
-		w->next_waiter = NULL;
+		struct graph_waiter *next = w->next;
+		w->next = NULL;
 		if (sp->state == SPEC_READY)
-			ready(w, sp);
+			w->done(w, sp, NULL);
 		else
-			request_fail(w, &sp->error);
-		spec_unref(sp);
+			w->done(w, NULL, &sp->error);
+		graphs_unref(sp);
 		w = next;
 	}
 }
 
-static void on_progress(uv_timer_t *t)
+static void tell_waiters(struct specialization *sp, const char *event)
 {
-	struct specialization *sp = t->data;
 	double elapsed = now_seconds() - sp->wait_started;
 
-	for (struct request *w = sp->waiters; w; w = w->next_waiter)
-		request_event(w, "progress", sp->adapter->def.name, sp->signature, elapsed);
+	for (struct graph_waiter *w = sp->waiters; w; w = w->next)
+		if (w->event)
+			w->event(w, event, sp, elapsed);
 }
 
-static void add_waiter(struct daemon *d, struct specialization *sp, struct request *req,
-                       ready_fn ready)
+static void on_progress(uv_timer_t *t)
 {
-	struct waiter_state *ws = malloc(sizeof *ws);
+	tell_waiters(t->data, "progress");
+}
 
-	if (ws == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
-		return;
-	}
-	ws->ready = ready;
-	req->state = ws;
-	req->state_free = free;
-	spec_ref(sp);
-	req->next_waiter = sp->waiters;
-	sp->waiters = req;
-	if (sp->state == SPEC_COMPILING)
-		request_event(req, "compiling", sp->adapter->def.name, sp->signature,
-		              now_seconds() - sp->wait_started);
-	(void)d;
+static void add_waiter(struct specialization *sp, struct graph_waiter *w)
+{
+	graphs_ref(sp);
+	w->next = sp->waiters;
+	sp->waiters = w;
+	if (sp->state == SPEC_COMPILING && w->event)
+		w->event(w, "compiling", sp, now_seconds() - sp->wait_started);
 }
 
 /* A compile starts: tell every waiter, then every PROGRESS_MS. */
 static void start_progress(struct daemon *d, struct specialization *sp)
 {
-	for (struct request *w = sp->waiters; w; w = w->next_waiter)
-		request_event(w, "compiling", sp->adapter->def.name, sp->signature,
-		              now_seconds() - sp->wait_started);
+	tell_waiters(sp, "compiling");
 	if (sp->progress != NULL)
 		return;
 	sp->progress = malloc(sizeof *sp->progress);
@@ -264,13 +251,13 @@ static void spec_failed(struct daemon *d, struct specialization *sp, const struc
 	         remember ? "" : " (not remembered: the next request tries again)");
 	if (remember)
 		a->failed++;
-	spec_ref(sp);
+	graphs_ref(sp);
 	release_waiters(sp);
 	if (!remember)
 		unlist_spec(sp);
 	else
 		bound_failed(d, a);
-	spec_unref(sp);
+	graphs_unref(sp);
 }
 
 static void spec_ready(struct daemon *d, struct specialization *sp)
@@ -291,9 +278,9 @@ static void spec_ready(struct daemon *d, struct specialization *sp)
 	if (sp->note[0])
 		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s: %s",
 		         sp->grad ? "grad" : "scan", sp->signature, sp->note);
-	spec_ref(sp);
+	graphs_ref(sp);
 	release_waiters(sp);
-	spec_unref(sp);
+	graphs_unref(sp);
 }
 
 /* ---- pool: cache lookup, commit, load ---------------------------------- */
@@ -352,13 +339,13 @@ static void fill_expected(struct specialization *sp)
 	sp->expected = calloc(sp->n_in ? sp->n_in : 1, sizeof *sp->expected);
 	if (sp->expected == NULL)
 		return;
-	spec_flatten(&sp->carry, sp->expected, &n);
-	spec_flatten(&sp->inputs, sp->expected, &n);
+	signature_flatten(&sp->carry, sp->expected, &n);
+	signature_flatten(&sp->inputs, sp->expected, &n);
 	if (sp->grad) {
 		/* cotangents: final carry (carry's shapes), then stacked outputs */
 		size_t ny = 0;
-		spec_flatten(&sp->carry, sp->expected, &n);
-		spec_flatten(&sp->y, sp->expected + n, &ny);
+		signature_flatten(&sp->carry, sp->expected, &n);
+		signature_flatten(&sp->y, sp->expected + n, &ny);
 		for (size_t i = n; i < n + ny; i++) {
 			struct engine_tensor *t = &sp->expected[i];
 			memmove(t->shape + 1, t->shape, (PROTO_MAX_NDIM - 1) * sizeof t->shape[0]);
@@ -375,7 +362,7 @@ static void expect_tree(const struct tree_node *t, int64_t stacked, struct engin
 {
 	size_t first = *n;
 
-	spec_flatten(t, out, n);
+	signature_flatten(t, out, n);
 	for (size_t i = first; i < *n; i++) {
 		if (stacked > 0) {
 			memmove(out[i].shape + 1, out[i].shape,
@@ -508,7 +495,7 @@ static int check_output_leaf(const struct tree_node *leaf, const char *path, voi
 	                  (long long)b->max);
 }
 
-int specs_check_outputs(const struct specialization *sp, int64_t batch, struct proto_err *err)
+int graphs_check_outputs(const struct specialization *sp, int64_t batch, struct proto_err *err)
 {
 	struct bound_ctx b = {sp->steps, sp->adapter->def.max_elements, batch, err};
 
@@ -519,7 +506,7 @@ int specs_check_outputs(const struct specialization *sp, int64_t batch, struct p
  * symbolic batch, at batch size 1 here and at the request's before each run). */
 static bool outputs_too_large(struct specialization *sp, struct proto_err *err)
 {
-	return specs_check_outputs(sp, 1, err) != 0;
+	return graphs_check_outputs(sp, 1, err) != 0;
 }
 
 struct lock_retry {
@@ -610,7 +597,8 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.body_source = a->def.source;
 	j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
 	j->job.entry = a->def.entry;
-	j->job.strategy = a->def.strategy;
+	/* a chunk graph is an unrolled loop of PROTO_CHUNK_STEPS (or fewer) steps */
+	j->job.strategy = strcmp(a->def.strategy, "chunk") == 0 ? "unroll" : a->def.strategy;
 	j->job.kind = sp->grad ? "vjp" : "forward";
 	j->job.carry = &sp->carry;
 	j->job.inputs = &sp->inputs;
@@ -643,7 +631,7 @@ static void after_load(uv_work_t *w, int status)
 		if (sp->waiters == NULL) {
 			/* not (validly) in the cache and nobody asked: forget it */
 			unlist_spec(sp);
-			spec_unref(sp);
+			graphs_unref(sp);
 			free(j);
 			return;
 		}
@@ -678,7 +666,7 @@ static void after_load(uv_work_t *w, int status)
 			j->prewarmed(j->d);
 	}
 	free(j->res.y_spec);
-	spec_unref(sp);
+	graphs_unref(sp);
 	free(j);
 }
 
@@ -711,7 +699,7 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 		if (e.flags & PROTO_ERR_JOB_CRASH)
 			note_worker_crash(sp->adapter, &e);
 		spec_failed(j->d, sp, &e);
-		spec_unref(sp);
+		graphs_unref(sp);
 		free(j);
 		return;
 	}
@@ -785,14 +773,14 @@ static struct specialization *spec_new(struct daemon *d, struct adapter *a,
 	sp->dtype = args->dtype;
 	sp->steps = args->steps;
 	sp->signature = sp->zone ? msgpack_zone_malloc(sp->zone, n + 1) : NULL;
-	if (sp->signature == NULL || spec_copy(args->carry, sp->zone, &sp->carry) != 0 ||
-	    spec_copy(args->inputs, sp->zone, &sp->inputs) != 0) {
-		spec_unref(sp);
+	if (sp->signature == NULL || signature_copy(args->carry, sp->zone, &sp->carry) != 0 ||
+	    signature_copy(args->inputs, sp->zone, &sp->inputs) != 0) {
+		graphs_unref(sp);
 		return NULL;
 	}
 	memcpy(sp->signature, sig, n + 1);
 	if (sp->batch)
-		spec_mark_batch(&sp->carry, &sp->inputs);
+		signature_mark_batch(&sp->carry, &sp->inputs);
 	key_for(d, sp);
 	sp->next = a->specs;
 	a->specs = sp;
@@ -803,7 +791,7 @@ static struct specialization *spec_new(struct daemon *d, struct adapter *a,
 	return sp;
 }
 
-static int budget_exhausted(struct adapter *a, struct request *req)
+static void budget_exhausted(struct adapter *a, struct proto_err *err)
 {
 	char list[PROTO_MESSAGE_MAX - 200] = "";
 	size_t len = 0;
@@ -817,24 +805,23 @@ static int budget_exhausted(struct adapter *a, struct request *req)
 			break;
 		len += (size_t)w;
 	}
-	request_fail_code(req, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
-	                  "adapter %s holds recompile_budget=%lld specializations already: %s",
-	                  a->def.name, (long long)a->def.budget, list);
-	return -1;
+	proto_fail(err, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
+	           "adapter %s holds recompile_budget=%lld specializations already: %s",
+	           a->def.name, (long long)a->def.budget, list);
 }
 
-void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
-                   struct request *req, ready_fn ready)
+void graphs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
+                    struct graph_waiter *w)
 {
 	char sig[SPEC_SIG_MAX];
 	struct specialization *sp;
 	struct load_job *j;
+	struct proto_err err;
 
-	req->batch = args->batch;
-	if (spec_signature(args->carry, args->inputs, args->dtype, args->steps, args->batch > 0,
-	                   sig, sizeof sig) != 0) {
-		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, NULL,
-		                  "request signature too long");
+	if (signature_of(args->carry, args->inputs, args->dtype, args->steps, args->batch > 0, sig,
+	                 sizeof sig) != 0) {
+		proto_fail(&err, PROTO_E_INVALID_ARGUMENT, NULL, "request signature too long");
+		w->done(w, NULL, &err);
 		return;
 	}
 	for (sp = a->specs; sp; sp = sp->next)
@@ -843,30 +830,32 @@ void specs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *
 	if (sp)
 		sp->last_used = ++d->reg.tick;
 	if (sp && sp->state == SPEC_READY) {
-		spec_ref(sp);
-		ready(req, sp);
-		spec_unref(sp);
+		graphs_ref(sp);
+		w->done(w, sp, NULL);
+		graphs_unref(sp);
 		return;
 	}
 	if (sp && sp->state == SPEC_FAILED) {
-		request_fail(req, &sp->error);
+		w->done(w, NULL, &sp->error);
 		return;
 	}
 	if (sp) {
-		add_waiter(d, sp, req, ready);
+		add_waiter(sp, w);
 		return;
 	}
 	if (a->held >= (unsigned)a->def.budget) {
-		budget_exhausted(a, req);
+		budget_exhausted(a, &err);
+		w->done(w, NULL, &err);
 		return;
 	}
 	sp = spec_new(d, a, args, sig);
 	j = sp ? calloc(1, sizeof *j) : NULL;
 	if (j == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+		proto_fail(&err, PROTO_E_INTERNAL, NULL, "out of memory");
+		w->done(w, NULL, &err);
 		return;
 	}
-	add_waiter(d, sp, req, ready);
+	add_waiter(sp, w);
 	start_lookup(d, sp, j);
 }
 
@@ -875,7 +864,7 @@ static void start_lookup(struct daemon *d, struct specialization *sp, struct loa
 	j->d = d;
 	j->sp = sp;
 	j->work.data = j;
-	spec_ref(sp);
+	graphs_ref(sp);
 	uv_queue_work(d->loop, &j->work, lookup_work, after_load);
 }
 
@@ -887,7 +876,7 @@ static void start_lookup(struct daemon *d, struct specialization *sp, struct loa
  * strategy).  At start-up, a preloaded adapter's graphs are loaded from the
  * cache before the daemon declares itself ready.
  */
-static void index_path(const struct daemon *d, const struct adapter *a, char *out, size_t size)
+void graphs_index_path(const struct daemon *d, const struct adapter *a, char *out, size_t size)
 {
 	char bounds[128], id[CACHE_KEY_HEX];
 	const char *parts[4];
@@ -913,7 +902,7 @@ static void index_append(struct daemon *d, struct specialization *sp)
 	size_t len;
 	FILE *f;
 
-	index_path(d, sp->adapter, path, sizeof path);
+	graphs_index_path(d, sp->adapter, path, sizeof path);
 	if (writer_init(&w) != 0)
 		return;
 	msgpack_pack_map(&w.pk, 4);
@@ -951,7 +940,7 @@ static int index_read(struct daemon *d, struct adapter *a, msgpack_zone *zone,
 	int count = 0;
 	FILE *f;
 
-	index_path(d, a, path, sizeof path);
+	graphs_index_path(d, a, path, sizeof path);
 	f = fopen(path, "re");
 	if (f == NULL)
 		return 0;
@@ -1005,7 +994,7 @@ static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
  * Starts loading every indexed specialization of a from the cache; calls
  * done(d) once per started load when it finishes.  Returns how many started.
  */
-unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d))
+unsigned graphs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d))
 {
 	struct prewarm_rec recs[PROTO_MAX_BUDGET * 4];
 	msgpack_zone *zone = msgpack_zone_new(4096);
@@ -1022,9 +1011,8 @@ unsigned specs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct 
 		if (recs[i].inputs.kind == TREE_NONE)
 			continue;
 		args.steps = first_steps(&recs[i].inputs);
-		if (args.steps <= 0 ||
-		    spec_signature(args.carry, args.inputs, args.dtype, args.steps, args.batch > 0,
-		                   sig, sizeof sig) != 0)
+		if (args.steps <= 0 || signature_of(args.carry, args.inputs, args.dtype, args.steps,
+		                                    args.batch > 0, sig, sizeof sig) != 0)
 			continue;
 		for (sp = a->specs; sp; sp = sp->next)
 			if (sp->grad == args.grad && strcmp(sp->signature, sig) == 0)

@@ -1,8 +1,8 @@
 /*
- * spec.c - signatures and flat/tree conversions.  Pure functions over
+ * signature.c - signatures and flat/tree conversions.  Pure functions over
  * caller-owned trees and zones; any thread.
  */
-#include "spec.h"
+#include "signature.h"
 
 #include "shapes.h"
 
@@ -71,8 +71,8 @@ static void sig_node(struct sbuf *b, const struct tree_node *n, int batch_axis)
 	put(b, ")", 1);
 }
 
-int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
-                   enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size)
+int signature_of(const struct tree_node *carry, const struct tree_node *inputs,
+                 enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size)
 {
 	struct sbuf b = {buf, size, 0, 0};
 
@@ -99,13 +99,13 @@ static void mark_axis(struct tree_node *n, uint32_t axis)
 		mark_axis(&n->items[i], axis);
 }
 
-void spec_mark_batch(struct tree_node *carry, struct tree_node *inputs)
+void signature_mark_batch(struct tree_node *carry, struct tree_node *inputs)
 {
 	mark_axis(carry, 0);
 	mark_axis(inputs, 1);
 }
 
-void spec_bind(struct engine_tensor *t, size_t n, int64_t batch)
+void signature_bind(struct engine_tensor *t, size_t n, int64_t batch)
 {
 	for (size_t i = 0; i < n; i++) {
 		uint64_t bytes = proto_dtype_size(t[i].dtype);
@@ -118,7 +118,7 @@ void spec_bind(struct engine_tensor *t, size_t n, int64_t batch)
 	}
 }
 
-int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out)
+int signature_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out)
 {
 	*out = *src;
 	out->tensor.data = NULL;
@@ -141,12 +141,12 @@ int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node 
 		}
 	}
 	for (uint32_t i = 0; i < src->count; i++)
-		if (spec_copy(&src->items[i], zone, &out->items[i]) != 0)
+		if (signature_copy(&src->items[i], zone, &out->items[i]) != 0)
 			return -1;
 	return 0;
 }
 
-void spec_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *count)
+void signature_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *count)
 {
 	if (n->kind == TREE_TENSOR) {
 		struct engine_tensor *t = &out[(*count)++];
@@ -158,11 +158,11 @@ void spec_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *
 		return;
 	}
 	for (uint32_t i = 0; i < n->count; i++)
-		spec_flatten(&n->items[i], out, count);
+		signature_flatten(&n->items[i], out, count);
 }
 
-int spec_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
-              size_t *pos, msgpack_zone *zone, struct tree_node *out)
+int signature_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
+                   size_t *pos, msgpack_zone *zone, struct tree_node *out)
 {
 	*out = *spec;
 	if (spec->kind == TREE_TENSOR) {
@@ -182,7 +182,7 @@ int spec_fill(const struct tree_node *spec, const struct engine_tensor *flat, si
 	if (out->items == NULL)
 		return -1;
 	for (uint32_t i = 0; i < spec->count; i++)
-		if (spec_fill(&spec->items[i], flat, n_flat, pos, zone, &out->items[i]) != 0)
+		if (signature_fill(&spec->items[i], flat, n_flat, pos, zone, &out->items[i]) != 0)
 			return -1;
 	return 0;
 }

@@ -1,5 +1,5 @@
 /*
- * spec.h - specializations: (tree structure, leaf shapes, dtype, T) of a
+ * signature.h - specializations: (tree structure, leaf shapes, dtype, T) of a
  * scan request, and the mapping between trees and a graph's flat tensors.
  *
  * A spec is a struct tree_node whose tensors carry dtype and shape but no
@@ -7,8 +7,8 @@
  * specialization.  The canonical signature string is unambiguous (keys are
  * length-prefixed) and is what cache keys and `describe` use.
  */
-#ifndef TORCHLOOP_SPEC_H
-#define TORCHLOOP_SPEC_H
+#ifndef TORCHLOOP_SIGNATURE_H
+#define TORCHLOOP_SIGNATURE_H
 
 #include "engine.h"
 #include "shapes.h"
@@ -26,28 +26,28 @@
  * too long.  With batch, the batch dimensions (dimension 0 of carry leaves,
  * 1 of input leaves) read "B", as does any SHAPES_BATCH dimension.
  */
-int spec_signature(const struct tree_node *carry, const struct tree_node *inputs,
-                   enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size);
+int signature_of(const struct tree_node *carry, const struct tree_node *inputs,
+                 enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size);
 
 /*
  * Symbolic batch (adapter option dynamic = batch): marks the batch
  * dimensions of a specialization's own trees SHAPES_BATCH, their sizes then
  * those at batch size 1.
  */
-void spec_mark_batch(struct tree_node *carry, struct tree_node *inputs);
+void signature_mark_batch(struct tree_node *carry, struct tree_node *inputs);
 /* Sets each SHAPES_BATCH dimension of t[0..n) to batch and recomputes nbytes. */
-void spec_bind(struct engine_tensor *t, size_t n, int64_t batch);
+void signature_bind(struct engine_tensor *t, size_t n, int64_t batch);
 
 /* Deep copy of a tree's structure and shapes (no data) into zone. */
-int spec_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out);
+int signature_copy(const struct tree_node *src, msgpack_zone *zone, struct tree_node *out);
 
 /* Appends a tree's tensor leaves, depth-first, to out[*n]; out must fit. */
-void spec_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *count);
+void signature_flatten(const struct tree_node *n, struct engine_tensor *out, size_t *count);
 /*
  * Builds a tree of spec's structure whose tensors point at flat[*pos...]
  * (advancing *pos), nodes in zone.  Returns 0, or -1 when flat runs out.
  */
-int spec_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
-              size_t *pos, msgpack_zone *zone, struct tree_node *out);
+int signature_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
+                   size_t *pos, msgpack_zone *zone, struct tree_node *out);
 
 #endif

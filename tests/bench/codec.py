@@ -1,0 +1,53 @@
+"""The Python client's wire codec alone, in process (no daemon, no socket).
+
+usage: codec.py [ITERS]
+
+Times, p50 over ITERS calls (default 20000), encoding one scan request
+(N = 4, T = 1, float64: carry [4], inputs [1, 4]) with torchloop._wire.Encoder
+and decoding a reply of the same shapes with torchloop._wire.decode -- the
+interpreter work the Python client (column (g) of docs/performance.md) adds
+to every call on top of the socket round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from torchloop import _wire
+
+
+def p50_us(fn, iters: int) -> float:
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    return statistics.median(ts) / 1000
+
+
+def main() -> None:
+    iters = int(sys.argv[1]) if len(sys.argv) > 1 else 20000
+    carry = torch.arange(4, dtype=torch.float64)
+    xs = torch.ones(1, 4, dtype=torch.float64)
+
+    def encode():
+        e = _wire.Encoder()
+        e.value({"id": 7, "op": "scan", "adapter": "bench.cumsum", "carry": carry, "inputs": xs})
+        return e.frame()
+
+    # a reply as the daemon sends one: {id, result: {carry, outputs}}
+    e = _wire.Encoder()
+    e.value({"id": 7, "result": {"carry": carry, "outputs": xs}})
+    body = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in e.frame())[4:])
+    print(json.dumps({"encode_p50_us": round(p50_us(encode, iters), 2),
+                      "decode_p50_us": round(p50_us(lambda: _wire.decode(body), iters), 2),
+                      "iters": iters}))
+
+
+if __name__ == "__main__":
+    main()

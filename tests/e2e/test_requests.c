@@ -1,0 +1,207 @@
+/*
+ * test_requests.c - the request path: inline runs, pipelined scans past
+ * the write-queue cap (backpressure), a broken frame after good ones.
+ *
+ * Most tests reuse one cheap specialization (t4.cumsum, float64, T=3,
+ * carry [4]; fixture.h) so the file compiles only a handful of graphs per run.
+ */
+#include "fixture.h"
+#include "harness.h"
+
+#include "frame.h"
+#include "params.h"
+#include "tree.h"
+#include "writer.h"
+#include <dirent.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <msgpack.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+TestSuite(requests, .timeout = 900);
+
+/* ---- the request path: inline runs, pipelining, backpressure --------------------- */
+
+/* The bytes of one scan request frame (header included) for t4.cumsum. */
+static uint8_t *scan_frame_bytes(struct fixture *f, uint64_t id, size_t *len)
+{
+	struct tree_node carry = {.kind = TREE_TENSOR}, inputs = {.kind = TREE_TENSOR};
+	struct writer w;
+	struct iovec iov[16];
+	struct proto_err err;
+	uint8_t *out;
+	int n;
+
+	carry.tensor = (struct tree_tensor){PROTO_DTYPE_F64, 1, {4}, 0, 0, f->carry};
+	inputs.tensor = (struct tree_tensor){PROTO_DTYPE_F64, 2, {3, 4}, 0, 0, f->xs};
+	cr_assert_eq(tree_tensor_sizes(&carry.tensor), 0);
+	cr_assert_eq(tree_tensor_sizes(&inputs.tensor), 0);
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, id, "scan", 3);
+	writer_key_str(&w, "adapter", "t4.cumsum");
+	writer_str(&w, "carry");
+	tree_encode(&w, &carry);
+	writer_str(&w, "inputs");
+	tree_encode(&w, &inputs);
+	n = writer_finish(&w, iov, 16, PROTO_FRAME_MAX, &err);
+	cr_assert_gt(n, 0, "%s", err.message);
+	*len = 0;
+	for (int i = 0; i < n; i++)
+		*len += iov[i].iov_len;
+	out = malloc(*len);
+	for (size_t i = 0, at = 0; i < (size_t)n; at += iov[i].iov_len, i++)
+		memcpy(out + at, iov[i].iov_base, iov[i].iov_len);
+	writer_destroy(&w);
+	return out;
+}
+
+/* Checks one raw scan reply by hand (carry + running sums); returns its id. */
+static uint64_t check_scan_reply(struct fixture *f, int fd)
+{
+	uint8_t *body;
+	struct msg m;
+	struct tree_node fin;
+	struct proto_err err;
+	const double *got;
+
+	uint64_t id;
+
+	cr_assert_eq(raw_recv_msg(fd, &body, &m), 0, "a reply is missing");
+	cr_assert(!m.is_error && m.has_id, "error reply (%d) or no id", m.is_error);
+	id = m.id;
+	cr_assert_eq(tree_decode(msg_obj_field(msg_field(&m, "result"), "carry"), m.up.zone,
+	                         "carry", &fin, &err),
+	             0, "%s", err.message);
+	got = fin.tensor.data;
+	for (int k = 0; k < 4; k++)
+		cr_assert_float_eq(got[k], f->carry[k] + f->xs[k] + f->xs[4 + k] + f->xs[8 + k],
+		                   1e-12);
+	msg_destroy(&m);
+	frame_free(body);
+	return id;
+}
+
+/*
+ * Thousands of small scans pipelined on one connection whose client does not
+ * read: the replies pile up past --write-queue-cap, the daemon stops reading
+ * that connection (with requests still staged from its last read) and serves
+ * others; once the client drains its replies every one arrives whole, once,
+ * with the right numbers (replies may overtake each other: match by id).  The graph is µs-scale, so
+ * after its first runs it runs on the loop thread (stats.inline_runs).
+ */
+Test(requests, pipelined_scans_past_the_write_queue_cap_pause_then_all_arrive)
+{
+	/* --inline-run-us at its maximum: whether these µs-scale runs stay on the
+	 * loop must not depend on how fast this machine (or ASan) runs them */
+	static const char *const args[] = {"--no-probe", "--socket-mode",
+	                                   "0666",       "--write-queue-cap",
+	                                   "1048576",    "--max-inflight",
+	                                   "4096",       "--inline-run-us",
+	                                   "100000",     NULL};
+	enum { N_REQ = 12000 };
+	struct fixture f;
+	size_t one;
+	uint8_t *frame;
+	int fd;
+	pid_t writer;
+	uint64_t breaches0;
+	static bool seen[N_REQ + 1];
+
+	setup(&f, args);
+	scan_ok(&f, f.c);
+	breaches0 = h_stat(f.c, "limit_breaches");
+	fd = raw_connect(f.d.sock);
+	frame = scan_frame_bytes(&f, 1, &one);
+	writer = fork();
+	if (writer == 0) { /* blocks once the daemon stops reading; ids 1..N_REQ */
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		for (uint64_t id = 1; id <= N_REQ; id++) {
+			free(frame);
+			frame = scan_frame_bytes(&f, id, &one);
+			raw_send(fd, frame, one);
+		}
+		_exit(0);
+	}
+	for (int i = 0; i < 600 && h_stat(f.c, "limit_breaches") == breaches0; i++)
+		usleep(50 * 1000);
+	cr_assert_gt(h_stat(f.c, "limit_breaches"), breaches0,
+	             "the write queue passed its cap and the connection's reads paused");
+	scan_ok(&f, f.c); /* other connections are served meanwhile */
+	for (int i = 0; i < N_REQ; i++) {
+		uint64_t id = check_scan_reply(&f, fd);
+		cr_assert(id >= 1 && id <= N_REQ && !seen[id], "id %llu unexpected or repeated",
+		          (unsigned long long)id);
+		seen[id] = true;
+	}
+	cr_assert_eq(waitpid(writer, NULL, 0), writer);
+	cr_assert_gt(h_stat(f.c, "inline_runs"), N_REQ / 2, "µs-scale runs stay on the loop");
+	close(fd);
+	free(frame);
+	scan_ok(&f, f.c);
+	teardown(&f);
+}
+
+/* --inline-run-us 0 keeps every run on the pool; the numbers are the same. */
+Test(requests, inline_runs_can_be_switched_off)
+{
+	static const char *const args[] = {"--no-probe", "--inline-run-us", "0", NULL};
+	struct fixture f;
+
+	setup(&f, args);
+	for (int i = 0; i < 20; i++)
+		scan_ok(&f, f.c);
+	cr_assert_eq(h_stat(f.c, "inline_runs"), 0);
+	teardown(&f);
+}
+
+/*
+ * Frames staged from one read: two good requests, then a header announcing a
+ * frame over --max-frame, all in one write.  Both requests are answered, then
+ * FRAME_TOO_LARGE (no id), then the connection closes; others are served.
+ */
+Test(requests, a_broken_frame_after_good_ones_in_one_read_answers_them_then_closes)
+{
+	static const char h1[] = "\x82\xa2id\x01\xa2op\xa6"
+	                         "health",
+	                  h2[] = "\x82\xa2id\x02\xa2op\xa6"
+	                         "health";
+	uint8_t bytes[2 * (4 + sizeof h1) + 4], *p = bytes;
+	struct fixture f;
+	char code[64], msg[1024];
+	long long id;
+	int fd;
+
+	setup(&f, NULL);
+	frame_put_header(p, sizeof h1 - 1);
+	memcpy(p + 4, h1, sizeof h1 - 1);
+	p += 4 + sizeof h1 - 1;
+	frame_put_header(p, sizeof h2 - 1);
+	memcpy(p + 4, h2, sizeof h2 - 1);
+	p += 4 + sizeof h2 - 1;
+	frame_put_header(p, 0x7fffffff); /* over the default 64 MiB max-frame */
+	p += 4;
+	fd = raw_connect(f.d.sock);
+	raw_send(fd, bytes, (size_t)(p - bytes));
+	for (long long want = 1; want <= 2; want++) {
+		cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+		cr_assert_str_eq(code, "", "%s", msg);
+		cr_assert_eq(id, want);
+	}
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "FRAME_TOO_LARGE", "%s", msg);
+	cr_assert_eq(id, -1);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), -1, "closed after");
+	close(fd);
+	scan_ok(&f, f.c);
+	teardown(&f);
+}

@@ -1,0 +1,435 @@
+/*
+ * test_graphs.c - the graph layer with no socket and no request: graphs.c and
+ * run.c driven directly on a private libuv loop, with a real compile worker
+ * and the run's shared compile cache (the specialization is the e2e suites'
+ * t4.cumsum, float64, T=3, carry [4], so it is compiled at most once per run).
+ *
+ * Single flight (three waiters, one specialization, one compile or cache
+ * hit), the budget (a new signature refused at once, by name), a run checked
+ * by hand, the warm-start index read past a corrupt record, and the loop
+ * closing with every handle closed (uv_loop_close returns 0).
+ */
+#include "daemon.h"
+#include "graphs.h"
+#include "run.h"
+
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+TestSuite(graphs, .timeout = 900);
+
+#define BODY "examples/bodies/cumsum.py"
+
+static struct daemon d;
+static uv_loop_t loop;
+static bool worker_up;
+
+static void on_up(struct daemon *dd, const struct proto_err *err)
+{
+	(void)dd;
+	cr_assert_null(err, "compile worker: %s", err ? err->message : "");
+	worker_up = true;
+}
+
+/* The daemon's log goes where scripts/run-tests.sh counts compiles. */
+static void log_to_test_tmp(void)
+{
+	const char *tmp = getenv("TORCHLOOP_TEST_TMP");
+	char dir[PATH_MAX];
+
+	if (tmp == NULL)
+		return;
+	snprintf(dir, sizeof dir, "%s/graphs.XXXXXX", tmp);
+	cr_assert_not_null(mkdtemp(dir));
+	strncat(dir, "/log", sizeof dir - strlen(dir) - 1);
+	cr_assert_not_null(freopen(dir, "a", stderr));
+}
+
+static void open_graphs(void)
+{
+	const char *env = getenv("TORCHLOOP_TEST_CACHE");
+	char cache[PATH_MAX];
+	char *argv[] = {"torchloopd", "--cache-dir", cache, "--no-probe", NULL};
+
+	snprintf(cache, sizeof cache, "%s", env ? env : "build/test-cache");
+	mkdir(cache, 0755);
+	cr_assert_not_null(realpath(env ? env : "build/test-cache", cache));
+	log_to_test_tmp();
+	optind = 0; /* glibc: start getopt afresh */
+	cr_assert_eq(config_parse(&d.cfg, 4, argv), 0);
+	cr_assert_eq(uv_loop_init(&loop), 0);
+	d.loop = &loop;
+	cr_assert_eq(daemon_graphs_open(&d), 0);
+	cr_assert_eq(daemon_graphs_start_worker(&d, on_up), 0);
+	while (!worker_up)
+		uv_run(&loop, UV_RUN_ONCE);
+}
+
+/* Everything the graph layer opened is closed: the loop can be closed. */
+static void close_graphs(void)
+{
+	registry_clear(&d);
+	compiler_stop(d.compiler);
+	uv_run(&loop, UV_RUN_DEFAULT);
+	cr_assert_eq(uv_loop_close(&loop), 0, "a libuv handle is still open");
+}
+
+static char *read_file(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	char *s;
+	long n;
+
+	cr_assert_not_null(f, "%s", path);
+	fseek(f, 0, SEEK_END);
+	n = ftell(f);
+	rewind(f);
+	s = calloc(1, (size_t)n + 1);
+	cr_assert_eq(fread(s, 1, (size_t)n, f), (size_t)n);
+	fclose(f);
+	return s;
+}
+
+/* t4.cumsum as tests/e2e registers it: max_steps 12, max_elements 64. */
+static struct adapter *add_adapter(int64_t budget)
+{
+	struct adapter_def def;
+	struct proto_err err;
+	bool replaced, unchanged;
+	struct adapter *a;
+
+	adapter_def_defaults(&def);
+	snprintf(def.name, sizeof def.name, "t4.cumsum");
+	snprintf(def.body_file, sizeof def.body_file, "%s", BODY);
+	def.source = read_file(BODY);
+	def.max_steps = 12;
+	def.max_elements = 64;
+	def.budget = budget;
+	cr_assert_eq(adapter_def_validate(&def, &err), 0, "%s", err.message);
+	a = registry_register(&d, &def, &replaced, &unchanged);
+	cr_assert_not_null(a);
+	return a;
+}
+
+/* ---- trees: carry [4], inputs [T, 4], float64, 64-byte aligned ---------- */
+
+struct trees {
+	double *carry, *xs;
+	struct tree_node c, x;
+	int64_t steps;
+};
+
+static void leaf(struct tree_node *n, double *data, uint32_t ndim, const int64_t *shape)
+{
+	memset(n, 0, sizeof *n);
+	n->kind = TREE_TENSOR;
+	n->tensor.dtype = PROTO_DTYPE_F64;
+	n->tensor.ndim = ndim;
+	n->tensor.numel = 1;
+	for (uint32_t i = 0; i < ndim; i++) {
+		n->tensor.shape[i] = shape[i];
+		n->tensor.numel *= (uint64_t)shape[i];
+	}
+	n->tensor.nbytes = n->tensor.numel * 8;
+	n->tensor.data = data;
+}
+
+static void make_trees(struct trees *t, int64_t steps)
+{
+	int64_t cs[] = {4}, xs[] = {steps, 4};
+
+	t->steps = steps;
+	t->carry = aligned_alloc(64, 64);
+	t->xs = aligned_alloc(64, (size_t)(((steps * 4 * 8) + 63) / 64 * 64));
+	for (int k = 0; k < 4; k++)
+		t->carry[k] = 0.5 * k - 1.25;
+	for (int64_t k = 0; k < 4 * steps; k++)
+		t->xs[k] = 0.125 * (double)((k * 7) % 11) - 0.5;
+	leaf(&t->c, t->carry, 1, cs);
+	leaf(&t->x, t->xs, 2, xs);
+}
+
+static void free_trees(struct trees *t)
+{
+	free(t->carry);
+	free(t->xs);
+}
+
+static struct scan_args args_of(const struct trees *t)
+{
+	return (struct scan_args){&t->c, &t->x, PROTO_DTYPE_F64, t->steps, 0, false};
+}
+
+/* ---- waiters ------------------------------------------------------------ */
+
+struct waiter {
+	struct graph_waiter w; /* first: the callbacks cast back */
+	int done, events;
+	struct specialization *sp;
+	struct proto_err err;
+};
+
+static void on_done(struct graph_waiter *gw, struct specialization *sp, const struct proto_err *err)
+{
+	struct waiter *w = (struct waiter *)gw;
+
+	w->done++;
+	w->sp = sp;
+	if (sp)
+		graphs_ref(sp); /* held by the test past the callback */
+	else
+		w->err = *err;
+}
+
+static void on_event(struct graph_waiter *gw, const char *event, const struct specialization *sp,
+                     double elapsed)
+{
+	struct waiter *w = (struct waiter *)gw;
+
+	cr_assert(strcmp(event, "compiling") == 0 || strcmp(event, "progress") == 0, "%s", event);
+	cr_assert_str_eq(sp->signature, "float64 T=3 carry=[4] inputs=[3,4]");
+	cr_assert_geq(elapsed, 0);
+	w->events++;
+}
+
+static void waiter_init(struct waiter *w)
+{
+	memset(w, 0, sizeof *w);
+	w->w.done = on_done;
+	w->w.event = on_event;
+}
+
+static void wait_all(struct waiter *w, int n)
+{
+	for (;;) {
+		int pending = 0;
+		for (int i = 0; i < n; i++)
+			pending += w[i].done == 0;
+		if (pending == 0)
+			return;
+		uv_run(&loop, UV_RUN_ONCE);
+	}
+}
+
+static unsigned count_specs(const struct adapter *a)
+{
+	unsigned n = 0;
+
+	for (const struct specialization *sp = a->specs; sp; sp = sp->next)
+		n++;
+	return n;
+}
+
+/* ---- a run -------------------------------------------------------------- */
+
+struct run_seen {
+	int done;
+	struct proto_err err;
+	bool failed;
+	double carry[4], y[3 * 4];
+	size_t n;
+};
+
+static void on_run(struct run_job *j, void *arg)
+{
+	struct run_seen *s = arg;
+	const struct engine_result *res = run_result(j);
+
+	s->done++;
+	s->failed = run_error(j) != NULL;
+	if (s->failed) {
+		s->err = *run_error(j);
+		return;
+	}
+	s->n = res->n;
+	cr_assert_eq(res->n, 2, "carry leaf + stacked output leaf");
+	cr_assert_eq(res->tensors[0].nbytes, 4 * 8);
+	cr_assert_eq(res->tensors[1].nbytes, 12 * 8);
+	memcpy(s->carry, res->tensors[0].data, sizeof s->carry);
+	memcpy(s->y, res->tensors[1].data, sizeof s->y);
+}
+
+static void run_and_check(struct specialization *sp, const struct trees *t)
+{
+	struct run_seen seen = {0};
+	struct proto_err err;
+	struct run_job *j = run_new(&d, sp, 0, NULL, &err);
+
+	cr_assert_not_null(j, "%s", err.message);
+	run_add(j, &t->c);
+	run_add(j, &t->x);
+	run_submit(j, on_run, &seen);
+	while (seen.done == 0)
+		uv_run(&loop, UV_RUN_ONCE);
+	cr_assert_eq(seen.done, 1);
+	cr_assert(!seen.failed, "%s", seen.err.message);
+	/* by hand: the body adds x_t to the carry and emits the new carry */
+	for (int k = 0; k < 4; k++) {
+		double acc = t->carry[k];
+		for (int s = 0; s < 3; s++) {
+			acc += t->xs[4 * s + k];
+			cr_assert_float_eq(seen.y[4 * s + k], acc, 1e-12);
+		}
+		cr_assert_float_eq(seen.carry[k], acc, 1e-12);
+	}
+}
+
+/* ---- tests -------------------------------------------------------------- */
+
+Test(graphs, three_waiters_share_one_specialization_and_its_run_is_right)
+{
+	struct waiter w[3];
+	struct trees t;
+	struct scan_args args;
+	struct adapter *a;
+
+	open_graphs();
+	a = add_adapter(3);
+	make_trees(&t, 3);
+	args = args_of(&t);
+	for (int i = 0; i < 3; i++) {
+		waiter_init(&w[i]);
+		graphs_acquire(&d, a, &args, &w[i].w);
+	}
+	/* a cache lookup is on the pool: nobody can have been answered yet */
+	for (int i = 0; i < 3; i++)
+		cr_assert_eq(w[i].done, 0);
+	wait_all(w, 3);
+	for (int i = 0; i < 3; i++) {
+		cr_assert_eq(w[i].done, 1);
+		cr_assert_not_null(w[i].sp, "%s", w[i].err.message);
+		cr_assert_eq(w[i].sp, w[0].sp, "one specialization for all three");
+	}
+	cr_assert_eq(count_specs(a), 1);
+	cr_assert_eq(a->held, 1);
+	cr_assert_eq(a->stats.compiles + a->stats.cache_hits, 1,
+	             "one compile or one cache hit, not three (compiles %llu, hits %llu)",
+	             (unsigned long long)a->stats.compiles,
+	             (unsigned long long)a->stats.cache_hits);
+	cr_assert_str_eq(w[0].sp->signature, "float64 T=3 carry=[4] inputs=[3,4]");
+	run_and_check(w[0].sp, &t);
+	run_and_check(w[0].sp, &t); /* and again, on the same graph */
+	cr_assert_eq(w[0].sp->runs, 2);
+	for (int i = 0; i < 3; i++)
+		graphs_unref(w[i].sp);
+	free_trees(&t);
+	close_graphs();
+}
+
+Test(graphs, a_full_budget_refuses_a_new_signature_at_once_naming_what_it_holds)
+{
+	struct waiter w, again, other;
+	struct trees t3, t2;
+	struct scan_args args;
+	struct adapter *a;
+
+	open_graphs();
+	a = add_adapter(1);
+	make_trees(&t3, 3);
+	make_trees(&t2, 2);
+	args = args_of(&t3);
+	waiter_init(&w);
+	graphs_acquire(&d, a, &args, &w.w);
+	wait_all(&w, 1);
+	cr_assert_not_null(w.sp, "%s", w.err.message);
+	/* T=2 is another signature: over the budget of 1, refused right here */
+	args = args_of(&t2);
+	waiter_init(&other);
+	graphs_acquire(&d, a, &args, &other.w);
+	cr_assert_eq(other.done, 1, "refused synchronously, no compile");
+	cr_assert_null(other.sp);
+	cr_assert_eq(other.err.code, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED);
+	cr_assert(strstr(other.err.message, "recompile_budget=1") != NULL, "%s", other.err.message);
+	cr_assert(strstr(other.err.message, "scan float64 T=3 carry=[4] inputs=[3,4]") != NULL,
+	          "%s", other.err.message);
+	cr_assert_eq(count_specs(a), 1);
+	/* the specialization it holds is still served, at once (READY) */
+	args = args_of(&t3);
+	waiter_init(&again);
+	graphs_acquire(&d, a, &args, &again.w);
+	cr_assert_eq(again.done, 1);
+	cr_assert_eq(again.sp, w.sp);
+	run_and_check(again.sp, &t3);
+	graphs_unref(w.sp);
+	graphs_unref(again.sp);
+	free_trees(&t3);
+	free_trees(&t2);
+	close_graphs();
+}
+
+static unsigned prewarmed;
+
+static void on_prewarmed(struct daemon *dd)
+{
+	(void)dd;
+	prewarmed++;
+}
+
+Test(graphs, the_warm_start_index_is_read_past_a_corrupt_record)
+{
+	static const uint8_t corrupt[] = {0, 0, 0, 5, 0xc1, 0xc1, 0x92, 0xff, 0x00};
+	char path[PATH_MAX];
+	struct waiter w;
+	struct trees t;
+	struct scan_args args;
+	struct adapter *a;
+	char *saved;
+	long len;
+	FILE *f;
+	unsigned started;
+
+	open_graphs();
+	a = add_adapter(3);
+	make_trees(&t, 3);
+	args = args_of(&t);
+	waiter_init(&w);
+	graphs_acquire(&d, a, &args, &w.w);
+	wait_all(&w, 1);
+	cr_assert_not_null(w.sp, "%s", w.err.message);
+	graphs_unref(w.sp);
+	/* the index lists it now; put a record that does not parse before it */
+	graphs_index_path(&d, a, path, sizeof path);
+	f = fopen(path, "rb");
+	cr_assert_not_null(f, "no index at %s", path);
+	fseek(f, 0, SEEK_END);
+	len = ftell(f);
+	rewind(f);
+	saved = malloc((size_t)len);
+	cr_assert_eq(fread(saved, 1, (size_t)len, f), (size_t)len);
+	fclose(f);
+	f = fopen(path, "wb");
+	fwrite(corrupt, 1, sizeof corrupt, f);
+	fwrite(saved, 1, (size_t)len, f);
+	fclose(f);
+	/* a fresh adapter of the same identity loads it from the index */
+	cr_assert_eq(registry_unregister(&d, "t4.cumsum", 9), 0);
+	a = add_adapter(3);
+	cr_assert_eq(count_specs(a), 0);
+	started = graphs_prewarm(&d, a, on_prewarmed);
+	cr_assert_geq(started, 1, "the record after the corrupt one was read");
+	while (prewarmed < started)
+		uv_run(&loop, UV_RUN_ONCE);
+	cr_assert_geq(graphs_loaded(&d), 1);
+	cr_assert_eq(a->stats.compiles, 0, "loaded, not compiled");
+	/* READY: a waiter is answered at once */
+	waiter_init(&w);
+	graphs_acquire(&d, a, &args, &w.w);
+	cr_assert_eq(w.done, 1);
+	cr_assert_not_null(w.sp);
+	run_and_check(w.sp, &t);
+	graphs_unref(w.sp);
+	/* the shared cache's index as it was */
+	f = fopen(path, "wb");
+	fwrite(saved, 1, (size_t)len, f);
+	fclose(f);
+	free(saved);
+	free_trees(&t);
+	close_graphs();
+}
