@@ -1,10 +1,11 @@
 """Compile-strategy benchmark: unrolled loop vs torch's scan op vs chunks.
 
-usage: strategy.py BUILD_DIR OUT_JSON [--only STRATEGY]
+usage: strategy.py BUILD_DIR OUT_JSON [--only STRATEGY[:T]]
 
 `chunk` runs at T = 128 only (below and at 16 steps it is the unrolled loop):
 its compile is the 16-step graph's, its run eight runs of that graph.
---only measures one strategy (e.g. chunk) and writes just its rows.
+--only measures one strategy (e.g. chunk, or unroll:128 for one T) and
+writes just its rows.
 
 Starts a daemon on a private, empty cache (so every compile is cold), and for
 an elementwise recurrence (ema, carry [64]), a small matmul RNN (rnn_carry,
@@ -93,12 +94,16 @@ def main() -> None:
               "lorenz": ("examples/bodies/lorenz.py", "rk4"),
               "gru": ("examples/bodies/gru_carry.py", "cell")}
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    only_t = int(only.split(":")[1]) if only and ":" in only else None
+    only = only.split(":")[0] if only else None
     plan = [("unroll", (1, 16, 128)), ("scan", (1, 16, 128)), ("chunk", (128,))]
     for body, (path, entry) in bodies.items():
         for strategy, all_steps in plan:
             if only and strategy != only:
                 continue
             for steps in all_steps:
+                if only_t and steps != only_t:
+                    continue
                 name = f"bench.{body}.{strategy}.{steps}"
                 src = open(os.path.join(ROOT, path)).read()
                 r = c.call("register", name=name, body_source=src, body_file=path, entry=entry,
