@@ -33,7 +33,7 @@ if sys.byteorder != "little":  # pragma: no cover - the daemon is x86-64/arm64 L
 
 
 _EXT32_TENSOR = struct.Struct(">BIBBBBB")  # 0xc9, length, type 1, dtype, ndim, pad, 0
-_EXT32_SHM = struct.Struct(">BIBBBxxxxxx")  # 0xc9, length, type 3, dtype, ndim, 6 zero bytes
+_EXT32_SHM = struct.Struct(">BIBBB6x")  # 0xc9, length, type 3, dtype, ndim, 6 zero bytes
 _DIMS = [struct.Struct(f"<{n}q") for n in range(33)]  # the daemon allows 8 dims
 _ZEROS = bytes(ALIGN)
 _STR_CACHE: dict[str, bytes] = {}  # keys and op names: encoded once
