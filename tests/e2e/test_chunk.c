@@ -54,6 +54,7 @@ static void check_scan(struct tl_client *c, const char *adapter, const char *bod
 	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), 1e-10, 1e-12,
 	               "outputs");
 	tl_reply_free(r);
+	treejson_free(&tj);
 }
 
 static const char *signature(json_t *desc, size_t i)
@@ -172,6 +173,7 @@ Test(chunk, grad_runs_the_whole_vjp_graph_and_matches_autograd)
 	    h_normwise_error(tl_reply_tree(r, "grad_inputs"), h_load_ref(&tj, dir, "fd_inputs")),
 	    1e-6, "grad_inputs vs finite differences");
 	tl_reply_free(r);
+	treejson_free(&tj);
 	desc = h_call_json(c, "describe", "ck.ema");
 	cr_assert_str_eq(signature(desc, 0), "float64 T=32 carry=[3,2] inputs=[32,3,2]");
 	json_decref(desc);
