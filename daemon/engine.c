@@ -227,7 +227,7 @@ static void strided_copy(char *dst, const char *src, uint32_t ndim, const int64_
 
 /* Bytes of a contiguous tensor of t's dtype and shape (its nbytes field is
  * not trusted: the graph writes exactly this many). */
-static uint64_t tensor_bytes(const struct engine_tensor *t)
+uint64_t engine_tensor_bytes(const struct engine_tensor *t)
 {
 	uint64_t n = proto_dtype_size(t->dtype);
 
@@ -244,7 +244,7 @@ uint64_t engine_out_layout(const struct engine_tensor *out, size_t n, uint64_t *
 		at = (at + PROTO_TENSOR_ALIGN - 1) / PROTO_TENSOR_ALIGN * PROTO_TENSOR_ALIGN;
 		if (offsets)
 			offsets[i] = at;
-		at += tensor_bytes(&out[i]);
+		at += engine_tensor_bytes(&out[i]);
 	}
 	return at;
 }
@@ -356,7 +356,7 @@ int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_
 	}
 	for (size_t i = 0; i < g->n_out; i++) {
 		res->tensors[i] = expected_out[i];
-		res->tensors[i].nbytes = tensor_bytes(&expected_out[i]);
+		res->tensors[i].nbytes = engine_tensor_bytes(&expected_out[i]);
 		res->tensors[i].data = out_base + offsets[i];
 	}
 	rc = run_graph(g, in, n_in, expected_out, res, err);
@@ -383,7 +383,7 @@ int engine_run_into(struct engine_graph *g, const struct engine_tensor *in, size
 	if (res.handles == NULL)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
 	for (size_t i = 0; i < n_out; i++)
-		out[i].nbytes = tensor_bytes(&out[i]);
+		out[i].nbytes = engine_tensor_bytes(&out[i]);
 	rc = run_graph(g, in, n_in, out, &res, err);
 	for (size_t i = 0; i < n_out; i++)
 		if (res.handles[i])

@@ -69,6 +69,8 @@ int engine_run(struct engine_graph *g, const struct engine_tensor *in, size_t n_
                const struct engine_tensor *expected, const struct engine_tensor *expected_out,
                uint8_t *out_base, struct engine_result *res, struct proto_err *err);
 void engine_result_free(struct engine_result *res);
+/* Bytes of a C-contiguous tensor of t's dtype and shape. */
+uint64_t engine_tensor_bytes(const struct engine_tensor *t);
 /*
  * engine_run with the outputs written where out[i].data points (shapes and
  * dtypes in out[i]; nbytes is set here): for a run split in chunks, whose

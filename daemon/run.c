@@ -47,15 +47,6 @@ struct run_job {
 	void *done_arg;
 };
 
-static uint64_t tensor_bytes_of(const struct engine_tensor *t)
-{
-	uint64_t n = proto_dtype_size(t->dtype);
-
-	for (uint32_t i = 0; i < t->ndim; i++)
-		n *= (uint64_t)t->shape[i];
-	return n;
-}
-
 static size_t tensor_leaves(const struct tree_node *n)
 {
 	size_t c = n->kind == TREE_TENSOR;
@@ -144,7 +135,7 @@ static int run_chunks(struct run_job *j, uint8_t *base)
 	in = calloc(n_in ? n_in : 1, sizeof *in);
 	out = calloc(n_out ? n_out : 1, sizeof *out);
 	for (size_t k = 0; k < nc; k++)
-		carry_bytes += (tensor_bytes_of(&j->chunk_out[k]) + 63) & ~(uint64_t)63;
+		carry_bytes += (engine_tensor_bytes(&j->chunk_out[k]) + 63) & ~(uint64_t)63;
 	scratch = aligned_alloc(PROTO_TENSOR_ALIGN, 2 * carry_bytes + PROTO_TENSOR_ALIGN);
 	if (!res->tensors || !res->handles || !off || !in || !out || !scratch) {
 		proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -163,13 +154,13 @@ static int run_chunks(struct run_job *j, uint8_t *base)
 	}
 	for (size_t k = 0; k < n_out; k++) {
 		res->tensors[k] = j->expected_out[k];
-		res->tensors[k].nbytes = tensor_bytes_of(&j->expected_out[k]);
+		res->tensors[k].nbytes = engine_tensor_bytes(&j->expected_out[k]);
 		res->tensors[k].data = base + off[k];
 	}
 	for (int64_t c = 0; c < j->chunks; c++) {
 		uint8_t *p = scratch + (size_t)(c % 2) * carry_bytes; /* this chunk's carry */
 		for (size_t k = 0; k < n_in; k++) {
-			uint64_t rows = tensor_bytes_of(&j->expected[k]);
+			uint64_t rows = engine_tensor_bytes(&j->expected[k]);
 			in[k] = j->expected[k];
 			in[k].nbytes = rows;
 			if (k < nc)
@@ -178,7 +169,7 @@ static int run_chunks(struct run_job *j, uint8_t *base)
 				in[k].data = (uint8_t *)j->in[k].data + (uint64_t)c * rows;
 		}
 		for (size_t k = 0; k < n_out; k++) {
-			uint64_t rows = tensor_bytes_of(&j->chunk_out[k]);
+			uint64_t rows = engine_tensor_bytes(&j->chunk_out[k]);
 			out[k] = j->chunk_out[k];
 			if (k >= nc) {
 				out[k].data = (uint8_t *)res->tensors[k].data + (uint64_t)c * rows;
