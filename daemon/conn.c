@@ -2,8 +2,8 @@
  * conn.c - the listening socket and client connections.  Loop thread only.
  *
  * Each connection owns a uv_pipe_t and a frame reader that reads straight
- * into the frame body (no intermediate copy).  A complete frame becomes a
- * struct request (request.c) and is dispatched through OP_TABLE.  A frame
+ * into the frame body (no intermediate copy).  A complete frame goes to
+ * d->dispatch (ops_dispatch: conn.c knows no request or op).  A frame
  * whose length prefix breaks the limit gets FRAME_TOO_LARGE and the
  * connection is closed after that reply; any other malformed frame gets its
  * error and the connection stays usable.  Memory of a connection is freed
@@ -238,7 +238,7 @@ static void on_write(uv_write_t *req, int status)
 	struct outmsg *out = (struct outmsg *)req;
 	struct conn *c = out->conn;
 
-	c->write_since = now_seconds();
+	c->write_since = log_now();
 	account(c, &c->mem_replies, -(int64_t)out->mem);
 	if (status != 0 && !c->closing)
 		conn_close(c);
@@ -345,7 +345,7 @@ void conn_send(struct conn *c, struct outmsg *out)
 			out->mem += bv[i].len;
 	}
 	if (uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) == 0)
-		c->write_since = now_seconds();
+		c->write_since = log_now();
 	if (uv_write(&out->req, (uv_stream_t *)&c->handle, bv + first, (unsigned)(n - first),
 	             on_write) != 0) {
 		outmsg_free(out);
@@ -379,8 +379,6 @@ static void frame_error(struct conn *c, const struct proto_err *err, bool close_
 	conn_send(c, out);
 }
 
-void request_dispatch(struct conn *c, uint8_t *body, uint32_t len);
-
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
 	struct conn *c = h->data;
@@ -409,8 +407,8 @@ static bool frame_status_step(struct conn *c, enum frame_status st, struct proto
 		uint32_t len;
 		uint8_t *body = frame_reader_take(&c->reader, &len);
 		account_partial(c);
-		c->last_activity = now_seconds();
-		request_dispatch(c, body, len);
+		c->last_activity = log_now();
+		c->d->dispatch(c, body, len);
 		if (c->pause_pending || (!c->closing && over_limits(c)))
 			pause_reading(c);
 	}
@@ -479,7 +477,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 	take_fds(c);
 	if (nread == 0)
 		return;
-	c->last_read = now_seconds();
+	c->last_read = log_now();
 	if (nread < 0) {
 		if (nread != UV_EOF)
 			log_debug("connection %llu: %s", (unsigned long long)c->serial,
@@ -505,8 +503,8 @@ static void resume_reading(struct conn *c)
 	if (c->paused)
 		c->d->n_paused--;
 	c->paused = false;
-	c->last_read = now_seconds(); /* the stall clock starts again */
-	feed_stage(c);                /* frames that arrived with the one that paused us */
+	c->last_read = log_now(); /* the stall clock starts again */
+	feed_stage(c);            /* frames that arrived with the one that paused us */
 	if (!c->closing && !c->paused)
 		uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
 }
@@ -560,7 +558,7 @@ static void on_connection(uv_stream_t *server, int status)
 	frame_reader_init(&c->reader, (uint32_t)d->cfg.max_frame);
 	read_peer(c);
 	c->serial = ++d->stats.connections;
-	c->last_read = c->last_activity = now_seconds();
+	c->last_read = c->last_activity = log_now();
 	c->next = d->conns;
 	if (d->conns)
 		d->conns->prev = c;
@@ -600,7 +598,7 @@ static void close_stalled(struct conn *c, const char *what, double since)
 	uv_read_stop((uv_stream_t *)&c->handle);
 	proto_fail(&err, PROTO_E_FRAME_TIMEOUT, NULL,
 	           "%s made no progress for %.0f s (frame-timeout=%lld); closing", what,
-	           now_seconds() - since, c->d->cfg.frame_timeout);
+	           log_now() - since, c->d->cfg.frame_timeout);
 	frame_error(c, &err, true);
 }
 
@@ -634,7 +632,7 @@ static void sweep_one(struct conn *c, double now)
 static void on_sweep(uv_timer_t *t)
 {
 	struct daemon *d = t->data;
-	double now = now_seconds();
+	double now = log_now();
 
 	for (struct conn *c = d->conns, *next; c; c = next) {
 		next = c->next;

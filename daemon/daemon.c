@@ -62,7 +62,7 @@ static void finish_shutdown(struct daemon *d)
 	if (d->compiler)
 		compiler_stop(d->compiler);
 	conns_close_all(d);
-	registry_clear(d);
+	adapter_clear(&d->graphs.reg);
 }
 
 /* ---- the pool canary ---------------------------------------------------- */
@@ -79,14 +79,14 @@ static void canary_done(uv_work_t *w, int status)
 	(void)status;
 	d->canary_out = false;
 	if (d->pool_stalled) {
-		log_warn("thread pool: running again after %.1f s", now_seconds() - d->canary_sent);
+		log_warn("thread pool: running again after %.1f s", log_now() - d->canary_sent);
 		d->pool_stalled = false;
 	}
 }
 
 double daemon_pool_wait(const struct daemon *d)
 {
-	return d->canary_out ? now_seconds() - d->canary_sent : 0;
+	return d->canary_out ? log_now() - d->canary_sent : 0;
 }
 
 /*
@@ -101,7 +101,7 @@ static void on_pool_timer(uv_timer_t *t)
 
 	if (!d->canary_out) {
 		d->canary_out = true;
-		d->canary_sent = now_seconds();
+		d->canary_sent = log_now();
 		d->canary.data = d;
 		if (uv_queue_work(d->loop, &d->canary, canary_work, canary_done) != 0)
 			d->canary_out = false;
@@ -130,6 +130,7 @@ void daemon_begin_shutdown(struct daemon *d, const char *why)
 	if (d->shutting_down)
 		return;
 	d->shutting_down = true;
+	d->graphs.stopping = true;
 	d->ready = false;
 	log_info("shutting down (%s); %u requests in flight", why, d->inflight);
 	sd_glue_notify(d, "STOPPING=1");
@@ -153,7 +154,8 @@ static void start_reload(struct daemon *d);
 static void reloaded(struct daemon *d, int failed)
 {
 	d->reloading = false;
-	log_info("SIGHUP: reload done: %u adapters, %d file(s) failed", d->reg.count, failed);
+	log_info("SIGHUP: reload done: %u adapters, %d file(s) failed", d->graphs.reg.count,
+	         failed);
 	if (d->reload_again && !d->shutting_down) {
 		d->reload_again = false;
 		start_reload(d);
@@ -213,19 +215,26 @@ static void declare_ready(struct daemon *d)
 	char status[128];
 
 	d->ready = true;
-	snprintf(status, sizeof status, "READY=1\nSTATUS=ready: %u adapters", d->reg.count);
+	snprintf(status, sizeof status, "READY=1\nSTATUS=ready: %u adapters", d->graphs.reg.count);
 	sd_glue_notify(d, status);
-	log_info("ready: %u adapters, torch %s", d->reg.count, compiler_info(d->compiler)->torch);
+	log_info("ready: %u adapters, torch %s", d->graphs.reg.count,
+	         compiler_info(d->compiler)->torch);
 	if (d->on_ready)
 		d->on_ready(d);
 }
 
-static void prewarmed(struct daemon *d)
+static void prewarmed_d(struct daemon *d)
 {
 	if (--d->pending_loads == 0 && !d->ready && !d->shutting_down) {
-		log_info("preloaded adapters' graphs loaded from the cache (%u)", graphs_loaded(d));
+		log_info("preloaded adapters' graphs loaded from the cache (%u)",
+		         graphs_loaded(&d->graphs));
 		declare_ready(d);
 	}
+}
+
+static void prewarmed(struct graphs *g)
+{
+	prewarmed_d((struct daemon *)((char *)g - offsetof(struct daemon, graphs)));
 }
 
 static void adapters_loaded(struct daemon *d, int failed)
@@ -236,9 +245,9 @@ static void adapters_loaded(struct daemon *d, int failed)
 		log_warn("%d adapter file(s) failed to load; see above", failed);
 	/* graphs these adapters had before a restart load before we say ready */
 	d->pending_loads = 1;
-	for (struct adapter *a = d->reg.head; a; a = a->next)
-		d->pending_loads += graphs_prewarm(d, a, prewarmed);
-	prewarmed(d);
+	for (struct adapter *a = d->graphs.reg.head; a; a = a->next)
+		d->pending_loads += graphs_prewarm(&d->graphs, a, prewarmed);
+	prewarmed_d(d);
 }
 
 /* Persisted registrations first, then --adapters: an operator's file wins. */
@@ -408,6 +417,11 @@ int daemon_graphs_open(struct daemon *d)
 		log_error("cache: %s", err.message);
 		return -1;
 	}
+	d->graphs.loop = d->loop;
+	d->graphs.cfg = &d->cfg;
+	d->graphs.cache = &d->cache;
+	d->graphs.worker_sha = d->worker_sha;
+	d->graphs.isa = d->isa;
 	return 0;
 }
 
@@ -419,6 +433,7 @@ int daemon_graphs_start_worker(struct daemon *d,
 
 	d->worker_up = up;
 	d->compiler = compiler_start(d->loop, &o, worker_ready, d);
+	d->graphs.compiler = d->compiler;
 	return d->compiler ? 0 : -1;
 }
 
@@ -426,7 +441,7 @@ int daemon_start(struct daemon *d)
 {
 	struct proto_err err;
 
-	d->started = now_seconds();
+	d->started = log_now();
 	d->loop = uv_default_loop();
 	log_threshold = (enum log_level)d->cfg.log_level;
 	if (check_fd_limit(&d->cfg) != 0 || daemon_graphs_open(d) != 0)

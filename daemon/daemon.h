@@ -27,98 +27,6 @@
 #include <sys/types.h>
 #include <uv.h>
 
-#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1"
-#define LATENCY_RING 1024
-
-/* ---- adapters --------------------------------------------------------- */
-
-#define ADAPTER_NAME_MAX 64
-
-/* Where an adapter came from: a client's register, an --adapters file, or a
- * registration persisted in --state-dir and restored at start (persist.c). */
-enum adapter_origin { ADAPTER_REGISTERED, ADAPTER_FILE, ADAPTER_RESTORED };
-
-struct adapter_def {
-	char name[ADAPTER_NAME_MAX + 1];
-	char *source; /* owned */
-	char body_file[512];
-	char entry[128];
-	char strategy[16];
-	char dynamic[8]; /* "none", or "batch": one graph serves every batch size */
-	int64_t max_steps, max_elements, budget;
-	enum adapter_origin origin;
-};
-
-struct adapter_stats {
-	uint64_t requests, errors, compiles, cache_hits, cache_misses, runs;
-	uint64_t failed_evictions; /* failed specializations forgotten (LRU) */
-	double compile_seconds;
-	double latency_us[LATENCY_RING];
-	uint64_t latency_n;
-};
-
-enum spec_state { SPEC_LOADING, SPEC_COMPILING, SPEC_READY, SPEC_FAILED };
-
-struct specialization {
-	struct adapter *adapter; /* holds a reference */
-	struct specialization *next;
-	int refs;
-	enum spec_state state;
-	bool grad;  /* kind: forward ("scan") or vjp ("grad") */
-	bool batch; /* one graph for every batch size: shapes hold SHAPES_BATCH */
-	char key[CACHE_KEY_HEX];
-	char *signature; /* in zone */
-	msgpack_zone *zone;
-	struct tree_node carry, inputs, y; /* specs (no data) */
-	enum proto_dtype dtype;
-	int64_t steps;
-	size_t n_in, n_out;
-	struct engine_tensor *expected;     /* n_in, the compiled input signature */
-	struct engine_tensor *expected_out; /* n_out, what the graph must return */
-	uint64_t last_used;                 /* registry tick of the last lookup (LRU) */
-	struct engine_graph *graph;
-	double compile_seconds;
-	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
-	char lowered[16], note[256];           /* compile_result's (or the cache entry's) */
-	bool from_cache;
-	uint64_t runs;     /* completed runs (loop thread only) */
-	double run_ema_us; /* their engine time, exponential moving average */
-	/* OpenMP team for its runs (scanrun.c): tried both ways on the first runs,
-	 * then the faster kept; loop thread only */
-	int omp_team; /* 0 while trying */
-	unsigned omp_tries;
-	double omp_best_us[2];  /* fastest run with a one-core share / all cores */
-	struct proto_err error; /* SPEC_FAILED */
-	struct graph_waiter *waiters;
-	uv_timer_t *progress;
-	double wait_started;
-	int lock_fd;
-};
-
-struct adapter {
-	struct adapter_def def;
-	char body_sha[CACHE_KEY_HEX];
-	int refs;
-	bool live; /* still the registered adapter of its name */
-	struct adapter *next;
-	struct specialization *specs;
-	unsigned held;   /* specializations counted against the budget */
-	unsigned failed; /* FAILED specializations remembered (bounded, LRU) */
-	/* compiles of this definition during which the worker died; at 2 the
-	 * definition is refused (crash_err) until it is re-registered */
-	unsigned worker_crashes;
-	struct proto_err crash_err;
-	struct adapter_stats stats;
-	uint64_t generation;
-};
-
-struct registry {
-	struct adapter *head;
-	unsigned count;
-	uint64_t generation;
-	uint64_t tick; /* specialization lookups, for LRU */
-};
-
 /* ---- connections and requests ----------------------------------------- */
 
 /* One read(2) takes a header and a small body (or several pipelined frames);
@@ -209,12 +117,14 @@ struct op_desc {
 };
 
 extern const struct op_desc *const OP_TABLE[PROTO_OP__COUNT];
+/* The frame handler of connections (struct daemon's dispatch). */
+void ops_dispatch(struct conn *c, uint8_t *body, uint32_t len);
 
 /* ---- the daemon ------------------------------------------------------- */
 
 struct daemon_stats {
-	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy, inline_runs;
-	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses, failed_evictions;
+	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy;
+	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses;
 	uint64_t shm_attaches, shm_stray_fds;
 	uint64_t error_codes[PROTO_E__COUNT];
 };
@@ -226,7 +136,7 @@ struct daemon {
 	bool server_open, own_socket;
 	struct conn *conns;
 	unsigned n_conns;
-	struct registry reg;
+	struct graphs graphs; /* the graph layer: adapters, graphs, runs */
 	struct compiler *compiler;
 	struct cache cache;
 	struct daemon_stats stats;
@@ -254,11 +164,11 @@ struct daemon {
 	unsigned pending_loads;       /* preloads not yet READY */
 	bool reloading, reload_again; /* SIGHUP: a directory load in flight, another asked */
 	void (*on_ready)(struct daemon *d);
+	/* each whole frame a connection reads (ops_dispatch, set by main.c) */
+	void (*dispatch)(struct conn *c, uint8_t *body, uint32_t len);
 	/* the compile worker said hello (err NULL) or cannot start (daemon.c) */
 	void (*worker_up)(struct daemon *d, const struct proto_err *err);
 };
-
-double now_seconds(void);
 
 /* request.c */
 void request_reply(struct request *req, struct outmsg *out);
@@ -267,6 +177,8 @@ void request_fail_code(struct request *req, enum proto_code code, const char *pa
                        ...) __attribute__((format(printf, 4, 5)));
 /* Begins a reply frame {id, result: {nfields...}}; returns NULL when out of memory. */
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields);
+/* A request of c for a whole frame (owned from here); NULL when out of memory. */
+struct request *request_new(struct conn *c, uint8_t *body, uint32_t len);
 void request_free(struct request *req);
 bool request_is_admin(const struct request *req);
 /* graphs_acquire for the request: ready(req, sp) when sp can run (sp is
@@ -293,22 +205,7 @@ void conn_account_request(struct conn *c, int64_t delta);
 struct outmsg *outmsg_new(struct conn *c);
 void outmsg_free(struct outmsg *out);
 
-/* registry.c */
-int adapter_def_validate(struct adapter_def *def, struct proto_err *err);
-/* Registers or replaces; *replaced tells whether an old adapter was dropped. */
-struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
-                                  bool *unchanged);
-struct adapter *registry_find(struct daemon *d, const char *name, size_t len);
-/* dynamic = batch: one graph per signature serves every batch size. */
-bool adapter_batched(const struct adapter *a);
-/* Same body, entry, bounds, budget and strategy (registering it changes nothing). */
-bool adapter_same_def(const struct adapter *a, const struct adapter_def *def);
-int registry_unregister(struct daemon *d, const char *name, size_t len);
-void adapter_ref(struct adapter *a);
-void adapter_unref(struct adapter *a);
-void adapter_record_latency(struct adapter *a, double us);
-double adapter_latency_percentile(const struct adapter *a, double p);
-void registry_clear(struct daemon *d);
+/* registry.c: adapter definition files */
 /* Reads dir's *.adapter files off the loop, registers them, then done(d, failed). */
 /* As registry_load_dir, the adapters registered with the given origin. */
 int registry_load_from(struct daemon *d, const char *dir, enum adapter_origin origin, bool reload,
@@ -320,7 +217,6 @@ void registry_forget(struct daemon *d, const char *name, size_t len);
 int registry_restore(struct daemon *d, void (*done)(struct daemon *d, int failed));
 int registry_load_dir(struct daemon *d, const char *dir, bool reload,
                       void (*done)(struct daemon *d, int failed));
-void adapter_def_defaults(struct adapter_def *def);
 
 /* daemon.c */
 /* main(): before any thread exists (every thread inherits the blocked set). */

@@ -27,8 +27,7 @@
  */
 #include "graphs.h"
 
-#include "daemon.h"
-
+#include "frame.h"
 #include "log.h"
 #include "signature.h"
 
@@ -38,18 +37,18 @@
 #include <unistd.h>
 
 /* the graph layer never sees a request or a connection (docs/architecture.md) */
-#pragma GCC poison request conn outmsg
+#pragma GCC poison request conn outmsg daemon
 
 #define PROGRESS_MS 2000
 
 struct load_job {
 	uv_work_t work;
-	struct daemon *d;
+	struct graphs *g;
 	struct specialization *sp;
 	bool need_compile, hit, lock_busy;
 	double lock_wait_started, compile_seconds;
 	bool prewarm; /* load only; a miss is not compiled */
-	void (*prewarmed)(struct daemon *d);
+	void (*prewarmed)(struct graphs *g);
 	int quarantined;
 	int rc;
 	struct proto_err err;
@@ -58,10 +57,10 @@ struct load_job {
 };
 
 struct prewarm_rec;
-static void start_lookup(struct daemon *d, struct specialization *sp, struct load_job *j);
+static void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j);
 static void lookup_work(uv_work_t *w);
 static void after_load(uv_work_t *w, int status);
-static void index_append(struct daemon *d, struct specialization *sp);
+static void index_append(struct graphs *g, struct specialization *sp);
 static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
                         struct prewarm_rec *rec);
 
@@ -121,18 +120,18 @@ void graphs_drop_all(struct adapter *a)
 	a->failed = 0;
 }
 
-void graphs_invalidate(struct daemon *d, struct specialization *sp, const char *why)
+void graphs_invalidate(struct graphs *g, struct specialization *sp, const char *why)
 {
-	cache_quarantine(&d->cache, sp->key, why);
+	cache_quarantine(g->cache, sp->key, why);
 	log_line(LOG_ERROR, 0, sp->adapter->def.name, "%s %s dropped: %s",
 	         sp->grad ? "grad" : "scan", sp->signature, why);
 	unlist_spec(sp);
 }
 
 /* Keeps at most max_failed FAILED specializations: forgets the least recently used. */
-static void bound_failed(struct daemon *d, struct adapter *a)
+static void bound_failed(struct graphs *g, struct adapter *a)
 {
-	while (a->failed > (unsigned)d->cfg.max_failed_specs) {
+	while (a->failed > (unsigned)g->cfg->max_failed_specs) {
 		struct specialization *lru = NULL;
 		for (struct specialization *sp = a->specs; sp; sp = sp->next)
 			if (sp->state == SPEC_FAILED && sp->waiters == NULL &&
@@ -141,16 +140,16 @@ static void bound_failed(struct daemon *d, struct adapter *a)
 		if (lru == NULL)
 			return;
 		a->stats.failed_evictions++;
-		d->stats.failed_evictions++;
+		g->failed_evictions++;
 		unlist_spec(lru);
 	}
 }
 
-unsigned graphs_loaded(const struct daemon *d)
+unsigned graphs_loaded(const struct graphs *g)
 {
 	unsigned n = 0;
 
-	for (const struct adapter *a = d->reg.head; a; a = a->next)
+	for (const struct adapter *a = g->reg.head; a; a = a->next)
 		for (const struct specialization *sp = a->specs; sp; sp = sp->next)
 			n += sp->state == SPEC_READY;
 	return n;
@@ -186,7 +185,7 @@ static void release_waiters(struct specialization *sp)
 
 static void tell_waiters(struct specialization *sp, const char *event)
 {
-	double elapsed = now_seconds() - sp->wait_started;
+	double elapsed = log_now() - sp->wait_started;
 
 	for (struct graph_waiter *w = sp->waiters; w; w = w->next)
 		if (w->event)
@@ -204,18 +203,18 @@ static void add_waiter(struct specialization *sp, struct graph_waiter *w)
 	w->next = sp->waiters;
 	sp->waiters = w;
 	if (sp->state == SPEC_COMPILING && w->event)
-		w->event(w, "compiling", sp, now_seconds() - sp->wait_started);
+		w->event(w, "compiling", sp, log_now() - sp->wait_started);
 }
 
 /* A compile starts: tell every waiter, then every PROGRESS_MS. */
-static void start_progress(struct daemon *d, struct specialization *sp)
+static void start_progress(struct graphs *g, struct specialization *sp)
 {
 	tell_waiters(sp, "compiling");
 	if (sp->progress != NULL)
 		return;
 	sp->progress = malloc(sizeof *sp->progress);
 	if (sp->progress) {
-		uv_timer_init(d->loop, sp->progress);
+		uv_timer_init(g->loop, sp->progress);
 		sp->progress->data = sp;
 		uv_timer_start(sp->progress, on_progress, PROGRESS_MS, PROGRESS_MS);
 	}
@@ -232,7 +231,7 @@ static bool transient(const struct proto_err *err)
 	       code == PROTO_E_INTERNAL || code == PROTO_E_ARTIFACT_CORRUPT;
 }
 
-static void spec_failed(struct daemon *d, struct specialization *sp, const struct proto_err *err)
+static void spec_failed(struct graphs *g, struct specialization *sp, const struct proto_err *err)
 {
 	struct adapter *a = sp->adapter;
 	bool remember;
@@ -256,13 +255,13 @@ static void spec_failed(struct daemon *d, struct specialization *sp, const struc
 	if (!remember)
 		unlist_spec(sp);
 	else
-		bound_failed(d, a);
+		bound_failed(g, a);
 	graphs_unref(sp);
 }
 
-static void spec_ready(struct daemon *d, struct specialization *sp)
+static void spec_ready(struct graphs *g, struct specialization *sp)
 {
-	(void)d;
+	(void)g;
 	sp->state = SPEC_READY;
 	if (sp->from_cache || sp->compile_phases[3] <= 0)
 		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
@@ -303,7 +302,7 @@ static int check_arity(struct specialization *sp, size_t n_in, size_t n_out, str
 }
 
 /* Parses the y spec and dlopens the artifact: pool. */
-static int load_artifact(struct daemon *d, struct specialization *sp, const uint8_t *y,
+static int load_artifact(struct graphs *g, struct specialization *sp, const uint8_t *y,
                          size_t y_len, struct proto_err *err)
 {
 	msgpack_unpacked up;
@@ -320,10 +319,10 @@ static int load_artifact(struct daemon *d, struct specialization *sp, const uint
 	msgpack_unpacked_destroy(&up);
 	if (rc != 0)
 		return -1;
-	if (cache_load_link(&d->cache, sp->key, so, sizeof so, err) != 0)
+	if (cache_load_link(g->cache, sp->key, so, sizeof so, err) != 0)
 		return -1;
 	/* one model per pool thread, plus the loop thread's inline runs */
-	rc = engine_load(so, (size_t)d->cfg.threads + 1, &sp->graph, err);
+	rc = engine_load(so, (size_t)g->cfg->threads + 1, &sp->graph, err);
 	unlink(so);
 	if (rc != 0)
 		return -1;
@@ -400,14 +399,14 @@ static void lookup_work(uv_work_t *w)
 	struct cache_meta meta;
 	int found;
 
-	found = cache_lookup(&j->d->cache, sp->key, &meta, &j->quarantined, &j->err);
+	found = cache_lookup(j->g->cache, sp->key, &meta, &j->quarantined, &j->err);
 	if (found == 0 && j->prewarm) {
 		j->need_compile = true;
 		return;
 	}
 	if (found == 0 && sp->lock_fd < 0) {
 		/* someone else may be compiling this key: never wait here, look again later */
-		int locked = cache_trylock(&j->d->cache, sp->key, &sp->lock_fd, &j->err);
+		int locked = cache_trylock(j->g->cache, sp->key, &sp->lock_fd, &j->err);
 		if (locked == 1) {
 			j->lock_busy = true;
 			return;
@@ -416,7 +415,7 @@ static void lookup_work(uv_work_t *w)
 			j->rc = -1;
 			return;
 		}
-		found = cache_lookup(&j->d->cache, sp->key, &meta, &j->quarantined, &j->err);
+		found = cache_lookup(j->g->cache, sp->key, &meta, &j->quarantined, &j->err);
 	}
 	if (found < 0) {
 		j->rc = -1;
@@ -430,15 +429,15 @@ static void lookup_work(uv_work_t *w)
 	j->compile_seconds = meta.compile_seconds;
 	memcpy(sp->lowered, meta.lowered, sizeof sp->lowered);
 	memcpy(sp->note, meta.note, sizeof sp->note);
-	j->rc = load_artifact(j->d, sp, meta.y_spec, meta.y_spec_len, &j->err);
+	j->rc = load_artifact(j->g, sp, meta.y_spec, meta.y_spec_len, &j->err);
 	cache_meta_free(&meta);
 	if (j->rc == 0) {
 		fill_expected(sp);
 		fill_expected_out(sp);
 		if (!j->prewarm)
-			index_append(j->d, sp); /* compiled by an earlier daemon: remember it */
+			index_append(j->g, sp); /* compiled by an earlier daemon: remember it */
 	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
-		cache_quarantine(&j->d->cache, sp->key, j->err.message);
+		cache_quarantine(j->g->cache, sp->key, j->err.message);
 }
 
 static void commit_work(uv_work_t *w)
@@ -457,18 +456,18 @@ static void commit_work(uv_work_t *w)
 	memcpy(sp->note, j->res.note, sizeof sp->note);
 	meta.y_spec = j->res.y_spec;
 	meta.y_spec_len = j->res.y_spec_len;
-	j->rc = cache_commit(&j->d->cache, sp->key, j->res.so_path, &meta, &j->err);
+	j->rc = cache_commit(j->g->cache, sp->key, j->res.so_path, &meta, &j->err);
 	cache_remove_job(j->job.output);
 	if (sp->lock_fd >= 0) {
 		cache_unlock(sp->lock_fd);
 		sp->lock_fd = -1;
 	}
 	if (j->rc == 0)
-		j->rc = load_artifact(j->d, sp, j->res.y_spec, j->res.y_spec_len, &j->err);
+		j->rc = load_artifact(j->g, sp, j->res.y_spec, j->res.y_spec_len, &j->err);
 	if (j->rc == 0) {
 		fill_expected(sp);
 		fill_expected_out(sp);
-		index_append(j->d, sp);
+		index_append(j->g, sp);
 	}
 }
 
@@ -523,7 +522,7 @@ static void on_lock_retry(uv_timer_t *t)
 {
 	struct lock_retry *r = t->data;
 
-	uv_queue_work(r->job->d->loop, &r->job->work, lookup_work, after_load);
+	uv_queue_work(r->job->g->loop, &r->job->work, lookup_work, after_load);
 	uv_close((uv_handle_t *)t, lock_retry_closed);
 }
 
@@ -539,18 +538,18 @@ static bool retry_lookup(struct load_job *j)
 
 	j->lock_busy = false;
 	if (j->lock_wait_started == 0)
-		j->lock_wait_started = now_seconds();
-	waited = now_seconds() - j->lock_wait_started;
-	if (j->d->shutting_down) {
+		j->lock_wait_started = log_now();
+	waited = log_now() - j->lock_wait_started;
+	if (j->g->stopping) {
 		proto_fail(&j->err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
 		return false;
 	}
-	if (waited > (double)j->d->cfg.compile_timeout) {
+	if (waited > (double)j->g->cfg->compile_timeout) {
 		proto_fail(&j->err, PROTO_E_COMPILE_TIMEOUT, NULL,
 		           "another compile of this graph (another daemon on this cache, or an "
 		           "earlier registration of the same definition) has held its lock for "
 		           "%.0f s, over --compile-timeout=%lld",
-		           waited, j->d->cfg.compile_timeout);
+		           waited, j->g->cfg->compile_timeout);
 		return false;
 	}
 	r = malloc(sizeof *r);
@@ -559,7 +558,7 @@ static bool retry_lookup(struct load_job *j)
 		return false;
 	}
 	r->job = j;
-	uv_timer_init(j->d->loop, &r->timer);
+	uv_timer_init(j->g->loop, &r->timer);
 	r->timer.data = r;
 	uv_timer_start(&r->timer, on_lock_retry, CACHE_LOCK_RETRY_MS, 0);
 	return true;
@@ -607,7 +606,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
 	j->job.done = compile_done;
 	j->job.data = j;
-	cache_tmp_path(&j->d->cache, sp->key, j->job.output, sizeof j->job.output);
+	cache_tmp_path(j->g->cache, sp->key, j->job.output, sizeof j->job.output);
 	return 0;
 }
 
@@ -627,7 +626,7 @@ static void after_load(uv_work_t *w, int status)
 		sp->compile_seconds = j->compile_seconds;
 	if (j->prewarm && (j->rc != 0 || j->need_compile)) {
 		j->prewarm = false;
-		j->prewarmed(j->d);
+		j->prewarmed(j->g);
 		if (sp->waiters == NULL) {
 			/* not (validly) in the cache and nobody asked: forget it */
 			unlist_spec(sp);
@@ -640,9 +639,9 @@ static void after_load(uv_work_t *w, int status)
 		j->need_compile = true;
 	}
 	if (j->rc != 0) {
-		spec_failed(j->d, sp, &j->err);
+		spec_failed(j->g, sp, &j->err);
 	} else if (j->need_compile && prepare_compile(j, &j->err) != 0) {
-		spec_failed(j->d, sp, &j->err);
+		spec_failed(j->g, sp, &j->err);
 	} else if (j->need_compile) {
 		a->stats.cache_misses++;
 		a->stats.compiles++;
@@ -650,20 +649,20 @@ static void after_load(uv_work_t *w, int status)
 		j->need_compile = false;
 		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s", sp->grad ? "grad" : "scan",
 		         sp->signature);
-		start_progress(j->d, sp);
-		compiler_submit(j->d->compiler, &j->job);
+		start_progress(j->g, sp);
+		compiler_submit(j->g->compiler, &j->job);
 		return; /* j lives on until compile_done */
 	} else if (outputs_too_large(sp, &j->err)) {
-		spec_failed(j->d, sp, &j->err);
+		spec_failed(j->g, sp, &j->err);
 	} else {
 		if (j->hit)
 			a->stats.cache_hits++;
 		sp->from_cache = j->hit;
 		if (!j->hit)
 			a->stats.compile_seconds += sp->compile_seconds;
-		spec_ready(j->d, sp);
+		spec_ready(j->g, sp);
 		if (j->prewarm)
-			j->prewarmed(j->d);
+			j->prewarmed(j->g);
 	}
 	free(j->res.y_spec);
 	graphs_unref(sp);
@@ -698,7 +697,7 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 		cache_remove_job(cj->output);
 		if (e.flags & PROTO_ERR_JOB_CRASH)
 			note_worker_crash(sp->adapter, &e);
-		spec_failed(j->d, sp, &e);
+		spec_failed(j->g, sp, &e);
 		graphs_unref(sp);
 		free(j);
 		return;
@@ -710,7 +709,7 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 	sp->compile_seconds = res->compile_seconds;
 	memcpy(sp->compile_phases, res->phases, sizeof sp->compile_phases);
 	sp->state = SPEC_LOADING;
-	uv_queue_work(j->d->loop, &j->work, commit_work, after_load);
+	uv_queue_work(j->g->loop, &j->work, commit_work, after_load);
 }
 
 /* The leading length of the first tensor leaf (T). */
@@ -728,10 +727,10 @@ static int64_t first_steps(const struct tree_node *n)
 
 /* ---- acquire ----------------------------------------------------------- */
 
-static int key_for(struct daemon *d, struct specialization *sp)
+static int key_for(struct graphs *g, struct specialization *sp)
 {
 	struct adapter *a = sp->adapter;
-	const struct worker_info *wi = compiler_info(d->compiler);
+	const struct worker_info *wi = compiler_info(g->compiler);
 	char bounds[128], torch[160];
 	const char *parts[12];
 
@@ -749,13 +748,13 @@ static int key_for(struct daemon *d, struct specialization *sp)
 	parts[6] = AOTI_OPTIONS;
 	parts[7] = a->def.strategy;
 	parts[8] = TORCHLOOP_VERSION;
-	parts[9] = d->worker_sha;
-	parts[10] = d->isa;
+	parts[9] = g->worker_sha;
+	parts[10] = g->isa;
 	cache_key(parts, 11, sp->key);
 	return 0;
 }
 
-static struct specialization *spec_new(struct daemon *d, struct adapter *a,
+static struct specialization *spec_new(struct graphs *g, struct adapter *a,
                                        const struct scan_args *args, const char *sig)
 {
 	struct specialization *sp = calloc(1, sizeof *sp);
@@ -781,13 +780,13 @@ static struct specialization *spec_new(struct daemon *d, struct adapter *a,
 	memcpy(sp->signature, sig, n + 1);
 	if (sp->batch)
 		signature_mark_batch(&sp->carry, &sp->inputs);
-	key_for(d, sp);
+	key_for(g, sp);
 	sp->next = a->specs;
 	a->specs = sp;
 	a->held++;
 	sp->state = SPEC_LOADING;
-	sp->wait_started = now_seconds();
-	sp->last_used = ++d->reg.tick;
+	sp->wait_started = log_now();
+	sp->last_used = ++g->reg.tick;
 	return sp;
 }
 
@@ -810,7 +809,7 @@ static void budget_exhausted(struct adapter *a, struct proto_err *err)
 	           a->def.name, (long long)a->def.budget, list);
 }
 
-void graphs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
+void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args *args,
                     struct graph_waiter *w)
 {
 	char sig[SPEC_SIG_MAX];
@@ -828,7 +827,7 @@ void graphs_acquire(struct daemon *d, struct adapter *a, const struct scan_args 
 		if (sp->grad == args->grad && strcmp(sp->signature, sig) == 0)
 			break;
 	if (sp)
-		sp->last_used = ++d->reg.tick;
+		sp->last_used = ++g->reg.tick;
 	if (sp && sp->state == SPEC_READY) {
 		graphs_ref(sp);
 		w->done(w, sp, NULL);
@@ -848,7 +847,7 @@ void graphs_acquire(struct daemon *d, struct adapter *a, const struct scan_args 
 		w->done(w, NULL, &err);
 		return;
 	}
-	sp = spec_new(d, a, args, sig);
+	sp = spec_new(g, a, args, sig);
 	j = sp ? calloc(1, sizeof *j) : NULL;
 	if (j == NULL) {
 		proto_fail(&err, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -856,16 +855,16 @@ void graphs_acquire(struct daemon *d, struct adapter *a, const struct scan_args 
 		return;
 	}
 	add_waiter(sp, w);
-	start_lookup(d, sp, j);
+	start_lookup(g, sp, j);
 }
 
-static void start_lookup(struct daemon *d, struct specialization *sp, struct load_job *j)
+static void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j)
 {
-	j->d = d;
+	j->g = g;
 	j->sp = sp;
 	j->work.data = j;
 	graphs_ref(sp);
-	uv_queue_work(d->loop, &j->work, lookup_work, after_load);
+	uv_queue_work(g->loop, &j->work, lookup_work, after_load);
 }
 
 /* ---- the warm-start index -------------------------------------------------- */
@@ -876,7 +875,7 @@ static void start_lookup(struct daemon *d, struct specialization *sp, struct loa
  * strategy).  At start-up, a preloaded adapter's graphs are loaded from the
  * cache before the daemon declares itself ready.
  */
-void graphs_index_path(const struct daemon *d, const struct adapter *a, char *out, size_t size)
+void graphs_index_path(const struct graphs *g, const struct adapter *a, char *out, size_t size)
 {
 	char bounds[128], id[CACHE_KEY_HEX];
 	const char *parts[4];
@@ -889,11 +888,11 @@ void graphs_index_path(const struct daemon *d, const struct adapter *a, char *ou
 	parts[2] = bounds;
 	parts[3] = TORCHLOOP_VERSION;
 	cache_key(parts, 4, id);
-	snprintf(out, size, "%s/index/%s.idx", d->cache.dir, id);
+	snprintf(out, size, "%s/index/%s.idx", g->cache->dir, id);
 }
 
 /* Pool: appends one record (a length-prefixed msgpack map). */
-static void index_append(struct daemon *d, struct specialization *sp)
+static void index_append(struct graphs *g, struct specialization *sp)
 {
 	char path[PATH_MAX];
 	struct writer w;
@@ -902,7 +901,7 @@ static void index_append(struct daemon *d, struct specialization *sp)
 	size_t len;
 	FILE *f;
 
-	graphs_index_path(d, sp->adapter, path, sizeof path);
+	graphs_index_path(g, sp->adapter, path, sizeof path);
 	if (writer_init(&w) != 0)
 		return;
 	msgpack_pack_map(&w.pk, 4);
@@ -929,7 +928,7 @@ struct prewarm_rec {
 };
 
 /* Reads the index (at start-up, before the loop serves requests). */
-static int index_read(struct daemon *d, struct adapter *a, msgpack_zone *zone,
+static int index_read(struct graphs *g, struct adapter *a, msgpack_zone *zone,
                       struct prewarm_rec *recs, int max)
 {
 	char path[PATH_MAX];
@@ -940,7 +939,7 @@ static int index_read(struct daemon *d, struct adapter *a, msgpack_zone *zone,
 	int count = 0;
 	FILE *f;
 
-	graphs_index_path(d, a, path, sizeof path);
+	graphs_index_path(g, a, path, sizeof path);
 	f = fopen(path, "re");
 	if (f == NULL)
 		return 0;
@@ -992,14 +991,14 @@ static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
 
 /*
  * Starts loading every indexed specialization of a from the cache; calls
- * done(d) once per started load when it finishes.  Returns how many started.
+ * done(g) once per started load when it finishes.  Returns how many started.
  */
-unsigned graphs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d))
+unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct graphs *g))
 {
 	struct prewarm_rec recs[PROTO_MAX_BUDGET * 4];
 	msgpack_zone *zone = msgpack_zone_new(4096);
 	unsigned started = 0;
-	int n = zone ? index_read(d, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
+	int n = zone ? index_read(g, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
 
 	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
 		struct scan_args args = {
@@ -1019,13 +1018,13 @@ unsigned graphs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct
 				break;
 		if (sp != NULL)
 			continue; /* listed twice */
-		sp = spec_new(d, a, &args, sig);
+		sp = spec_new(g, a, &args, sig);
 		j = sp ? calloc(1, sizeof *j) : NULL;
 		if (j == NULL)
 			break;
 		j->prewarm = true;
 		j->prewarmed = done;
-		start_lookup(d, sp, j);
+		start_lookup(g, sp, j);
 		started++;
 	}
 	msgpack_zone_free(zone);

@@ -1,22 +1,179 @@
 /*
- * graphs.h - the graph layer: an adapter's specializations (signature ->
- * compiled graph), found or built once (single flight, budget, cache, warm-
- * start index).  It knows callers only as waiters: a request of the server
- * layer, the start-up probe or a unit test wait the same way, and nothing
- * here sees a connection or a request.  See graphs.c.  Loop thread.
+ * graphs.h - the graph layer, its one header: adapters (adapter.c), their
+ * specializations (signature -> compiled graph, found or built once: single
+ * flight, budget, cache, warm-start index; graphs.c) and runs of them
+ * (run.c).  It knows its callers only by callbacks: a request of the server
+ * layer, the start-up probe or a unit test wait and run the same way, and
+ * nothing here sees a connection, a request or the daemon (the .c files
+ * poison those names).  What it needs from around it is in struct graphs.
+ *
+ * Threads: the loop thread, except the pool jobs, which touch only their own
+ * job and the fields documented at each.  Lifetimes are reference counts: an
+ * adapter lives while the registry or a specialization holds it; a
+ * specialization while its adapter lists it or a caller waits on or runs it.
  */
 #ifndef TORCHLOOP_GRAPHS_H
 #define TORCHLOOP_GRAPHS_H
 
+#include "cache.h"
+#include "compiler.h"
+#include "config.h"
+#include "engine.h"
 #include "protocol.h"
 #include "tree.h"
 
+#include <msgpack.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
 
-struct adapter;
-struct daemon;
-struct specialization;
+#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1"
+#define LATENCY_RING 1024
+
+#define ADAPTER_NAME_MAX 64
+
+/* Where an adapter came from: a client's register, an --adapters file, or a
+ * registration persisted in --state-dir and restored at start (persist.c). */
+enum adapter_origin { ADAPTER_REGISTERED, ADAPTER_FILE, ADAPTER_RESTORED };
+
+struct adapter_def {
+	char name[ADAPTER_NAME_MAX + 1];
+	char *source; /* owned */
+	char body_file[512];
+	char entry[128];
+	char strategy[16];
+	char dynamic[8]; /* "none", or "batch": one graph serves every batch size */
+	int64_t max_steps, max_elements, budget;
+	enum adapter_origin origin;
+};
+
+struct adapter_stats {
+	uint64_t requests, errors, compiles, cache_hits, cache_misses, runs;
+	uint64_t failed_evictions; /* failed specializations forgotten (LRU) */
+	double compile_seconds;
+	double latency_us[LATENCY_RING];
+	uint64_t latency_n;
+};
+
+enum spec_state { SPEC_LOADING, SPEC_COMPILING, SPEC_READY, SPEC_FAILED };
+
+struct specialization {
+	struct adapter *adapter; /* holds a reference */
+	struct specialization *next;
+	int refs;
+	enum spec_state state;
+	bool grad;  /* kind: forward ("scan") or vjp ("grad") */
+	bool batch; /* one graph for every batch size: shapes hold SHAPES_BATCH */
+	char key[CACHE_KEY_HEX];
+	char *signature; /* in zone */
+	msgpack_zone *zone;
+	struct tree_node carry, inputs, y; /* specs (no data) */
+	enum proto_dtype dtype;
+	int64_t steps;
+	size_t n_in, n_out;
+	struct engine_tensor *expected;     /* n_in, the compiled input signature */
+	struct engine_tensor *expected_out; /* n_out, what the graph must return */
+	uint64_t last_used;                 /* registry tick of the last lookup (LRU) */
+	struct engine_graph *graph;
+	double compile_seconds;
+	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
+	char lowered[16], note[256];           /* compile_result's (or the cache entry's) */
+	bool from_cache;
+	uint64_t runs;     /* completed runs (loop thread only) */
+	double run_ema_us; /* their engine time, exponential moving average */
+	/* OpenMP team for its runs (scanrun.c): tried both ways on the first runs,
+	 * then the faster kept; loop thread only */
+	int omp_team; /* 0 while trying */
+	unsigned omp_tries;
+	double omp_best_us[2];  /* fastest run with a one-core share / all cores */
+	struct proto_err error; /* SPEC_FAILED */
+	struct graph_waiter *waiters;
+	uv_timer_t *progress;
+	double wait_started;
+	int lock_fd;
+};
+
+struct adapter {
+	struct adapter_def def;
+	char body_sha[CACHE_KEY_HEX];
+	int refs;
+	bool live; /* still the registered adapter of its name */
+	struct adapter *next;
+	struct specialization *specs;
+	unsigned held;   /* specializations counted against the budget */
+	unsigned failed; /* FAILED specializations remembered (bounded, LRU) */
+	/* compiles of this definition during which the worker died; at 2 the
+	 * definition is refused (crash_err) until it is re-registered */
+	unsigned worker_crashes;
+	struct proto_err crash_err;
+	struct adapter_stats stats;
+	uint64_t generation;
+};
+
+struct registry {
+	struct adapter *head;
+	unsigned count;
+	uint64_t generation;
+	uint64_t tick; /* specialization lookups, for LRU */
+};
+
+/*
+ * The graph layer's surroundings, set by its owner (daemon.c, or a unit
+ * test) before the first call; the pointers outlive the layer.
+ */
+struct graphs {
+	uv_loop_t *loop;
+	const struct config *cfg;
+	struct cache *cache;
+	struct compiler *compiler;
+	const char *worker_sha, *isa; /* parts of every cache key */
+	struct registry reg;
+	bool stopping; /* shutdown began: a busy key's lock is no longer waited for */
+	uint64_t failed_evictions, inline_runs; /* counters for `stats` */
+};
+
+/* ---- adapters (adapter.c) ----------------------------------------------- */
+
+/* The reference adapter's checks and messages. */
+int adapter_def_validate(struct adapter_def *def, struct proto_err *err);
+void adapter_def_defaults(struct adapter_def *def);
+/* Registers or replaces (taking def->source); *replaced: an old adapter was
+ * dropped; *unchanged: the same definition was registered already. */
+struct adapter *adapter_register(struct registry *r, struct adapter_def *def, bool *replaced,
+                                 bool *unchanged);
+struct adapter *adapter_find(struct registry *r, const char *name, size_t len);
+int adapter_unregister(struct registry *r, const char *name, size_t len);
+void adapter_clear(struct registry *r);
+/* Same body, entry, bounds, budget and strategy (registering it changes nothing). */
+bool adapter_same_def(const struct adapter *a, const struct adapter_def *def);
+
+/* dynamic = batch: one graph per signature serves every batch size. */
+static inline bool adapter_batched(const struct adapter *a)
+{
+	return strcmp(a->def.dynamic, "batch") == 0;
+}
+
+/* (inline: graphs.c holds adapters and adapter.c drops graphs; neither file
+ * calls the other back) */
+static inline void adapter_ref(struct adapter *a)
+{
+	a->refs++;
+}
+
+static inline void adapter_unref(struct adapter *a)
+{
+	if (--a->refs > 0)
+		return;
+	free(a->def.source);
+	free(a);
+}
+void adapter_record_latency(struct adapter *a, double us);
+double adapter_latency_percentile(const struct adapter *a, double p);
+
+/* ---- specializations (graphs.c) ----------------------------------------- */
 
 /* What a request asks to run: its trees, dtype, T, batch and kind. */
 struct scan_args {
@@ -43,7 +200,7 @@ struct graph_waiter {
 
 /* Finds or starts the specialization of args for a; w->done runs when it can
  * run (maybe before this returns) or cannot. */
-void graphs_acquire(struct daemon *d, struct adapter *a, const struct scan_args *args,
+void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args *args,
                     struct graph_waiter *w);
 void graphs_ref(struct specialization *sp);
 void graphs_unref(struct specialization *sp);
@@ -55,11 +212,58 @@ void graphs_drop_all(struct adapter *a);
 int graphs_check_outputs(const struct specialization *sp, int64_t batch, struct proto_err *err);
 /* A READY graph proved wrong (outputs off its signature): drop it and
  * quarantine its cache entry, so the next request rebuilds it. */
-void graphs_invalidate(struct daemon *d, struct specialization *sp, const char *why);
-/* Loads a's specializations listed in the cache's index; done(d) per load. */
-unsigned graphs_prewarm(struct daemon *d, struct adapter *a, void (*done)(struct daemon *d));
-unsigned graphs_loaded(const struct daemon *d);
+void graphs_invalidate(struct graphs *g, struct specialization *sp, const char *why);
+/* Loads a's specializations listed in the cache's index; done(g) per load. */
+unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct graphs *g));
+unsigned graphs_loaded(const struct graphs *g);
 /* The warm-start index file of a's identity (name, body, bounds, strategy). */
-void graphs_index_path(const struct daemon *d, const struct adapter *a, char *out, size_t size);
+void graphs_index_path(const struct graphs *g, const struct adapter *a, char *out, size_t size);
+
+/* ---- runs (run.c) ---------------------------------------------------- */
+
+struct run_job;
+
+/* Memory the results may be written into (a client's shared-memory area);
+ * base NULL: the engine allocates them. */
+struct run_area {
+	uint8_t *base;
+	uint64_t size;
+};
+
+/* On the loop, once the run is over.  The job is freed when it returns: keep
+ * the results with run_take_result. */
+typedef void run_done_fn(struct run_job *j, void *arg);
+
+/*
+ * A run of sp (referenced until the job is freed) at this batch size (a
+ * symbolic-batch graph; 0 otherwise).  NULL with err: out of memory, or
+ * stacked outputs over max_elements at that batch size.
+ */
+struct run_job *run_new(struct graphs *g, struct specialization *sp, int64_t batch,
+                        const struct run_area *area, struct proto_err *err);
+/* strategy = chunk: the scan is `chunks` runs of sp's graph, its inputs
+ * chunks * sp's steps long (checked against max_elements here). */
+int run_set_chunks(struct run_job *j, int64_t chunks, struct proto_err *err);
+/* Inputs, in graph order: a tree's leaves, or slots filled by the caller. */
+void run_add(struct run_job *j, const struct tree_node *tree);
+struct engine_tensor *run_slots(struct run_job *j, size_t *n);
+void run_set_count(struct run_job *j, size_t n);
+/* Hands the job a buffer to free with it (zero cotangents). */
+void run_own(struct run_job *j, void *buf);
+/* Starts it; done runs exactly once (maybe before this returns). */
+void run_submit(struct run_job *j, run_done_fn *done, void *arg);
+/* A job that was never submitted. */
+void run_free(struct run_job *j);
+
+/* In done: NULL when the graph ran, else why not. */
+const struct proto_err *run_error(const struct run_job *j);
+struct specialization *run_spec(const struct run_job *j);
+const struct engine_result *run_result(const struct run_job *j);
+/* Each result's offset in the area, or NULL when they were not written
+ * there; *needed: the bytes the area would need for all of them. */
+const uint64_t *run_placed(const struct run_job *j, uint64_t *needed);
+/* The results, now the caller's (free with run_result_free). */
+struct engine_result *run_take_result(struct run_job *j);
+void run_result_free(void *res);
 
 #endif

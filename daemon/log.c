@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <time.h>
 
 enum log_level log_threshold = LOG_INFO;
 
@@ -22,4 +23,12 @@ void log_line(enum log_level level, uint64_t id, const char *adapter, const char
 	if (adapter)
 		snprintf(ad, sizeof ad, " adapter=%s", adapter);
 	fprintf(stderr, "torchloopd: %s%s%s %s\n", names[level], ids, ad, text);
+}
+
+double log_now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }

@@ -14,6 +14,9 @@ extern enum log_level log_threshold;
 void log_line(enum log_level level, uint64_t id, const char *adapter, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* Seconds on the monotonic clock (timeouts, durations, latencies). */
+double log_now(void);
+
 #define log_info(...)  log_line(LOG_INFO, 0, NULL, __VA_ARGS__)
 #define log_warn(...)  log_line(LOG_WARN, 0, NULL, __VA_ARGS__)
 #define log_error(...) log_line(LOG_ERROR, 0, NULL, __VA_ARGS__)

@@ -34,6 +34,7 @@ int main(int argc, char **argv)
 	 * artifact that is not the graph its metadata says (results are written
 	 * into buffers the daemon lays out from the metadata). */
 	setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
+	d.dispatch = ops_dispatch;
 	if (daemon_start(&d) != 0)
 		d.exit_code = 1;
 	uv_run(d.loop, UV_RUN_DEFAULT);

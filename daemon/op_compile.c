@@ -87,7 +87,7 @@ static void op_compile(struct request *req)
 		                  "compile needs adapter");
 		return;
 	}
-	a = registry_find(req->d, name, len);
+	a = adapter_find(&req->d->graphs.reg, name, len);
 	if (a == NULL) {
 		request_fail_code(req, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
 		                  (int)len, name);

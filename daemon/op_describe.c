@@ -10,7 +10,7 @@ static void op_describe(struct request *req)
 
 	if (request_name(req, &name, &len) != 0)
 		return;
-	a = registry_find(req->d, name, len);
+	a = adapter_find(&req->d->graphs.reg, name, len);
 	if (a == NULL) {
 		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",
 		                  (int)len, name);

@@ -23,8 +23,8 @@ static void op_health(struct request *req)
 	writer_key_str(&out->w, "pool", d->pool_stalled ? "stalled" : "ok");
 	writer_key_f64(&out->w, "pool_wait", daemon_pool_wait(d));
 	writer_key_bool(&out->w, "stopping", d->shutting_down);
-	writer_key_u64(&out->w, "adapters", d->reg.count);
-	writer_key_u64(&out->w, "graphs", graphs_loaded(d));
+	writer_key_u64(&out->w, "adapters", d->graphs.reg.count);
+	writer_key_u64(&out->w, "graphs", graphs_loaded(&d->graphs));
 	writer_key_u64(&out->w, "inflight", d->inflight);
 	request_reply(req, out);
 }

@@ -10,8 +10,8 @@ static void op_list(struct request *req)
 		return;
 	}
 	writer_str(&out->w, "adapters");
-	msgpack_pack_array(&out->w.pk, req->d->reg.count);
-	for (const struct adapter *a = req->d->reg.head; a; a = a->next) {
+	msgpack_pack_array(&out->w.pk, req->d->graphs.reg.count);
+	for (const struct adapter *a = req->d->graphs.reg.head; a; a = a->next) {
 		msgpack_pack_map(&out->w.pk, DESCRIBE_BOUNDS + 2);
 		describe_bounds(&out->w, a);
 		describe_origin(&out->w, req->d, a);

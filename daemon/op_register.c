@@ -121,7 +121,7 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	struct proto_err err;
 	bool replaced, unchanged, persisted;
 
-	a = registry_register(req->d, def, &replaced, &unchanged);
+	a = adapter_register(&req->d->graphs.reg, def, &replaced, &unchanged);
 	if (a == NULL) {
 		free(def->source);
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -181,7 +181,7 @@ static void op_register(struct request *req)
 		request_fail(req, &err);
 		return;
 	}
-	old = registry_find(req->d, rc->def.name, strlen(rc->def.name));
+	old = adapter_find(&req->d->graphs.reg, rc->def.name, strlen(rc->def.name));
 	if (old && adapter_same_def(old, &rc->def)) {
 		finish_register(req, &rc->def); /* nothing new to import */
 		free(rc);

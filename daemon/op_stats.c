@@ -1,5 +1,6 @@
 /* op_stats.c - stats: daemon-wide counters, error codes, and per adapter. */
 #include "describe.h"
+#include "log.h"
 
 static void op_stats(struct request *req)
 {
@@ -11,14 +12,14 @@ static void op_stats(struct request *req)
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
 		return;
 	}
-	writer_key_f64(&out->w, "uptime", now_seconds() - d->started);
+	writer_key_f64(&out->w, "uptime", log_now() - d->started);
 	writer_key_u64(&out->w, "connections", d->stats.connections);
 	writer_key_u64(&out->w, "open_connections", d->n_conns);
 	writer_key_u64(&out->w, "requests", d->stats.requests);
 	writer_key_u64(&out->w, "errors", d->stats.errors + d->stats.frame_errors);
 	writer_key_u64(&out->w, "limit_breaches", d->stats.limit_breaches);
 	writer_key_u64(&out->w, "inflight", d->inflight);
-	writer_key_u64(&out->w, "inline_runs", d->stats.inline_runs);
+	writer_key_u64(&out->w, "inline_runs", d->graphs.inline_runs);
 	writer_key_u64(&out->w, "worker_restarts", compiler_restarts(d->compiler));
 	writer_key_u64(&out->w, "worker_start_failures", compiler_start_failures(d->compiler));
 	writer_key_u64(&out->w, "worker_orphans_killed", compiler_orphans_killed(d->compiler));
@@ -32,7 +33,7 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "shm_regions", d->shm_regions);
 	writer_key_u64(&out->w, "shm_attaches", d->stats.shm_attaches);
 	writer_key_u64(&out->w, "shm_stray_fds", d->stats.shm_stray_fds);
-	writer_key_u64(&out->w, "failed_evictions", d->stats.failed_evictions);
+	writer_key_u64(&out->w, "failed_evictions", d->graphs.failed_evictions);
 	writer_key_u64(&out->w, "busy", d->stats.busy);
 	for (int c = 1; c < PROTO_E__COUNT; c++)
 		n_codes += d->stats.error_codes[c] != 0;
@@ -42,8 +43,8 @@ static void op_stats(struct request *req)
 		if (d->stats.error_codes[c])
 			writer_key_u64(&out->w, proto_code_name(c), d->stats.error_codes[c]);
 	writer_str(&out->w, "adapters");
-	msgpack_pack_array(&out->w.pk, d->reg.count);
-	for (const struct adapter *a = d->reg.head; a; a = a->next) {
+	msgpack_pack_array(&out->w.pk, d->graphs.reg.count);
+	for (const struct adapter *a = d->graphs.reg.head; a; a = a->next) {
 		msgpack_pack_map(&out->w.pk, DESCRIBE_BOUNDS + DESCRIBE_COUNTERS);
 		describe_bounds(&out->w, a);
 		describe_counters(&out->w, a);

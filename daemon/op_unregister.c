@@ -11,7 +11,7 @@ static void op_unregister(struct request *req)
 
 	if (request_name(req, &name, &len) != 0)
 		return;
-	if (registry_unregister(req->d, name, len) != 0) {
+	if (adapter_unregister(&req->d->graphs.reg, name, len) != 0) {
 		request_fail_code(req, PROTO_E_NOT_FOUND, "name", "no adapter named '%.*s'",
 		                  (int)len, name);
 		return;

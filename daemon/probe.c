@@ -167,8 +167,8 @@ static void after(uv_work_t *w, int status)
 	if (p->rc == 0 && p->lock_busy) {
 		p->lock_busy = false;
 		if (p->lock_wait_started == 0)
-			p->lock_wait_started = now_seconds();
-		if (now_seconds() - p->lock_wait_started <= (double)p->d->cfg.compile_timeout) {
+			p->lock_wait_started = log_now();
+		if (log_now() - p->lock_wait_started <= (double)p->d->cfg.compile_timeout) {
 			uv_timer_start(&p->retry, on_retry, CACHE_LOCK_RETRY_MS, 0);
 			return;
 		}

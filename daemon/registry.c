@@ -1,11 +1,6 @@
 /*
- * registry.c - named adapters.  Loop thread only.
- *
- * Registering a name that exists with the same body, entry, bounds and
- * strategy keeps the adapter (and its graphs); anything different replaces
- * it: the old adapter is unlisted, its specializations dropped (runs in
- * flight finish on their own references) and the budget starts again.  The
- * validation messages are the reference adapter's.
+ * registry.c - adapter definition files (the server layer's side of the
+ * registry in adapter.c).  Loop thread, except the directory read.
  *
  * Adapter definition files (*.adapter in --adapters DIR) are key = value
  * lines; see docs/operations.md.  The directory is read on the thread pool
@@ -29,201 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-
-static bool name_ok(const char *s)
-{
-	size_t n = strlen(s);
-
-	if (n == 0 || n > ADAPTER_NAME_MAX)
-		return false;
-	for (size_t i = 0; i < n; i++) {
-		char ch = s[i];
-		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-		      (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-'))
-			return false;
-	}
-	return true;
-}
-
-static bool ident_ok(const char *s)
-{
-	if (!*s || (*s >= '0' && *s <= '9'))
-		return false;
-	for (; *s; s++)
-		if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') ||
-		      (*s >= '0' && *s <= '9') || *s == '_'))
-			return false;
-	return true;
-}
-
-int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
-{
-	if (def->name[0] == '\0')
-		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
-		                  "Loop adapter namespace must not be empty");
-	if (!name_ok(def->name))
-		return proto_fail(err, PROTO_E_INVALID_NAME, "name",
-		                  "adapter name must match [A-Za-z0-9._-]{1,64}");
-	if (def->max_steps < 1 || def->max_steps > PROTO_MAX_STEPS)
-		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_steps",
-		                  PROTO_BOUND_MESSAGE("max_steps", PROTO_MAX_STEPS));
-	if (def->max_elements < 1 || def->max_elements > PROTO_MAX_ELEMENTS)
-		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "max_elements",
-		                  PROTO_BOUND_MESSAGE("max_elements", PROTO_MAX_ELEMENTS));
-	if (def->budget < 1 || def->budget > PROTO_MAX_BUDGET)
-		return proto_fail(err, PROTO_E_INVALID_BOUNDS, "recompile_budget",
-		                  PROTO_BOUND_MESSAGE("recompile_budget", PROTO_MAX_BUDGET));
-	if (strcmp(def->strategy, "unroll") != 0 && strcmp(def->strategy, "scan") != 0 &&
-	    strcmp(def->strategy, "chunk") != 0)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "strategy",
-		                  "strategy must be \"unroll\", \"scan\" or \"chunk\"");
-	if (strcmp(def->dynamic, "none") != 0 && strcmp(def->dynamic, "batch") != 0)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "dynamic",
-		                  "dynamic must be \"none\" or \"batch\"");
-	if (!ident_ok(def->entry))
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "entry",
-		                  "entry must name a Python function");
-	if (def->source == NULL || def->source[0] == '\0')
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body",
-		                  "the adapter has no body source");
-	return 0;
-}
-
-void adapter_ref(struct adapter *a)
-{
-	a->refs++;
-}
-
-void adapter_unref(struct adapter *a)
-{
-	if (--a->refs > 0)
-		return;
-	free(a->def.source);
-	free(a);
-}
-
-static void body_hash(struct adapter *a)
-{
-	struct sha256 s;
-	uint8_t d[32];
-
-	sha256_init(&s);
-	sha256_update(&s, a->def.source, strlen(a->def.source) + 1);
-	sha256_update(&s, a->def.entry, strlen(a->def.entry) + 1);
-	sha256_final(&s, d);
-	sha256_hex(d, a->body_sha);
-}
-
-bool adapter_batched(const struct adapter *a)
-{
-	return strcmp(a->def.dynamic, "batch") == 0;
-}
-
-bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
-{
-	return strcmp(a->def.source, def->source) == 0 && strcmp(a->def.entry, def->entry) == 0 &&
-	       strcmp(a->def.strategy, def->strategy) == 0 &&
-	       strcmp(a->def.dynamic, def->dynamic) == 0 && a->def.max_steps == def->max_steps &&
-	       a->def.max_elements == def->max_elements && a->def.budget == def->budget;
-}
-
-struct adapter *registry_find(struct daemon *d, const char *name, size_t len)
-{
-	for (struct adapter *a = d->reg.head; a; a = a->next)
-		if (strlen(a->def.name) == len && memcmp(a->def.name, name, len) == 0)
-			return a;
-	return NULL;
-}
-
-static void unlist(struct daemon *d, struct adapter *a)
-{
-	struct adapter **pp = &d->reg.head;
-
-	while (*pp && *pp != a)
-		pp = &(*pp)->next;
-	if (*pp)
-		*pp = a->next;
-	d->reg.count--;
-	a->live = false;
-	graphs_drop_all(a);
-	adapter_unref(a);
-}
-
-/* Takes ownership of def->source. */
-struct adapter *registry_register(struct daemon *d, struct adapter_def *def, bool *replaced,
-                                  bool *unchanged)
-{
-	struct adapter *old = registry_find(d, def->name, strlen(def->name));
-	struct adapter *a;
-
-	*replaced = *unchanged = false;
-	if (old && adapter_same_def(old, def)) {
-		free(def->source);
-		def->source = NULL;
-		old->def.origin = def->origin;
-		*unchanged = true;
-		return old;
-	}
-	a = calloc(1, sizeof *a);
-	if (a == NULL)
-		return NULL;
-	a->def = *def;
-	def->source = NULL;
-	a->refs = 1;
-	a->live = true;
-	a->generation = ++d->reg.generation;
-	body_hash(a);
-	if (old) {
-		unlist(d, old);
-		*replaced = true;
-	}
-	a->next = d->reg.head;
-	d->reg.head = a;
-	d->reg.count++;
-	return a;
-}
-
-int registry_unregister(struct daemon *d, const char *name, size_t len)
-{
-	struct adapter *a = registry_find(d, name, len);
-
-	if (a == NULL)
-		return -1;
-	unlist(d, a);
-	return 0;
-}
-
-void registry_clear(struct daemon *d)
-{
-	while (d->reg.head)
-		unlist(d, d->reg.head);
-}
-
-void adapter_record_latency(struct adapter *a, double us)
-{
-	a->stats.latency_us[a->stats.latency_n++ % LATENCY_RING] = us;
-}
-
-static int cmp_double(const void *x, const void *y)
-{
-	double a = *(const double *)x, b = *(const double *)y;
-
-	return a < b ? -1 : a > b;
-}
-
-double adapter_latency_percentile(const struct adapter *a, double p)
-{
-	double tmp[LATENCY_RING];
-	size_t n = a->stats.latency_n < LATENCY_RING ? a->stats.latency_n : LATENCY_RING;
-	size_t idx;
-
-	if (n == 0)
-		return 0;
-	memcpy(tmp, a->stats.latency_us, n * sizeof *tmp);
-	qsort(tmp, n, sizeof *tmp, cmp_double);
-	idx = (size_t)(p * (double)(n - 1) + 0.5);
-	return tmp[idx < n ? idx : n - 1];
-}
 
 /* ---- adapter definition files ------------------------------------------ */
 
@@ -315,17 +115,6 @@ static int set_field(struct adapter_def *def, const char *k, const char *v, char
 		           ? -1
 		           : 0;
 	return -1;
-}
-
-void adapter_def_defaults(struct adapter_def *def)
-{
-	memset(def, 0, sizeof *def);
-	def->max_steps = PROTO_DEFAULT_STEPS;
-	def->max_elements = PROTO_DEFAULT_ELEMENTS;
-	def->budget = PROTO_DEFAULT_BUDGET;
-	snprintf(def->strategy, sizeof def->strategy, "unroll");
-	snprintf(def->dynamic, sizeof def->dynamic, "none");
-	snprintf(def->entry, sizeof def->entry, "body");
 }
 
 /*
@@ -459,7 +248,8 @@ static int apply_dir(struct dir_load *l)
 		bool replaced, unchanged;
 		if (!e->ok) {
 			failed++;
-			if (e->def.name[0] && registry_find(d, e->def.name, strlen(e->def.name)))
+			if (e->def.name[0] &&
+			    adapter_find(&d->graphs.reg, e->def.name, strlen(e->def.name)))
 				log_warn("adapter file %s: %s; keeping the registered %s", e->file,
 				         e->err.message, e->def.name);
 			else
@@ -467,7 +257,7 @@ static int apply_dir(struct dir_load *l)
 			free(e->def.source);
 			continue;
 		}
-		if (registry_register(d, &e->def, &replaced, &unchanged) == NULL) {
+		if (adapter_register(&d->graphs.reg, &e->def, &replaced, &unchanged) == NULL) {
 			free(e->def.source);
 			failed++;
 			continue;
@@ -478,11 +268,11 @@ static int apply_dir(struct dir_load *l)
 		                    : "registered",
 		         e->file);
 	}
-	for (struct adapter *a = d->reg.head, *next; l->reload && a; a = next) {
+	for (struct adapter *a = d->graphs.reg.head, *next; l->reload && a; a = next) {
 		next = a->next;
 		if (a->def.origin == ADAPTER_FILE && !named_in(l, a->def.name)) {
 			log_line(LOG_INFO, 0, a->def.name, "unregistered: its file is gone");
-			unlist(d, a);
+			adapter_unregister(&d->graphs.reg, a->def.name, strlen(a->def.name));
 		}
 	}
 	return failed;

@@ -1,11 +1,9 @@
 /*
  * request.c - one request from frame to reply.  Loop thread only.
  *
- * request_dispatch parses the envelope once (the edge), applies the
- * connection's in-flight limit, the shutdown state and admin-only access,
- * then hands the request to its op.  A request owns its frame body (trees
- * are views into it) and holds its connection; it ends with exactly one
- * request_reply or request_fail, which frees it.  A reply to a connection
+ * A request owns its frame body (trees are views into it) and holds its
+ * connection; ops_dispatch (ops.c) hands it to its op, and it ends with
+ * exactly one request_reply or request_fail, which frees it.  A reply to a connection
  * that has closed is dropped.
  */
 #include "daemon.h"
@@ -22,14 +20,6 @@
 #include <time.h>
 #include <unistd.h>
 
-double now_seconds(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 void request_free(struct request *req)
 {
 	if (req->state_free)
@@ -39,7 +29,7 @@ void request_free(struct request *req)
 	msg_destroy(&req->msg);
 	frame_free(req->body);
 	req->conn->inflight--;
-	req->conn->last_activity = now_seconds();
+	req->conn->last_activity = log_now();
 	conn_account_request(req->conn, -(int64_t)req->len);
 	conn_unref(req->conn);
 	daemon_request_done(req->d);
@@ -139,7 +129,7 @@ void request_acquire(struct request *req, struct adapter *a, const struct scan_a
 	req->batch = args->batch;
 	req->ready = ready;
 	req->waiter = (struct graph_waiter){NULL, waiter_done, waiter_event};
-	graphs_acquire(req->d, a, args, &req->waiter);
+	graphs_acquire(&req->d->graphs, a, args, &req->waiter);
 }
 
 int request_name(struct request *req, const char **name, uint32_t *len)
@@ -181,7 +171,7 @@ bool request_is_admin(const struct request *req)
 	return false;
 }
 
-static struct request *request_new(struct conn *c, uint8_t *body, uint32_t len)
+struct request *request_new(struct conn *c, uint8_t *body, uint32_t len)
 {
 	struct request *req = calloc(1, sizeof *req);
 
@@ -194,60 +184,10 @@ static struct request *request_new(struct conn *c, uint8_t *body, uint32_t len)
 	req->body = body;
 	req->len = len;
 	req->op = -1;
-	req->started = now_seconds();
+	req->started = log_now();
 	conn_ref(c);
 	c->inflight++;
 	c->d->inflight++;
 	conn_account_request(c, (int64_t)len);
 	return req;
-}
-
-void request_dispatch(struct conn *c, uint8_t *body, uint32_t len)
-{
-	struct daemon *d = c->d;
-	struct request *req = request_new(c, body, len);
-	struct proto_err err;
-	const struct op_desc *op;
-
-	if (req == NULL)
-		return;
-	d->stats.requests++;
-	if (msg_parse(&req->msg, body, len, MSG_REQUEST, &err) != 0) {
-		req->has_id = req->msg.has_id;
-		req->id = req->msg.id;
-		request_fail(req, &err);
-		return;
-	}
-	req->has_id = true;
-	req->id = req->msg.id;
-	req->op = req->msg.op;
-	if (c->region.base != NULL)
-		req->msg.region = &c->region;
-	if (req->op < 0) {
-		request_fail_code(req, PROTO_E_UNKNOWN_OP, NULL, "unknown op '%.*s'",
-		                  (int)req->msg.op_len, req->msg.op_name);
-		return;
-	}
-	if (c->inflight > (unsigned)d->cfg.max_inflight) {
-		d->stats.busy++;
-		d->stats.limit_breaches++;
-		request_fail_code(
-		    req, PROTO_E_BUSY, NULL,
-		    "more than max-inflight=%lld requests in flight on this connection",
-		    d->cfg.max_inflight);
-		return;
-	}
-	op = OP_TABLE[req->op];
-	if (d->shutting_down && !(op->flags & OP_WHILE_STOPPING)) {
-		request_fail_code(req, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
-		return;
-	}
-	if ((op->flags & OP_ADMIN) && !request_is_admin(req)) {
-		request_fail_code(req, PROTO_E_PERMISSION_DENIED, NULL,
-		                  "%s is reserved to the daemon's user, root and the admin group "
-		                  "(peer uid %d)",
-		                  op->name, (int)c->uid);
-		return;
-	}
-	op->handler(req);
 }

@@ -4,9 +4,9 @@
  * touches only its job; the completion callback publishes what the run
  * measured (OpenMP team trials, latency, the run-time average) on the loop.
  */
-#include "run.h"
+#include "graphs.h"
 
-#include "daemon.h"
+#include "log.h"
 #include "signature.h"
 
 #include <dlfcn.h>
@@ -16,11 +16,11 @@
 #include <string.h>
 
 /* the graph layer never sees a request or a connection (docs/architecture.md) */
-#pragma GCC poison request conn outmsg
+#pragma GCC poison request conn outmsg daemon
 
 struct run_job {
 	uv_work_t work;
-	struct daemon *d;
+	struct graphs *g;
 	struct specialization *sp;
 	struct engine_tensor *in;
 	size_t n_in;
@@ -195,11 +195,11 @@ done:
 static void run_work(uv_work_t *w)
 {
 	struct run_job *j = w->data;
-	double t0 = now_seconds();
+	double t0 = log_now();
 
 	uint8_t *base = NULL;
 
-	size_openmp(&j->d->cfg, j->team, atomic_fetch_add(&runs_active, 1) + 1);
+	size_openmp(j->g->cfg, j->team, atomic_fetch_add(&runs_active, 1) + 1);
 	/* results go straight into the caller's area when they all fit */
 	if (j->area.base) {
 		j->out_needed = engine_out_layout(j->expected_out, j->sp->n_out, NULL);
@@ -217,7 +217,7 @@ static void run_work(uv_work_t *w)
 		j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->expected, j->expected_out, base,
 		                   j->res, &j->err);
 	atomic_fetch_sub(&runs_active, 1);
-	j->run_us = (now_seconds() - t0) * 1e6;
+	j->run_us = (log_now() - t0) * 1e6;
 }
 
 void run_result_free(void *arg)
@@ -249,13 +249,13 @@ static void after_run(uv_work_t *w, int status)
 
 	(void)status;
 	if (j->rc == 0) {
-		team_result(sp, &j->d->cfg, j->team_trial, j->run_us);
+		team_result(sp, j->g->cfg, j->team_trial, j->run_us);
 		adapter_record_latency(sp->adapter, j->run_us);
 		sp->run_ema_us =
 		    sp->runs++ == 0 ? j->run_us : 0.8 * sp->run_ema_us + 0.2 * j->run_us;
 		sp->adapter->stats.runs++;
 	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT && sp->state == SPEC_READY) {
-		graphs_invalidate(j->d, sp, j->err.message);
+		graphs_invalidate(j->g, sp, j->err.message);
 	}
 	j->done(j, j->done_arg);
 	run_free(j);
@@ -279,7 +279,7 @@ static int bind_batch(struct run_job *j, int64_t batch, struct proto_err *err)
 	return 0;
 }
 
-struct run_job *run_new(struct daemon *d, struct specialization *sp, int64_t batch,
+struct run_job *run_new(struct graphs *g, struct specialization *sp, int64_t batch,
                         const struct run_area *area, struct proto_err *err)
 {
 	struct run_job *j = calloc(1, sizeof *j);
@@ -288,7 +288,7 @@ struct run_job *run_new(struct daemon *d, struct specialization *sp, int64_t bat
 		proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
 		return NULL;
 	}
-	j->d = d;
+	j->g = g;
 	j->sp = sp;
 	graphs_ref(sp);
 	if (area)
@@ -357,7 +357,7 @@ void run_add(struct run_job *j, const struct tree_node *tree)
 void run_submit(struct run_job *j, run_done_fn *done, void *arg)
 {
 	const struct specialization *sp = j->sp;
-	const struct config *cfg = &j->d->cfg;
+	const struct config *cfg = j->g->cfg;
 
 	j->done = done;
 	j->done_arg = arg;
@@ -365,12 +365,12 @@ void run_submit(struct run_job *j, run_done_fn *done, void *arg)
 	j->team = choose_team(j->sp, cfg, &j->team_trial);
 	if (cfg->inline_run_us > 0 && sp->runs >= INLINE_AFTER_RUNS &&
 	    sp->run_ema_us <= (double)cfg->inline_run_us) {
-		j->d->stats.inline_runs++;
+		j->g->inline_runs++;
 		run_work(&j->work);
 		after_run(&j->work, 0);
 		return;
 	}
-	uv_queue_work(j->d->loop, &j->work, run_work, after_run);
+	uv_queue_work(j->g->loop, &j->work, run_work, after_run);
 }
 
 struct engine_tensor *run_slots(struct run_job *j, size_t *n)

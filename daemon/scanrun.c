@@ -222,7 +222,7 @@ static void reply_run(struct run_job *j, void *arg)
 struct run_job *scan_run_new(struct request *req, struct specialization *sp, struct proto_err *err)
 {
 	struct run_area area = {req->out.set ? req->out.base : NULL, req->out.size};
-	struct run_job *j = run_new(req->d, sp, req->batch, &area, err);
+	struct run_job *j = run_new(&req->d->graphs, sp, req->batch, &area, err);
 
 	if (j && run_set_chunks(j, req->chunks, err) != 0) {
 		run_free(j);
@@ -278,7 +278,7 @@ int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry
 	if (rc > 0)
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "adapter",
 		                  "request has no adapter");
-	*a = registry_find(req->d, name, len);
+	*a = adapter_find(&req->d->graphs.reg, name, len);
 	if (*a == NULL)
 		return proto_fail(err, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
 		                  (int)len, name);

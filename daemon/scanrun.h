@@ -6,7 +6,7 @@
 #define TORCHLOOP_SCANRUN_H
 
 #include "daemon.h"
-#include "run.h"
+#include "graphs.h"
 
 /*
  * Checks carry and inputs against the adapter's bounds and DESIGN.md's
@@ -32,7 +32,7 @@ int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *a
  * A run of a READY specialization for req, at its batch size, its results
  * into its shared-memory area if it named one.  NULL with err: out of memory,
  * or (symbolic batch) stacked outputs over max_elements at that batch size.
- * Inputs are added with run_add / run_slots (run.h); scan_run_start submits
+ * Inputs are added with run_add / run_slots (graphs.h); scan_run_start submits
  * it and replies to req with its results or its error; a job that cannot be
  * started is freed with run_free.
  */

@@ -25,7 +25,7 @@ static void on_watchdog(uv_timer_t *t)
 	         d->pool_stalled ? "thread pool stalled"
 	         : d->ready      ? "ready"
 	                         : "starting",
-	         d->reg.count, graphs_loaded(d), d->inflight);
+	         d->graphs.reg.count, graphs_loaded(&d->graphs), d->inflight);
 	sd_notify(0, status);
 }
 

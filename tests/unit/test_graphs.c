@@ -11,7 +11,6 @@
  */
 #include "daemon.h"
 #include "graphs.h"
-#include "run.h"
 
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -75,7 +74,7 @@ static void open_graphs(void)
 /* Everything the graph layer opened is closed: the loop can be closed. */
 static void close_graphs(void)
 {
-	registry_clear(&d);
+	adapter_clear(&d.graphs.reg);
 	compiler_stop(d.compiler);
 	uv_run(&loop, UV_RUN_DEFAULT);
 	cr_assert_eq(uv_loop_close(&loop), 0, "a libuv handle is still open");
@@ -113,7 +112,7 @@ static struct adapter *add_adapter(int64_t budget)
 	def.max_elements = 64;
 	def.budget = budget;
 	cr_assert_eq(adapter_def_validate(&def, &err), 0, "%s", err.message);
-	a = registry_register(&d, &def, &replaced, &unchanged);
+	a = adapter_register(&d.graphs.reg, &def, &replaced, &unchanged);
 	cr_assert_not_null(a);
 	return a;
 }
@@ -260,7 +259,7 @@ static void run_and_check(struct specialization *sp, const struct trees *t)
 {
 	struct run_seen seen = {0};
 	struct proto_err err;
-	struct run_job *j = run_new(&d, sp, 0, NULL, &err);
+	struct run_job *j = run_new(&d.graphs, sp, 0, NULL, &err);
 
 	cr_assert_not_null(j, "%s", err.message);
 	run_add(j, &t->c);
@@ -296,7 +295,7 @@ Test(graphs, three_waiters_share_one_specialization_and_its_run_is_right)
 	args = args_of(&t);
 	for (int i = 0; i < 3; i++) {
 		waiter_init(&w[i]);
-		graphs_acquire(&d, a, &args, &w[i].w);
+		graphs_acquire(&d.graphs, a, &args, &w[i].w);
 	}
 	/* a cache lookup is on the pool: nobody can have been answered yet */
 	for (int i = 0; i < 3; i++)
@@ -336,13 +335,13 @@ Test(graphs, a_full_budget_refuses_a_new_signature_at_once_naming_what_it_holds)
 	make_trees(&t2, 2);
 	args = args_of(&t3);
 	waiter_init(&w);
-	graphs_acquire(&d, a, &args, &w.w);
+	graphs_acquire(&d.graphs, a, &args, &w.w);
 	wait_all(&w, 1);
 	cr_assert_not_null(w.sp, "%s", w.err.message);
 	/* T=2 is another signature: over the budget of 1, refused right here */
 	args = args_of(&t2);
 	waiter_init(&other);
-	graphs_acquire(&d, a, &args, &other.w);
+	graphs_acquire(&d.graphs, a, &args, &other.w);
 	cr_assert_eq(other.done, 1, "refused synchronously, no compile");
 	cr_assert_null(other.sp);
 	cr_assert_eq(other.err.code, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED);
@@ -353,7 +352,7 @@ Test(graphs, a_full_budget_refuses_a_new_signature_at_once_naming_what_it_holds)
 	/* the specialization it holds is still served, at once (READY) */
 	args = args_of(&t3);
 	waiter_init(&again);
-	graphs_acquire(&d, a, &args, &again.w);
+	graphs_acquire(&d.graphs, a, &args, &again.w);
 	cr_assert_eq(again.done, 1);
 	cr_assert_eq(again.sp, w.sp);
 	run_and_check(again.sp, &t3);
@@ -366,9 +365,9 @@ Test(graphs, a_full_budget_refuses_a_new_signature_at_once_naming_what_it_holds)
 
 static unsigned prewarmed;
 
-static void on_prewarmed(struct daemon *dd)
+static void on_prewarmed(struct graphs *gg)
 {
-	(void)dd;
+	(void)gg;
 	prewarmed++;
 }
 
@@ -390,12 +389,12 @@ Test(graphs, the_warm_start_index_is_read_past_a_corrupt_record)
 	make_trees(&t, 3);
 	args = args_of(&t);
 	waiter_init(&w);
-	graphs_acquire(&d, a, &args, &w.w);
+	graphs_acquire(&d.graphs, a, &args, &w.w);
 	wait_all(&w, 1);
 	cr_assert_not_null(w.sp, "%s", w.err.message);
 	graphs_unref(w.sp);
 	/* the index lists it now; put a record that does not parse before it */
-	graphs_index_path(&d, a, path, sizeof path);
+	graphs_index_path(&d.graphs, a, path, sizeof path);
 	f = fopen(path, "rb");
 	cr_assert_not_null(f, "no index at %s", path);
 	fseek(f, 0, SEEK_END);
@@ -409,18 +408,18 @@ Test(graphs, the_warm_start_index_is_read_past_a_corrupt_record)
 	fwrite(saved, 1, (size_t)len, f);
 	fclose(f);
 	/* a fresh adapter of the same identity loads it from the index */
-	cr_assert_eq(registry_unregister(&d, "t4.cumsum", 9), 0);
+	cr_assert_eq(adapter_unregister(&d.graphs.reg, "t4.cumsum", 9), 0);
 	a = add_adapter(3);
 	cr_assert_eq(count_specs(a), 0);
-	started = graphs_prewarm(&d, a, on_prewarmed);
+	started = graphs_prewarm(&d.graphs, a, on_prewarmed);
 	cr_assert_geq(started, 1, "the record after the corrupt one was read");
 	while (prewarmed < started)
 		uv_run(&loop, UV_RUN_ONCE);
-	cr_assert_geq(graphs_loaded(&d), 1);
+	cr_assert_geq(graphs_loaded(&d.graphs), 1);
 	cr_assert_eq(a->stats.compiles, 0, "loaded, not compiled");
 	/* READY: a waiter is answered at once */
 	waiter_init(&w);
-	graphs_acquire(&d, a, &args, &w.w);
+	graphs_acquire(&d.graphs, a, &args, &w.w);
 	cr_assert_eq(w.done, 1);
 	cr_assert_not_null(w.sp);
 	run_and_check(w.sp, &t);

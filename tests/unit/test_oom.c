@@ -15,7 +15,7 @@
 #include "frame.h"
 #include "helpers.h"
 #include "msg.h"
-#include "run.h"
+#include "graphs.h"
 #include "tree.h"
 #include "writer.h"
 
@@ -226,7 +226,7 @@ Test(oom, a_frame_that_cannot_be_flattened_is_an_error)
 static struct adapter fake_adapter;
 static struct specialization fake_sp;
 static struct engine_tensor expected[2], expected_out[2];
-static struct daemon fake_d;
+static struct graphs fake_g;
 
 static void setup_fake(void)
 {
@@ -252,7 +252,7 @@ static bool new_run(long k)
 	struct run_job *j;
 
 	arm(k);
-	j = run_new(&fake_d, &fake_sp, 5, NULL, &err);
+	j = run_new(&fake_g, &fake_sp, 5, NULL, &err);
 	bool hit = injected > 0;
 	disarm();
 	if (j == NULL) {

@@ -1,0 +1,128 @@
+"""The daemon's layering (docs/architecture.md), checked on the build under test.
+
+- No call cycle between daemon/ and proto/ files: the file-level graph of
+  which object file uses which other's symbols (nm) has no strongly connected
+  component of more than one file.  main.c wires the layers and is left out.
+- No include cycle between their headers.
+- The graph layer (adapter.c, graphs.c, run.c) includes no server header
+  and names no server type (the files also poison the names for the compiler).
+
+Each check is also run on a made-up graph with a cycle, so that a check
+that cannot fail is caught here too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / os.environ.get("TORCHLOOP_TEST_BUILD", "build")
+GRAPH_LAYER = ("adapter.c", "graphs.c", "run.c")
+SERVER_HEADERS = ("daemon.h", "describe.h", "scanrun.h", "shm.h")
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def call_graph(objs: list[Path]) -> dict[str, set[str]]:
+    defined: dict[str, str] = {}
+    used: dict[str, set[str]] = {}
+    for o in objs:
+        name = o.stem
+        used[name] = set()
+        out = subprocess.run(["nm", str(o)], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] in "TDBR":
+                defined[parts[2]] = name
+            elif len(parts) == 2 and parts[0] == "U":
+                used[name].add(parts[1])
+    return {f: {defined[s] for s in syms if s in defined and defined[s] != f}
+            for f, syms in used.items()}
+
+
+def test_no_call_cycle_between_daemon_files() -> None:
+    if shutil.which("nm") is None:
+        pytest.fail("nm (binutils) is not installed: the layering cannot be checked")
+    objs = [o for o in sorted((BUILD / "daemon").glob("*.o")) + sorted((BUILD / "proto").glob("*.o"))
+            if o.stem not in ("main", "daemon-testhooks")]
+    assert len(objs) > 20, f"no daemon objects in {BUILD}: build first"
+    graph = call_graph(objs)
+    assert cycles(graph) == [], "files that call each other (directly or around a loop)"
+    # and the graph layer calls nothing of the server layer
+    server = {"conn", "request", "ops", "daemon", "scanrun", "systemd", "shm", "describe",
+              "registry", "persist", "probe"} | {o.stem for o in objs if o.stem.startswith("op_")}
+    for f in ("adapter", "graphs", "run"):
+        assert not graph[f] & server, f"{f}.c calls into the server layer: {graph[f] & server}"
+
+
+def includes(path: Path) -> set[str]:
+    return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.M))
+
+
+def test_no_include_cycle_and_the_graph_layer_includes_no_server_header() -> None:
+    headers = {p.name: p for d in ("daemon", "proto") for p in (ROOT / d).glob("*.h")}
+    graph = {name: includes(p) & headers.keys() for name, p in headers.items()}
+    assert cycles(graph) == []
+
+    def closure(start: set[str]) -> set[str]:
+        seen: set[str] = set()
+        todo = list(start)
+        while todo:
+            h = todo.pop()
+            if h in seen or h not in graph:
+                continue
+            seen.add(h)
+            todo.extend(graph[h])
+        return seen
+
+    for f in GRAPH_LAYER:
+        src = ROOT / "daemon" / f
+        reach = closure(includes(src))
+        assert not reach & set(SERVER_HEADERS), f"{f} reaches {reach & set(SERVER_HEADERS)}"
+        text = src.read_text()
+        assert "#pragma GCC poison request conn outmsg daemon" in text, f
+    assert not closure({"graphs.h"}) & set(SERVER_HEADERS)
