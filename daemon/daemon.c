@@ -223,7 +223,7 @@ static void declare_ready(struct daemon *d)
 		d->on_ready(d);
 }
 
-static void prewarmed_d(struct daemon *d)
+static void one_prewarmed(struct daemon *d)
 {
 	if (--d->pending_loads == 0 && !d->ready && !d->shutting_down) {
 		log_info("preloaded adapters' graphs loaded from the cache (%u)",
@@ -232,9 +232,10 @@ static void prewarmed_d(struct daemon *d)
 	}
 }
 
+/* graphs_prewarm's callback: the graph layer hands back its struct graphs */
 static void prewarmed(struct graphs *g)
 {
-	prewarmed_d((struct daemon *)((char *)g - offsetof(struct daemon, graphs)));
+	one_prewarmed((struct daemon *)((char *)g - offsetof(struct daemon, graphs)));
 }
 
 static void adapters_loaded(struct daemon *d, int failed)
@@ -247,7 +248,7 @@ static void adapters_loaded(struct daemon *d, int failed)
 	d->pending_loads = 1;
 	for (struct adapter *a = d->graphs.reg.head; a; a = a->next)
 		d->pending_loads += graphs_prewarm(&d->graphs, a, prewarmed);
-	prewarmed_d(d);
+	one_prewarmed(d);
 }
 
 /* Persisted registrations first, then --adapters: an operator's file wins. */

@@ -1,13 +1,14 @@
 /*
- * daemon.h - the daemon's shared types: the daemon itself, connections,
- * requests, adapters and their specializations, and the op table.
+ * daemon.h - the server layer, its one header: the daemon itself,
+ * connections, requests, the op table, and what the server-layer files
+ * export to each other.  The graph layer (adapters, specializations, runs)
+ * is graphs.h, which knows nothing of this one.
  *
  * Threads: everything here is touched on the loop thread only, except the
  * fields a thread-pool job owns while it runs (documented at each job).
  * Lifetimes are reference counts: a connection lives while its handle is
- * open or a request/write needs it; an adapter while the registry or a
- * specialization holds it; a specialization while its adapter lists it or a
- * request waits on or runs it.
+ * open or a request/write needs it; a request holds its connection and, for
+ * ops on an adapter, the adapter.
  */
 #ifndef TORCHLOOP_DAEMON_H
 #define TORCHLOOP_DAEMON_H

@@ -258,8 +258,11 @@ static void notify_lifecycle(bool abstract)
 	t0 = now();
 	receiver_collect(&r, 10.0);
 	n = pings(&r, t0, t0 + 10.0, &gap);
-	cr_assert_geq(n, 9, "%d watchdog pings in 10 s", n);
-	cr_assert_leq(gap, 1.0, "largest gap between pings %.3f s", gap);
+	/* pings every 0.45 * WATCHDOG_USEC (0.9 s): 11 in 10 s.  systemd's deadline
+	 * is 2 s; 1.5 s leaves a loaded machine (ASan, a busy CI) half a second of
+	 * delay and still fails a daemon that pings only at the deadline */
+	cr_assert_geq(n, 8, "%d watchdog pings in 10 s", n);
+	cr_assert_leq(gap, 1.5, "largest gap between pings %.3f s", gap);
 	/* SIGHUP: RELOADING=1 then READY=1 */
 	n = receiver_count(&r);
 	kill(d.pid, SIGHUP);
