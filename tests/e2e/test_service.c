@@ -216,6 +216,7 @@ static void *bg_scan_thread(void *arg)
 Test(service, a_worker_killed_mid_compile_fails_that_compile_and_is_replaced)
 {
 	struct fixture f;
+	struct tl_error err;
 	struct bg_scan s;
 	pthread_t th;
 	pid_t w;
@@ -225,7 +226,16 @@ Test(service, a_worker_killed_mid_compile_fails_that_compile_and_is_replaced)
 	hd_start(&f.d, cache, NO_PROBE);
 	hd_wait_ready(&f.d, 120);
 	f.c = hd_connect(&f.d);
-	hd_register(f.c, "t4.kill", CUMSUM, "body", 12, 64, 3);
+	/* each step sleeps 1.5 s while the worker runs it eagerly and traces it:
+	 * the compile of T = 2 takes over 6 s on any machine, so at 2 s it is under way */
+	cr_assert_eq(tl_register(f.c,
+	                         &(struct tl_adapter_def){"t4.kill",
+	                                                  "import time\n\n\ndef body(c, x):\n"
+	                                                  "    time.sleep(1.5)\n"
+	                                                  "    return c + x, c\n",
+	                                                  NULL, "body", NULL, 12, 64, 3},
+	                         &err),
+	             0, "%s", err.message);
 	s = (struct bg_scan){f.d.sock, 7, {{0}}, 0};
 	pthread_create(&th, NULL, bg_scan_thread, &s);
 	sleep(2); /* the compile is under way */
