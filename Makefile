@@ -187,7 +187,7 @@ uninstall:
 	rm -rf $(DESTDIR)$(PREFIX)/share/torchloopd $(DESTDIR)$(PREFIX)/lib/torchloopd
 
 format:
-	clang-format -i proto/*.[ch] $(wildcard daemon/*.[ch] client/*.[ch] tests/*/*.[ch])
+	clang-format -i proto/*.[ch] $(wildcard daemon/*.[ch] client/*.[ch] client/python/torchloop/*.c tests/*/*.[ch])
 
 clean:
 	rm -rf build build-san

@@ -30,7 +30,23 @@ for bin in "$@"; do
 done
 # the Python package (client/python) against the same build, with pytest
 echo "=== pytest tests/python"
-out=$(.venv/bin/python -m pytest -q -p no:cacheprovider tests/python 2>&1); rc=$?
+pyenv=()
+if [ "${TORCHLOOP_TEST_SAN:-0}" = 1 ]; then
+	# the package's C codec under ASan + UBSan too: a copy of the package with
+	# an instrumented _fast, first on the path, the runtimes preloaded
+	pkg="$TORCHLOOP_TEST_TMP/pyasan/torchloop"
+	mkdir -p "$pkg"
+	cp client/python/torchloop/*.py "$pkg/"
+	ext=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	inc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+	gcc -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+		-fno-omit-frame-pointer -Wall -Wextra -Werror -shared -fPIC -I"$inc" \
+		client/python/torchloop/_fast.c -o "$pkg/_fast$ext" || status=1
+	pyenv=(env PYTHONPATH="$TORCHLOOP_TEST_TMP/pyasan" TORCHLOOP_TEST_FAST_DIR="$pkg"
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1
+		LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)")
+fi
+out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -25
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
 count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' | head -1; }

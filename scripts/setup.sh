@@ -86,15 +86,30 @@ PY
 }
 
 # The torchloop Python package (client/python), editable, so tests and
-# solvers in this checkout import the source tree.
+# solvers in this checkout import the source tree; its C codec (_fast.c) is
+# built in place, and rebuilt when the source is newer.
 install_python_client() {
-	local want
+	local want ext
 	want="$(pwd)/client/python/torchloop"
-	if .venv/bin/python -c "import os, sys, torchloop; sys.exit(os.path.dirname(torchloop.__file__) != '$want')" 2>/dev/null; then
+	ext=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	if .venv/bin/python -c "import os, sys, torchloop; sys.exit(os.path.dirname(torchloop.__file__) != '$want')" 2>/dev/null &&
+		[ client/python/torchloop/_fast"$ext" -nt client/python/torchloop/_fast.c ]; then
 		return 0
 	fi
-	log "installing the torchloop Python package (editable) into .venv"
+	# a Debian python3.X needs python3.X-dev for Python.h (pyenv's and the like ship it)
+	local inc
+	inc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+	if [ ! -f "$inc/Python.h" ] && [[ "$inc" == /usr/include/* ]]; then
+		local sudo=""
+		[ "$(id -u)" = 0 ] || sudo=sudo
+		log "installing $(basename "$inc")-dev for the C codec's Python.h"
+		DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$(basename "$inc")-dev" >/dev/null
+	fi
+	log "installing the torchloop Python package (editable, with its C codec) into .venv"
 	.venv/bin/pip install -q --no-deps --no-build-isolation -e client/python
+	if [ ! -f client/python/torchloop/_fast"$ext" ]; then
+		log "the torchloop C codec (client/python/torchloop/_fast.c) did not build"; return 1
+	fi
 }
 
 install_debs

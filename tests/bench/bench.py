@@ -44,6 +44,9 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests", "helpers"))
 from tlwire import Client  # noqa: E402
 
+sys.path.insert(0, HERE)
+import pyclient  # noqa: E402
+
 MAX_ELEMENTS = 1048576
 SIZES = (4, 4096, 1048576)
 STEPS = (1, 16, 128)
@@ -73,21 +76,8 @@ print(json.dumps({"first_s": first, "p50_us": ts[len(ts) // 2], "p99_us": ts[int
 """
 
 
-PYCLIENT = r"""
-import json, sys, time, torch, torchloop
-sock, adapter, n, steps, iters, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-kw = {"inline": dict(shm=0), "shm": dict(shm_threshold=1), "default": {}}[mode]
-c = torchloop.Client(sock, **kw)
-carry = torch.arange(n, dtype=torch.float64) * 0.01
-xs = torch.ones(steps, n, dtype=torch.float64)
-for _ in range(20): c.scan(adapter, carry, xs)
-ts = []
-for _ in range(iters):
-    t0 = time.perf_counter(); out = c.scan(adapter, carry, xs); ts.append((time.perf_counter() - t0) * 1e6)
-    del out
-ts.sort()
-print(json.dumps({"p50_us": ts[len(ts) // 2], "p99_us": ts[int(len(ts) * 0.99)], "shm": c._region is not None}))
-"""
+PYCLIENT = pyclient.SCANS  # argv: sock adapter N T iters mode
+
 
 # Leaf sizes (float64 elements, T = 1) of the threshold sweep: 512 B to 512 KiB.
 THRESHOLD_N = (64, 512, 1024, 2048, 4096, 8192, 16384, 65536)
@@ -499,6 +489,8 @@ def main() -> None:
                              "memcpy": bench_c(build, "memcpy", each_way, 200)}
     result["floors"] = floors(build, d, cache, tmp, quick)
     print(json.dumps(result["floors"]), flush=True)
+    result["pyclient"] = pyclient.measure(build, d.sock, "bench.cumsum", quick)
+    print(json.dumps(result["pyclient"]), flush=True)
     d.stop()
     if not quick:
         result["callgrind"] = callgrind_profile(build, cache, tmp)

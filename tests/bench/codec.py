@@ -3,10 +3,13 @@
 usage: codec.py [ITERS]
 
 Times, p50 over ITERS calls (default 20000), encoding one scan request
-(N = 4, T = 1, float64: carry [4], inputs [1, 4]) with torchloop._wire.Encoder
-and decoding a reply of the same shapes with torchloop._wire.decode -- the
-interpreter work the Python client (column (g) of docs/performance.md) adds
-to every call on top of the socket round trip.
+(N = 4, T = 1, float64: carry [4], inputs [1, 4]) and decoding a reply of the
+same shapes -- the work the Python client (column (g) of docs/performance.md)
+adds to every call on top of the socket round trip -- three ways:
+  python   torchloop._wire.Encoder and torchloop._wire.decode (the reference)
+  replies  torchloop._wire.Replies: the pure-Python client's decoder, which
+           reuses the layout of a reply shape it has seen
+  c        torchloop._fast (the C codec the client uses when it was built)
 """
 
 from __future__ import annotations
@@ -44,10 +47,18 @@ def main() -> None:
     e = _wire.Encoder()
     e.value({"id": 7, "result": {"carry": carry, "outputs": xs}})
     body = bytearray(b"".join(bytes(memoryview(b).cast("B")) for b in e.frame())[4:])
-    print(json.dumps({"encode_p50_us": round(p50_us(encode, iters), 2),
-                      "decode_p50_us": round(p50_us(lambda: _wire.decode(body), iters), 2),
-                      "iters": iters}))
-
+    replies = _wire.Replies()
+    replies.decode(bytearray(body))
+    out = {"iters": iters,
+           "python": {"encode_p50_us": round(p50_us(encode, iters), 2),
+                      "decode_p50_us": round(p50_us(lambda: _wire.decode(body), iters), 2)},
+           "replies": {"decode_p50_us": round(p50_us(lambda: replies.decode(body), iters), 2)}}
+    fast = _wire.fast
+    if fast is not None:
+        fields = {"adapter": "bench.cumsum", "carry": carry, "inputs": xs}
+        out["c"] = {"encode_p50_us": round(p50_us(lambda: fast.encode(7, "scan", fields, 65536), iters), 2),
+                    "decode_p50_us": round(p50_us(lambda: fast.decode(body), iters), 2)}
+    print(json.dumps(out))
 
 if __name__ == "__main__":
     main()

@@ -76,6 +76,19 @@ void h_reference(const char *dir, const char *body_file, const char *entry,
                  bool fd);
 const struct tl_tree *h_load_ref(struct treejson *tj, const char *dir, const char *key);
 
+/*
+ * A grad reply r against the eager reference of body_file:entry at the same
+ * carry, inputs and cotangents (scratch under a tmpdir named tag): carry and
+ * outputs, grad_carry and grad_inputs against autograd (rtol 1e-10), and the
+ * gradients against central finite differences (norm-wise 1e-6).  b must be
+ * the builder the trees came from.
+ */
+void h_assert_grad_matches_reference(struct tl_reply *r, struct tl_builder *b, const char *tag,
+                                     const char *body_file, const char *entry,
+                                     const struct tl_tree *carry, const struct tl_tree *inputs,
+                                     const struct tl_tree *cot_carry,
+                                     const struct tl_tree *cot_outputs);
+
 /* Same structure, shapes and dtypes, values within rtol/atol. */
 void h_assert_close(const struct tl_tree *got, const struct tl_tree *want, double rtol, double atol,
                     const char *what);

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import struct
 import sys
+from ctypes import string_at as _string_at
 from typing import Any
 
+import numpy as np
 import torch
 
 EXT_TENSOR, EXT_TUPLE, EXT_SHM = 1, 2, 3
@@ -37,6 +39,7 @@ _EXT32_SHM = struct.Struct(">BIBBB6x")  # 0xc9, length, type 3, dtype, ndim, 6 z
 _DIMS = [struct.Struct(f"<{n}q") for n in range(33)]  # the daemon allows 8 dims
 _ZEROS = bytes(ALIGN)
 _STR_CACHE: dict[str, bytes] = {}  # keys and op names: encoded once
+_HEADERS: dict[tuple, bytes] = {}  # (dtype code, shape, offset % 64) -> tensor ext header
 
 
 def _str_bytes(s: str) -> bytes:
@@ -142,32 +145,42 @@ class Encoder:
             raise TypeError(f"tensors must be float32 or float64, got {t.dtype}")
         if not t.is_cpu:
             raise TypeError(f"tensors must be on the CPU, got {t.device}")
+        if t.layout is not torch.strided:
+            raise TypeError(f"tensors must be dense (strided), got {t.layout}")
         if t.requires_grad:
             t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
         shape = t.shape
-        ndim = len(shape)
-        dims = _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}q")
         nbytes = t.nbytes
         small = self.small
         if self.place is not None:
             off = self.place(t)
             if off is not None:
+                ndim = len(shape)
+                dims = _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}q")
                 small += _EXT32_SHM.pack(0xC9, 24 + 8 * ndim, EXT_SHM, code, ndim)
                 small += struct.pack("<QQ", off, nbytes)
                 small += dims.pack(*shape)
                 return
-        head = 4 + 8 * ndim
         # ext32 marker (1) + length (4) + type (1), then the header: pad so
         # that the data starts at a multiple of 64 from the body's start
-        pad = (-(self.flushed + len(small) + 6 + head)) % ALIGN
-        small += _EXT32_TENSOR.pack(0xC9, head + pad + nbytes, EXT_TENSOR, code, ndim, pad, 0)
-        small += dims.pack(*shape)
-        small += _ZEROS[:pad]
+        key = (code, shape, (self.flushed + len(small)) % ALIGN)
+        header = _HEADERS.get(key)
+        if header is None:
+            ndim = len(shape)
+            dims = _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}q")
+            head = 4 + 8 * ndim
+            pad = (-(key[2] + 6 + head)) % ALIGN
+            header = (_EXT32_TENSOR.pack(0xC9, head + pad + nbytes, EXT_TENSOR, code, ndim, pad, 0)
+                      + dims.pack(*shape) + _ZEROS[:pad])
+            if len(_HEADERS) >= 4096:
+                _HEADERS.clear()
+            _HEADERS[key] = header
+        small += header
         if nbytes <= SMALL:  # copied in with the header: one buffer, no reference
-            if nbytes:
-                small += t.numpy().tobytes()
+            if nbytes:  # a contiguous CPU tensor's bytes, read at its data pointer
+                small += _string_at(t.data_ptr(), nbytes)
         else:
             self.keep.append(t)
             self._ref(memoryview(t.numpy()).cast("B"))
@@ -219,11 +232,15 @@ class Decoder:
 
     def _u(self, fmt: str) -> int:
         st = _STRUCTS[fmt]
+        if self.pos + st.size > len(self.body):
+            raise ValueError("truncated msgpack in a reply")
         (v,) = st.unpack_from(self.body, self.pos)
         self.pos += st.size
         return v
 
     def value(self) -> Any:  # noqa: C901 - one branch per msgpack type byte
+        if self.pos >= len(self.body):
+            raise ValueError("truncated msgpack in a reply")
         b = self.body[self.pos]
         self.pos += 1
         if b <= 0x7F:
@@ -259,12 +276,16 @@ class Decoder:
         raise ValueError(f"msgpack type byte 0x{b:02x} in a reply")
 
     def _array(self, n: int) -> Any:
+        if n > len(self.body) - self.pos:  # each item takes a byte at least
+            raise ValueError("truncated msgpack in a reply")
         items = [self.value() for _ in range(n)]
         if items and items[0] is TUPLE_MARKER:
             return tuple(items[1:])
         return items
 
     def _map(self, n: int) -> dict:
+        if 2 * n > len(self.body) - self.pos:
+            raise ValueError("truncated msgpack in a reply")
         out = {}
         for _ in range(n):
             key = self.value()
@@ -293,11 +314,158 @@ class Decoder:
         numel = 1
         for d in shape:
             numel *= d
-        if numel == 0:
-            return torch.empty(shape, dtype=dtype)
-        t = torch.frombuffer(self.body, dtype=dtype, count=numel, offset=data)
-        return t if ndim == 1 else t.view(shape)
+        if data + numel * dtype.itemsize > start + n:
+            raise ValueError("a tensor's data overruns its ext in a reply")
+        return self._tensor(dtype, shape, data)
+
+    def _tensor(self, dtype: torch.dtype, shape: tuple, data: int) -> torch.Tensor:
+        return _leaf(self.body, dtype, shape, data)
+
+
+_NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+
+def _leaf(body: bytearray, dtype: torch.dtype, shape: tuple, data: int) -> torch.Tensor:
+    """A tensor viewing body's bytes at data (a fresh empty one if it has no elements)."""
+    if 0 in shape:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.ndarray(shape, _NP_DTYPES[dtype], body, data))
 
 
 def decode(body: bytearray, area: Any = None) -> Any:
     return Decoder(body, area).value()
+
+
+# The C codec (_fast.c), when it was built: encode/decode of the common case,
+# None for anything it leaves to the code above.
+try:
+    from . import _fast
+except ImportError:  # pragma: no cover - no C compiler when the package was installed
+    fast = None
+else:
+    _fast.setup(torch.Tensor, torch.float32, torch.float64, torch.strided, torch.from_numpy,
+                torch.empty, np.ndarray, _NP_DTYPES[torch.float32], _NP_DTYPES[torch.float64])
+    fast = _fast
+FAST_LIMIT = 64 << 10  # the largest tensor _fast copies into a frame
+
+
+# ---- replies of a shape seen before ------------------------------------------
+#
+# A solver sends the same scan again and again, and each reply differs from the
+# last only in its tensors' bytes and its id.  Replies decides that from a
+# comparison of every other byte (the structure: a msgpack stream parses the
+# same way when its non-data bytes are the same) and then only makes the
+# tensors, skipping the parse.
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class _Recorder(Decoder):
+    """A Decoder that notes where the tensors' data and the top-level id are."""
+
+    def __init__(self, body: bytearray, area: Any) -> None:
+        super().__init__(body, area)
+        self.leaves: list[tuple[torch.dtype, tuple, int]] = []
+        self.holes: list[tuple[int, int]] = []  # bytes not compared: data, id payload
+        self.id_span: tuple[int, int] | None = None
+        self.cacheable = True
+        self.top = True
+
+    def _map(self, n: int) -> dict:
+        top, self.top = self.top, False
+        out = {}
+        for _ in range(n):
+            key = self.value()
+            at = self.pos
+            out[key] = self.value()
+            # an unsigned int of fixed width: its marker byte is compared, its payload is not
+            if top and key == "id" and self.body[at] in (0xCC, 0xCD, 0xCE, 0xCF):
+                self.id_span = (at + 1, self.pos)
+                self.holes.append(self.id_span)
+        return out
+
+    def _array(self, n: int) -> Any:
+        self.top = False
+        return super()._array(n)
+
+    def _ext(self, code: int, n: int) -> Any:
+        if code == EXT_SHM:
+            self.cacheable = False  # the area's offsets are the client's to check each time
+        return super()._ext(code, n)
+
+    def _tensor(self, dtype: torch.dtype, shape: tuple, data: int) -> Any:
+        self.leaves.append((dtype, shape, data))
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel:
+            self.holes.append((data, data + numel * dtype.itemsize))
+        return _Slot(len(self.leaves) - 1)
+
+
+def _build(tmpl: Any, leaves: list) -> Any:
+    t = type(tmpl)
+    if t is _Slot:
+        return leaves[tmpl.i]
+    if t is dict:
+        return {k: _build(v, leaves) for k, v in tmpl.items()}
+    if t is list:
+        return [_build(v, leaves) for v in tmpl]
+    if t is tuple:
+        return tuple(_build(v, leaves) for v in tmpl)
+    return tmpl  # scalars, strings, bytes, None: immutable, shared between replies
+
+
+class _Layout:
+    __slots__ = ("segs", "leaves", "template", "id_span")
+
+    def __init__(self, rec: _Recorder, template: Any, size: int) -> None:
+        self.leaves = rec.leaves
+        self.template = template
+        self.id_span = rec.id_span
+        self.segs = []
+        at = 0
+        for a, b in sorted(rec.holes):
+            if a > at:
+                self.segs.append((at, a, bytes(rec.body[at:a])))
+            at = b
+        if at < size:
+            self.segs.append((at, size, bytes(rec.body[at:size])))
+
+
+class Replies:
+    """Decodes reply bodies, remembering the layout of the last few shapes."""
+
+    CAP = 64
+
+    def __init__(self) -> None:
+        self.layouts: dict[int, _Layout] = {}
+        self.hits = 0
+
+    def decode(self, body: bytearray, area: Any = None) -> Any:
+        lay = self.layouts.get(len(body))
+        if lay is not None:
+            view = memoryview(body)
+            for a, b, seg in lay.segs:
+                if view[a:b] != seg:
+                    break
+            else:
+                self.hits += 1
+                msg = _build(lay.template, [_leaf(body, *leaf) for leaf in lay.leaves])
+                if lay.id_span is not None:
+                    a, b = lay.id_span
+                    msg["id"] = int.from_bytes(view[a:b], "big")
+                return msg
+        rec = _Recorder(body, area)
+        template = rec.value()
+        msg = _build(template, [_leaf(body, *leaf) for leaf in rec.leaves])
+        if rec.cacheable and rec.leaves and type(msg) is dict and rec.pos == len(body):
+            if len(self.layouts) >= self.CAP:
+                self.layouts.clear()
+            self.layouts[len(body)] = _Layout(rec, template, len(body))
+        return msg

@@ -36,6 +36,8 @@ SHM_DEFAULT = 64 << 20
 # Tensors below this many bytes travel inline: measured by `make bench`
 # (tests/bench/bench.py --threshold; docs/performance.md).
 SHM_THRESHOLD = 128 << 10
+_LENGTH = struct.Struct(">I")
+_FIRST_ID = 1 << 16
 
 
 def _ref_bytes(tree: Any, threshold: int) -> int:
@@ -69,7 +71,10 @@ class Client:
         self.timeout = timeout
         self._sock: _socket.socket | None = None
         self._pid = 0
-        self._next_id = 0
+        # request ids count from 2**16 so that each is a 5-byte uint32 in a
+        # frame: replies of one shape then differ only in data and id payload
+        # (what _wire.Replies relies on to reuse a layout)
+        self._next_id = _FIRST_ID - 1
         self._lock = threading.Lock()
         self.on_event: Callable[[dict], None] | None = None
         self.shm_size = SHM_DEFAULT if shm is None else int(shm)
@@ -81,6 +86,7 @@ class Client:
         # one recv; larger bodies go straight into their own buffer
         self._stage = bytearray(16384)
         self._staged = memoryview(b"")
+        self._replies = _wire.Replies()
 
     # ---- the connection -------------------------------------------------
 
@@ -121,23 +127,32 @@ class Client:
     # ---- frames ---------------------------------------------------------
 
     def _send(self, buffers: list[Any], fd: int | None = None) -> None:
+        """Writes the frame's buffers: one sendmsg in the usual case, more
+        after a short write (a socket with a timeout, a signal)."""
         sock = self._sock
         assert sock is not None
-        views = [memoryview(b).cast("B") for b in buffers]
-        while views:
-            anc = []
-            if fd is not None:  # rides on the frame's first bytes
-                anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))]
+        anc = []
+        if fd is not None:  # rides on the frame's first bytes
+            anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", fd))]
+        views = buffers  # bytes and byte-format memoryviews: len() is their size
+        total = sum(map(len, buffers))
+        while True:
             try:
                 sent = sock.sendmsg(views, anc)
-                fd = None
             except OSError as exc:
                 self._drop()
                 raise ConnectionLost("IO", f"write to torchloopd: {exc}") from exc
+            if sent == total:
+                return
+            total -= sent
+            anc = []
+            views = [memoryview(b).cast("B") for b in views]
             while views and sent >= views[0].nbytes:
                 sent -= views[0].nbytes
                 views.pop(0)
-            if views and sent:
+            if not views:
+                return
+            if sent:
                 views[0] = views[0][sent:]
 
     def _recv_some(self, buf: memoryview) -> int:
@@ -170,6 +185,16 @@ class Client:
                 self._staged = memoryview(self._stage)[:n]
 
     def _recv(self, area: Any = None) -> dict:
+        staged = self._staged
+        if not staged.nbytes:
+            staged = memoryview(self._stage)[:self._recv_some(memoryview(self._stage))]
+            self._staged = staged
+        if staged.nbytes >= 4:  # the usual case: the whole frame came in one recv
+            (length,) = _LENGTH.unpack_from(staged)
+            if 4 + length <= staged.nbytes:
+                body = bytearray(staged[4:4 + length])
+                self._staged = staged[4 + length:]
+                return self._decode(body, area)
         head = bytearray(4)
         self._read_exact(memoryview(head))
         (length,) = struct.unpack(">I", head)
@@ -178,7 +203,14 @@ class Client:
             raise ConnectionLost("FRAME_TOO_LARGE", f"reply of {length} bytes")
         body = bytearray(length)
         self._read_exact(memoryview(body))
-        msg = _wire.decode(body, area)
+        return self._decode(body, area)
+
+    def _decode(self, body: bytearray, area: Any) -> dict:
+        msg = None
+        if area is None and _wire.fast is not None:
+            msg = _wire.fast.decode(body)
+        if msg is None:
+            msg = self._replies.decode(body, area)
         if not isinstance(msg, dict):
             raise TorchloopError("MSGPACK_INVALID", "reply is not a map")
         return msg
@@ -192,11 +224,25 @@ class Client:
 
     def _roundtrip(self, op: str, fields: dict[str, Any], *, place: Any = None,
                    area: Any = None, fd: int | None = None) -> dict:
-        self._next_id += 1
-        rid = self._next_id
-        enc = _wire.Encoder(place)
-        enc.value({"id": rid, "op": op, **fields})
-        self._send(enc.frame(), fd)
+        rid = self._new_id()
+        frame = None
+        if place is None and fd is None and _wire.fast is not None:
+            frame = _wire.fast.encode(rid, op, fields, _wire.FAST_LIMIT)
+        if frame is not None:
+            buffers = [frame]
+        else:
+            enc = _wire.Encoder(place)
+            enc.value({"id": rid, "op": op, **fields})
+            buffers = enc.frame()
+        return self._exchange(buffers, rid, area, fd)
+
+    def _new_id(self) -> int:
+        self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFFF else _FIRST_ID
+        return self._next_id
+
+    def _exchange(self, buffers: list[Any], rid: int, area: Any = None, fd: int | None = None) -> dict:
+        """Sends one request's frame and reads frames up to its reply."""
+        self._send(buffers, fd)
         while True:
             reply = self._recv(area)
             if "event" in reply:
@@ -214,7 +260,8 @@ class Client:
     def call(self, op: str, **fields: Any) -> dict:
         """Sends one request and returns its result map (raises on an error reply)."""
         with self._lock:
-            self._connect()
+            if self._sock is None or self._pid != os.getpid():
+                self._connect()
             if op in ("scan", "grad") and self.shm_size > 0:
                 return self._tensor_call(op, fields)
             return self._roundtrip(op, fields)
@@ -243,6 +290,14 @@ class Client:
 
     def _tensor_call(self, op: str, fields: dict[str, Any]) -> dict:
         threshold = self.shm_threshold
+        key = (str(fields.get("adapter")), op)
+        if _wire.fast is not None and not self._hints.get(key):
+            # every tensor below the threshold (the C codec refuses larger
+            # ones) and no output area wanted: an inline request like any other
+            rid = self._new_id()
+            frame = _wire.fast.encode(rid, op, fields, min(_wire.FAST_LIMIT, threshold - 1))
+            if frame is not None:
+                return self._exchange([frame], rid)
         trees = [fields.get(k) for k in ("carry", "inputs", "cot_carry", "cot_outputs")]
         need = sum(_ref_bytes(t, threshold) for t in trees)
         region = self._attach(need)
@@ -263,7 +318,6 @@ class Client:
                 staged.append(off)
             return off
 
-        key = (str(fields.get("adapter")), op)
         size = self._hints.get(key, (2 if op == "grad" else 1) * need)
         area_off = region.alloc(size) if size > 0 else None
         area = region.area(area_off) if area_off is not None else None
