@@ -412,6 +412,16 @@ static uint64_t be(const unsigned char *p, int n)
 	return v;
 }
 
+/* Reads a w-byte big-endian length into *n; 0, or -1 when the bytes run out. */
+static int take_len(struct rd *r, int w, size_t *n)
+{
+	if (r->len - r->pos < (size_t)w)
+		return -1;
+	*n = (size_t)be(r->p + r->pos, w);
+	r->pos += (size_t)w;
+	return 0;
+}
+
 /* A tuple's leading marker (an empty ext type 2): an object() the module holds. */
 static PyObject *TUPLE_MARK;
 
@@ -583,10 +593,9 @@ static PyObject *dec_value(struct rd *r, int depth)
 	case 0xC4:
 	case 0xC5:
 	case 0xC6: {
-		int w = 1 << (b - 0xC4);
-		NEED(r, w);
-		size_t n = (size_t)be(r->p + r->pos, w);
-		r->pos += (size_t)w;
+		size_t n;
+		if (take_len(r, 1 << (b - 0xC4), &n) != 0)
+			return NULL;
 		NEED(r, n);
 		PyObject *o = PyBytes_FromStringAndSize((const char *)r->p + r->pos, (Py_ssize_t)n);
 		r->pos += n;
@@ -595,10 +604,9 @@ static PyObject *dec_value(struct rd *r, int depth)
 	case 0xC7:
 	case 0xC8:
 	case 0xC9: {
-		int w = 1 << (b - 0xC7);
-		NEED(r, w);
-		size_t n = (size_t)be(r->p + r->pos, w);
-		r->pos += (size_t)w;
+		size_t n;
+		if (take_len(r, 1 << (b - 0xC7), &n) != 0)
+			return NULL;
 		return dec_ext(r, n);
 	}
 	case 0xD4:
@@ -610,20 +618,18 @@ static PyObject *dec_value(struct rd *r, int depth)
 	case 0xD9:
 	case 0xDA:
 	case 0xDB: {
-		int w = 1 << (b - 0xD9);
-		NEED(r, w);
-		size_t n = (size_t)be(r->p + r->pos, w);
-		r->pos += (size_t)w;
+		size_t n;
+		if (take_len(r, 1 << (b - 0xD9), &n) != 0)
+			return NULL;
 		return dec_str(r, n);
 	}
 	case 0xDC:
 	case 0xDD:
 	case 0xDE:
 	case 0xDF: {
-		int w = (b == 0xDC || b == 0xDE) ? 2 : 4;
-		NEED(r, w);
-		size_t n = (size_t)be(r->p + r->pos, w);
-		r->pos += (size_t)w;
+		size_t n;
+		if (take_len(r, (b == 0xDC || b == 0xDE) ? 2 : 4, &n) != 0)
+			return NULL;
 		return b <= 0xDD ? dec_array(r, n, depth) : dec_map(r, n, depth);
 	}
 	default:

@@ -10,7 +10,8 @@ that it can (1) pad each tensor so its data lands 64-byte aligned in the
 daemon's frame buffer (which then wraps it without a copy) and (2) send the
 tensors' memory by reference (sendmsg over a list of buffers).  The decoder
 reads a reply frame into one bytearray and returns tensors that are views
-into it (torch.frombuffer), so reply data is not copied either.
+into it (numpy arrays over it, wrapped by torch.from_numpy), so reply data is
+not copied either.  _fast.c, when built, does the common case of both in C.
 """
 
 from __future__ import annotations
