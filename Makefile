@@ -143,6 +143,7 @@ bench: build
 	@$(MAKE) --no-print-directory $(BUILD)/bench_c
 	@$(PY) -c 'import matplotlib' 2>/dev/null || .venv/bin/pip install -q -r requirements-bench.txt
 	$(PY) tests/bench/strategy.py $(BUILD) $(BUILD)/bench/strategy.json
+	$(PY) tests/bench/tier.py $(BUILD) $(BUILD)/bench/tier.json
 	$(PY) tests/bench/batch.py $(BUILD) $(BUILD)/bench/batch.json
 	$(PY) tests/bench/outvariant.py $(BUILD)/bench/outvariant.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)

@@ -395,6 +395,15 @@ void compiler_submit(struct compiler *c, struct compile_job *job)
 		c->head = job;
 		if (c->tail == NULL)
 			c->tail = job;
+	} else if (!job->background) {
+		/* ahead of the queued background jobs, behind everything else */
+		struct compile_job **pp = &c->head;
+		while (*pp && !(*pp)->background)
+			pp = &(*pp)->next;
+		job->next = *pp;
+		*pp = job;
+		if (job->next == NULL)
+			c->tail = job;
 	} else {
 		if (c->tail)
 			c->tail->next = job;

@@ -3,12 +3,13 @@
  *
  * One long-lived worker process (uv_spawn, its own process group, stdin and
  * stdout pipes carrying proto frames, stderr shared with the daemon's log).
- * Jobs queue FIFO (register-time checks go first: they take milliseconds);
- * one is in flight at a time.  Each job has a timeout that kills the
- * worker's whole process tree (proctree.c); a crash or timeout fails the
- * job in flight (WORKER_CRASHED / COMPILE_TIMEOUT) and a new worker starts
- * for the next one.  A worker that dies before it says hello is restarted
- * with exponential backoff (0.25 s doubling to 30 s); while it cannot start,
+ * Jobs queue FIFO (register-time checks go first: they take milliseconds;
+ * background jobs, a quick tier's upgrades, go behind every other job --
+ * nobody waits on them); one is in flight at a time, never preempted.
+ * Each job has a timeout that kills the worker's whole process tree
+ * (proctree.c); a crash or timeout fails the job in flight (WORKER_CRASHED /
+ * COMPILE_TIMEOUT) and a new worker starts for the next one.  A worker that dies before it says
+ * hello is restarted with exponential backoff (0.25 s doubling to 30 s); while it cannot start,
  * queued and new jobs fail at once with WORKER_CRASHED and compiler_alive()
  * is false (health: not ready).  Loop thread only.
  *
@@ -51,6 +52,7 @@ typedef void (*compile_done_cb)(struct compile_job *job, const struct compile_re
 struct compile_job {
 	/* set by the submitter; borrowed until done runs */
 	bool check_only; /* register-time import check: body_source/file/entry only */
+	bool background; /* queued behind every other job (a quick tier's upgrade) */
 	const char *body_source, *body_file, *entry, *strategy, *kind;
 	const struct tree_node *carry, *inputs;
 	enum proto_dtype dtype;

@@ -35,6 +35,9 @@
 	  "seconds the thread pool may take to start a job before health reports it stalled")      \
 	X("inline-run-us", inline_run_us, 0, 50, 100000,                                           \
 	  "graphs measured at most this many microseconds run on the event loop (0: never)")       \
+	X("quick-tier-steps", quick_tier_steps, 0, 32, 129,                                        \
+	  "unrolled graphs of this many steps or more are served by the scan op's graph while "    \
+	  "they compile (0 or 129: never)")                                                        \
 	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \
 	  "failed specializations one adapter remembers (least recently used dropped first)")      \
 	X("max-shm", max_shm, 0, 1LL << 30, 64LL << 30,                                            \

@@ -49,6 +49,11 @@ struct load_job {
 	double lock_wait_started, compile_seconds;
 	bool prewarm; /* load only; a miss is not compiled */
 	void (*prewarmed)(struct graphs *g);
+	bool quick;                  /* for the quick tier's key (the scan op's graph) */
+	bool upgrade;                /* builds the unrolled graph of a READY quick specialization */
+	char key[CACHE_KEY_HEX];     /* the key this job looks up and commits */
+	struct engine_graph *graph;  /* upgrade: loaded here, swapped in on the loop */
+	char lowered[16], note[256]; /* the cache entry's or compile's, published on the loop */
 	int quarantined;
 	int rc;
 	struct proto_err err;
@@ -58,9 +63,14 @@ struct load_job {
 
 struct prewarm_rec;
 static void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j);
+static void key_for(struct graphs *g, const struct specialization *sp, const char *strategy,
+                    char key[CACHE_KEY_HEX]);
+static int prepare_compile(struct load_job *j, struct proto_err *err);
 static void lookup_work(uv_work_t *w);
 static void after_load(uv_work_t *w, int status);
 static void index_append(struct graphs *g, struct specialization *sp);
+static void fill_expected(struct specialization *sp);
+static void fill_expected_out(struct specialization *sp);
 static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
                         struct prewarm_rec *rec);
 
@@ -81,6 +91,7 @@ void graphs_unref(struct specialization *sp)
 	if (sp->progress)
 		uv_close((uv_handle_t *)sp->progress, progress_closed);
 	engine_unload(sp->graph);
+	engine_unload(sp->retired);
 	if (sp->lock_fd >= 0)
 		cache_unlock(sp->lock_fd);
 	free(sp->expected);
@@ -122,7 +133,7 @@ void graphs_drop_all(struct adapter *a)
 
 void graphs_invalidate(struct graphs *g, struct specialization *sp, const char *why)
 {
-	cache_quarantine(g->cache, sp->key, why);
+	cache_quarantine(g->cache, sp->graph_key[0] ? sp->graph_key : sp->key, why);
 	log_line(LOG_ERROR, 0, sp->adapter->def.name, "%s %s dropped: %s",
 	         sp->grad ? "grad" : "scan", sp->signature, why);
 	unlist_spec(sp);
@@ -301,15 +312,23 @@ static int check_arity(struct specialization *sp, size_t n_in, size_t n_out, str
 	return 0;
 }
 
-/* Parses the y spec and dlopens the artifact: pool. */
-static int load_artifact(struct graphs *g, struct specialization *sp, const uint8_t *y,
-                         size_t y_len, struct proto_err *err)
+/*
+ * Parses the y spec and dlopens the artifact of j's key: pool.  An upgrade
+ * loads into the job (the specialization is READY: its y spec, the same for
+ * every lowering, is not written again) and must take what the quick tier's
+ * graph took.
+ */
+static int load_artifact(struct load_job *j, const uint8_t *y, size_t y_len, struct proto_err *err)
 {
+	struct specialization *sp = j->sp;
+	struct engine_graph **graph = j->upgrade ? &j->graph : &sp->graph;
 	msgpack_unpacked up;
-	size_t off = 0;
+	size_t off = 0, n_in, n_out;
 	char so[PATH_MAX];
 	int rc;
 
+	if (j->upgrade)
+		goto open;
 	msgpack_unpacked_init(&up);
 	if (msgpack_unpack_next(&up, (const char *)y, y_len, &off) != MSGPACK_UNPACK_SUCCESS) {
 		msgpack_unpacked_destroy(&up);
@@ -319,16 +338,31 @@ static int load_artifact(struct graphs *g, struct specialization *sp, const uint
 	msgpack_unpacked_destroy(&up);
 	if (rc != 0)
 		return -1;
-	if (cache_load_link(g->cache, sp->key, so, sizeof so, err) != 0)
+open:
+	if (cache_load_link(j->g->cache, j->key, so, sizeof so, err) != 0)
 		return -1;
 	/* one model per pool thread, plus the loop thread's inline runs */
-	rc = engine_load(so, (size_t)g->cfg->threads + 1, &sp->graph, err);
+	rc = engine_load(so, (size_t)j->g->cfg->threads + 1, graph, err);
 	unlink(so);
 	if (rc != 0)
 		return -1;
-	sp->n_in = engine_num_inputs(sp->graph);
-	sp->n_out = engine_num_outputs(sp->graph);
-	return check_arity(sp, sp->n_in, sp->n_out, err);
+	n_in = engine_num_inputs(*graph);
+	n_out = engine_num_outputs(*graph);
+	if (!j->upgrade) {
+		sp->n_in = n_in;
+		sp->n_out = n_out;
+	}
+	return check_arity(sp, n_in, n_out, err);
+}
+
+/* After a load into the specialization (not an upgrade): pool. */
+static void loaded(struct load_job *j)
+{
+	if (j->upgrade)
+		return;
+	fill_expected(j->sp);
+	fill_expected_out(j->sp);
+	index_append(j->g, j->sp);
 }
 
 static void fill_expected(struct specialization *sp)
@@ -399,7 +433,7 @@ static void lookup_work(uv_work_t *w)
 	struct cache_meta meta;
 	int found;
 
-	found = cache_lookup(j->g->cache, sp->key, &meta, &j->quarantined, &j->err);
+	found = cache_lookup(j->g->cache, j->key, &meta, &j->quarantined, &j->err);
 	if (found == 0 && j->prewarm) {
 		j->need_compile = true;
 		return;
@@ -415,7 +449,7 @@ static void lookup_work(uv_work_t *w)
 			j->rc = -1;
 			return;
 		}
-		found = cache_lookup(j->g->cache, sp->key, &meta, &j->quarantined, &j->err);
+		found = cache_lookup(j->g->cache, j->key, &meta, &j->quarantined, &j->err);
 	}
 	if (found < 0) {
 		j->rc = -1;
@@ -427,17 +461,19 @@ static void lookup_work(uv_work_t *w)
 	}
 	j->hit = true;
 	j->compile_seconds = meta.compile_seconds;
-	memcpy(sp->lowered, meta.lowered, sizeof sp->lowered);
-	memcpy(sp->note, meta.note, sizeof sp->note);
-	j->rc = load_artifact(j->g, sp, meta.y_spec, meta.y_spec_len, &j->err);
+	memcpy(j->lowered, meta.lowered, sizeof j->lowered);
+	memcpy(j->note, meta.note, sizeof j->note);
+	j->rc = load_artifact(j, meta.y_spec, meta.y_spec_len, &j->err);
 	cache_meta_free(&meta);
 	if (j->rc == 0) {
-		fill_expected(sp);
-		fill_expected_out(sp);
 		if (!j->prewarm)
-			index_append(j->g, sp); /* compiled by an earlier daemon: remember it */
+			loaded(j); /* compiled by an earlier daemon: remember it */
+		else if (!j->upgrade) {
+			fill_expected(sp);
+			fill_expected_out(sp);
+		}
 	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
-		cache_quarantine(j->g->cache, sp->key, j->err.message);
+		cache_quarantine(j->g->cache, j->key, j->err.message);
 }
 
 static void commit_work(uv_work_t *w)
@@ -449,26 +485,24 @@ static void commit_work(uv_work_t *w)
 	meta.n_inputs = j->res.n_inputs;
 	meta.n_outputs = j->res.n_outputs;
 	meta.compile_seconds = j->res.compile_seconds;
-	snprintf(meta.strategy, sizeof meta.strategy, "%s", sp->adapter->def.strategy);
+	snprintf(meta.strategy, sizeof meta.strategy, "%s", j->job.strategy);
 	memcpy(meta.lowered, j->res.lowered, sizeof meta.lowered);
 	memcpy(meta.note, j->res.note, sizeof meta.note);
-	memcpy(sp->lowered, j->res.lowered, sizeof sp->lowered);
-	memcpy(sp->note, j->res.note, sizeof sp->note);
+	memcpy(j->lowered, j->res.lowered, sizeof j->lowered);
+	memcpy(j->note, j->res.note, sizeof j->note);
 	meta.y_spec = j->res.y_spec;
 	meta.y_spec_len = j->res.y_spec_len;
-	j->rc = cache_commit(j->g->cache, sp->key, j->res.so_path, &meta, &j->err);
+	j->rc = cache_commit(j->g->cache, j->key, j->res.so_path, &meta, &j->err);
 	cache_remove_job(j->job.output);
-	if (sp->lock_fd >= 0) {
+	/* the lock is the unrolled graph's: a quick tier keeps it for its upgrade */
+	if (sp->lock_fd >= 0 && !j->quick) {
 		cache_unlock(sp->lock_fd);
 		sp->lock_fd = -1;
 	}
 	if (j->rc == 0)
-		j->rc = load_artifact(j->g, sp, j->res.y_spec, j->res.y_spec_len, &j->err);
-	if (j->rc == 0) {
-		fill_expected(sp);
-		fill_expected_out(sp);
-		index_append(j->g, sp);
-	}
+		j->rc = load_artifact(j, j->res.y_spec, j->res.y_spec_len, &j->err);
+	if (j->rc == 0)
+		loaded(j);
 }
 
 static void compile_done(struct compile_job *cj, const struct compile_result *res,
@@ -597,7 +631,10 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
 	j->job.entry = a->def.entry;
 	/* a chunk graph is an unrolled loop of PROTO_CHUNK_STEPS (or fewer) steps */
-	j->job.strategy = strcmp(a->def.strategy, "chunk") == 0 ? "unroll" : a->def.strategy;
+	j->job.strategy = j->quick                                ? "scan"
+	                  : strcmp(a->def.strategy, "chunk") == 0 ? "unroll"
+	                                                          : a->def.strategy;
+	j->job.background = j->upgrade;
 	j->job.kind = sp->grad ? "vjp" : "forward";
 	j->job.carry = &sp->carry;
 	j->job.inputs = &sp->inputs;
@@ -606,8 +643,116 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
 	j->job.done = compile_done;
 	j->job.data = j;
-	cache_tmp_path(j->g->cache, sp->key, j->job.output, sizeof j->job.output);
+	cache_tmp_path(j->g->cache, j->key, j->job.output, sizeof j->job.output);
 	return 0;
+}
+
+/* The unrolled graph is worth a quick tier: long, not cached, one batch size. */
+static bool tier_applies(const struct graphs *g, const struct specialization *sp)
+{
+	long long min = g->cfg->quick_tier_steps;
+
+	return min > 0 && sp->steps >= min && !sp->batch &&
+	       strcmp(sp->adapter->def.strategy, "unroll") == 0;
+}
+
+static void free_job(struct load_job *j)
+{
+	engine_unload(j->graph);
+	free(j->res.y_spec);
+	graphs_unref(j->sp);
+	free(j);
+}
+
+/* An upgrade is over: the unrolled graph took over (err NULL), or the quick
+ * tier's graph keeps serving (logged, and in the specialization's note). */
+static void upgrade_over(struct load_job *j, const struct proto_err *err)
+{
+	struct specialization *sp = j->sp;
+
+	sp->upgrading = false;
+	if (sp->lock_fd >= 0) {
+		cache_unlock(sp->lock_fd);
+		sp->lock_fd = -1;
+	}
+	if (err != NULL) {
+		log_line(LOG_WARN, 0, sp->adapter->def.name,
+		         "%s %s: the unrolled graph failed (%s: %s); the scan op's graph keeps "
+		         "serving",
+		         sp->grad ? "grad" : "scan", sp->signature, proto_code_name(err->code),
+		         err->message);
+		snprintf(sp->note, sizeof sp->note, "quick tier: the unrolled graph failed (%s)",
+		         proto_code_name(err->code));
+	}
+	free_job(j);
+}
+
+/* Loop: the upgrade's lookup or commit came back. */
+static void after_upgrade(struct load_job *j)
+{
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+
+	if (j->rc != 0) {
+		upgrade_over(j, &j->err);
+		return;
+	}
+	if (j->need_compile) {
+		if (prepare_compile(j, &j->err) != 0) {
+			upgrade_over(j, &j->err);
+			return;
+		}
+		j->need_compile = false;
+		a->stats.cache_misses++;
+		a->stats.compiles++;
+		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s unrolled, in the background",
+		         sp->grad ? "grad" : "scan", sp->signature);
+		compiler_submit(j->g->compiler, &j->job);
+		return; /* j lives on until compile_done */
+	}
+	/* runs under way keep the graph they started with: it is retired, not freed */
+	sp->retired = sp->graph;
+	sp->graph = j->graph;
+	j->graph = NULL;
+	sp->quick = false;
+	memcpy(sp->graph_key, sp->key, sizeof sp->graph_key);
+	memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
+	memcpy(sp->note, j->note, sizeof sp->note);
+	sp->from_cache = j->hit;
+	if (j->hit) {
+		a->stats.cache_hits++;
+		sp->compile_seconds = j->compile_seconds;
+	} else {
+		sp->compile_seconds = j->res.compile_seconds;
+		memcpy(sp->compile_phases, j->res.phases, sizeof sp->compile_phases);
+		a->stats.compile_seconds += sp->compile_seconds;
+	}
+	/* what the runs measured was the other graph's */
+	sp->runs = 0;
+	sp->run_ema_us = 0;
+	sp->omp_team = 0;
+	sp->omp_tries = 0;
+	memset(sp->omp_best_us, 0, sizeof sp->omp_best_us);
+	log_line(LOG_INFO, 0, a->def.name, "%s %s: the unrolled graph took over (%s, %.1f s)",
+	         sp->grad ? "grad" : "scan", sp->signature, j->hit ? "from cache" : "compiled",
+	         sp->compile_seconds);
+	upgrade_over(j, NULL);
+}
+
+/* Loop: builds (or loads) sp's unrolled graph behind its quick tier's. */
+static void start_upgrade(struct graphs *g, struct specialization *sp)
+{
+	struct load_job *j = calloc(1, sizeof *j);
+
+	if (j == NULL) {
+		log_line(LOG_WARN, 0, sp->adapter->def.name,
+		         "%s %s: out of memory; the scan op's graph keeps serving",
+		         sp->grad ? "grad" : "scan", sp->signature);
+		return;
+	}
+	j->upgrade = true;
+	sp->upgrading = true;
+	start_lookup(g, sp, j);
 }
 
 static void after_load(uv_work_t *w, int status)
@@ -621,6 +766,18 @@ static void after_load(uv_work_t *w, int status)
 		if (retry_lookup(j))
 			return; /* j lives on until the next lookup */
 		j->rc = -1;
+	}
+	if (j->upgrade) {
+		after_upgrade(j);
+		return;
+	}
+	if (j->rc == 0 && j->need_compile && !j->quick && tier_applies(j->g, sp)) {
+		/* the unrolled graph is not cached: look for (or build) the quick tier's */
+		j->quick = true;
+		j->need_compile = false;
+		key_for(j->g, sp, "scan", j->key);
+		uv_queue_work(j->g->loop, &j->work, lookup_work, after_load);
+		return;
 	}
 	if (j->rc == 0 && j->hit)
 		sp->compile_seconds = j->compile_seconds;
@@ -647,26 +804,38 @@ static void after_load(uv_work_t *w, int status)
 		a->stats.compiles++;
 		sp->state = SPEC_COMPILING;
 		j->need_compile = false;
-		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s", sp->grad ? "grad" : "scan",
-		         sp->signature);
+		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s%s", sp->grad ? "grad" : "scan",
+		         sp->signature,
+		         j->quick ? " with the scan op first (quick tier), then unrolled" : "");
 		start_progress(j->g, sp);
 		compiler_submit(j->g->compiler, &j->job);
 		return; /* j lives on until compile_done */
 	} else if (outputs_too_large(sp, &j->err)) {
 		spec_failed(j->g, sp, &j->err);
 	} else {
+		bool upgrade;
 		if (j->hit)
 			a->stats.cache_hits++;
 		sp->from_cache = j->hit;
 		if (!j->hit)
 			a->stats.compile_seconds += sp->compile_seconds;
+		memcpy(sp->graph_key, j->key, sizeof sp->graph_key);
+		memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
+		memcpy(sp->note, j->note, sizeof sp->note);
+		/* the worker lowers a body the scan op cannot take unrolled: final already */
+		upgrade = j->quick && strcmp(sp->lowered, "scan") == 0;
+		sp->quick = upgrade;
+		if (!upgrade && sp->lock_fd >= 0) {
+			cache_unlock(sp->lock_fd);
+			sp->lock_fd = -1;
+		}
 		spec_ready(j->g, sp);
 		if (j->prewarm)
 			j->prewarmed(j->g);
+		if (upgrade)
+			start_upgrade(j->g, sp);
 	}
-	free(j->res.y_spec);
-	graphs_unref(sp);
-	free(j);
+	free_job(j);
 }
 
 /*
@@ -686,6 +855,18 @@ static void note_worker_crash(struct adapter *a, struct proto_err *err)
 	*err = a->crash_err;
 }
 
+/*
+ * A quick tier's compile failed in a way the unrolled loop may not: the body
+ * and its carry were fine in the eager dry run (BODY_ERROR and
+ * CARRY_MISMATCH come before any lowering, and say the same of both), and
+ * the daemon is not stopping.
+ */
+static bool lowering_failed(const struct proto_err *e)
+{
+	return e->code != PROTO_E_BODY_ERROR && e->code != PROTO_E_CARRY_MISMATCH &&
+	       e->code != PROTO_E_SHUTTING_DOWN;
+}
+
 static void compile_done(struct compile_job *cj, const struct compile_result *res,
                          const struct proto_err *err)
 {
@@ -697,18 +878,37 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 		cache_remove_job(cj->output);
 		if (e.flags & PROTO_ERR_JOB_CRASH)
 			note_worker_crash(sp->adapter, &e);
+		if (j->upgrade) {
+			upgrade_over(j, &e);
+			return;
+		}
+		if (j->quick && lowering_failed(&e)) {
+			/* the scan op could not take it: the unrolled loop may */
+			log_line(LOG_WARN, 0, sp->adapter->def.name,
+			         "%s %s: the quick tier failed (%s: %s); compiling it unrolled",
+			         sp->grad ? "grad" : "scan", sp->signature, proto_code_name(e.code),
+			         e.message);
+			j->quick = false;
+			memcpy(j->key, sp->key, sizeof j->key);
+			if (prepare_compile(j, &e) == 0) {
+				sp->adapter->stats.compiles++;
+				compiler_submit(j->g->compiler, &j->job);
+				return;
+			}
+		}
 		spec_failed(j->g, sp, &e);
-		graphs_unref(sp);
-		free(j);
+		free_job(j);
 		return;
 	}
 	j->res = *res;
 	j->res.y_spec = malloc(res->y_spec_len ? res->y_spec_len : 1);
 	if (j->res.y_spec)
 		memcpy(j->res.y_spec, res->y_spec, res->y_spec_len);
-	sp->compile_seconds = res->compile_seconds;
-	memcpy(sp->compile_phases, res->phases, sizeof sp->compile_phases);
-	sp->state = SPEC_LOADING;
+	if (!j->upgrade) {
+		sp->compile_seconds = res->compile_seconds;
+		memcpy(sp->compile_phases, res->phases, sizeof sp->compile_phases);
+		sp->state = SPEC_LOADING;
+	}
 	uv_queue_work(j->g->loop, &j->work, commit_work, after_load);
 }
 
@@ -727,7 +927,9 @@ static int64_t first_steps(const struct tree_node *n)
 
 /* ---- acquire ----------------------------------------------------------- */
 
-static int key_for(struct graphs *g, struct specialization *sp)
+/* The cache key of sp's graph lowered with this strategy. */
+static void key_for(struct graphs *g, const struct specialization *sp, const char *strategy,
+                    char key[CACHE_KEY_HEX])
 {
 	struct adapter *a = sp->adapter;
 	const struct worker_info *wi = compiler_info(g->compiler);
@@ -746,12 +948,11 @@ static int key_for(struct graphs *g, struct specialization *sp)
 	parts[4] = sp->grad ? "vjp" : "forward";
 	parts[5] = torch;
 	parts[6] = AOTI_OPTIONS;
-	parts[7] = a->def.strategy;
+	parts[7] = strategy;
 	parts[8] = TORCHLOOP_VERSION;
 	parts[9] = g->worker_sha;
 	parts[10] = g->isa;
-	cache_key(parts, 11, sp->key);
-	return 0;
+	cache_key(parts, 11, key);
 }
 
 static struct specialization *spec_new(struct graphs *g, struct adapter *a,
@@ -780,7 +981,7 @@ static struct specialization *spec_new(struct graphs *g, struct adapter *a,
 	memcpy(sp->signature, sig, n + 1);
 	if (sp->batch)
 		signature_mark_batch(&sp->carry, &sp->inputs);
-	key_for(g, sp);
+	key_for(g, sp, a->def.strategy, sp->key);
 	sp->next = a->specs;
 	a->specs = sp;
 	a->held++;
@@ -862,6 +1063,7 @@ static void start_lookup(struct graphs *g, struct specialization *sp, struct loa
 {
 	j->g = g;
 	j->sp = sp;
+	memcpy(j->key, sp->key, sizeof j->key);
 	j->work.data = j;
 	graphs_ref(sp);
 	uv_queue_work(g->loop, &j->work, lookup_work, after_load);

@@ -78,6 +78,17 @@ struct specialization {
 	struct engine_tensor *expected_out; /* n_out, what the graph must return */
 	uint64_t last_used;                 /* registry tick of the last lookup (LRU) */
 	struct engine_graph *graph;
+	/*
+	 * Quick tier (--quick-tier-steps): an unrolled graph not in the cache is
+	 * served first by the scan op's graph (compiled in seconds, whatever T),
+	 * while the unrolled one compiles in the background; then it takes over.
+	 * Runs hold the graph they started with (run.c), so the replaced one is
+	 * kept (retired) until the specialization goes.
+	 */
+	char graph_key[CACHE_KEY_HEX]; /* the cache key of graph */
+	bool quick;                    /* graph is the quick tier's (the scan op) */
+	bool upgrading;                /* the unrolled graph is being built */
+	struct engine_graph *retired;
 	double compile_seconds;
 	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
 	char lowered[16], note[256];           /* compile_result's (or the cache entry's) */

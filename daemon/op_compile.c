@@ -15,7 +15,7 @@
 
 static void compile_ready(struct request *req, struct specialization *sp)
 {
-	struct outmsg *out = request_begin_result(req, 7);
+	struct outmsg *out = request_begin_result(req, 9);
 
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -27,8 +27,7 @@ static void compile_ready(struct request *req, struct specialization *sp)
 	writer_key_f64(&out->w, "compile_seconds", sp->compile_seconds);
 	writer_str(&out->w, "compile_phases");
 	describe_phases(&out->w, sp);
-	writer_key_str(&out->w, "lowered", sp->lowered);
-	writer_key_str(&out->w, "note", sp->note);
+	describe_lowering(&out->w, sp);
 	request_reply(req, out);
 }
 

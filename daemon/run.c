@@ -22,6 +22,9 @@ struct run_job {
 	uv_work_t work;
 	struct graphs *g;
 	struct specialization *sp;
+	/* sp's graph when the run was made: a quick tier's upgrade may replace
+	 * sp->graph on the loop meanwhile (the old one is kept, see graphs.h) */
+	struct engine_graph *graph;
 	struct engine_tensor *in;
 	size_t n_in;
 	/* the graph's signature: the specialization's, or for a symbolic batch
@@ -180,7 +183,7 @@ static int run_chunks(struct run_job *j, uint8_t *base)
 				p += (rows + 63) & ~(uint64_t)63;
 			}
 		}
-		if (engine_run_into(sp->graph, in, n_in, j->expected, out, n_out, &j->err) != 0)
+		if (engine_run_into(j->graph, in, n_in, j->expected, out, n_out, &j->err) != 0)
 			goto done;
 	}
 	rc = 0;
@@ -214,7 +217,7 @@ static void run_work(uv_work_t *w)
 	if (j->chunks > 1)
 		j->rc = run_chunks(j, base);
 	else
-		j->rc = engine_run(j->sp->graph, j->in, j->n_in, j->expected, j->expected_out, base,
+		j->rc = engine_run(j->graph, j->in, j->n_in, j->expected, j->expected_out, base,
 		                   j->res, &j->err);
 	atomic_fetch_sub(&runs_active, 1);
 	j->run_us = (log_now() - t0) * 1e6;
@@ -290,6 +293,7 @@ struct run_job *run_new(struct graphs *g, struct specialization *sp, int64_t bat
 	}
 	j->g = g;
 	j->sp = sp;
+	j->graph = sp->graph;
 	graphs_ref(sp);
 	if (area)
 		j->area = *area;

@@ -127,7 +127,9 @@ class Daemon:
         self.sock = os.path.join(tmp, sock)
         self.proc = subprocess.Popen(
             [*prefix, os.path.join(build, "torchloopd"), "--socket", self.sock, "--cache-dir",
-             cache, "--no-probe", "--compile-timeout", "3600", "--log-level", "warn", *extra],
+             cache, "--no-probe", "--compile-timeout", "3600", "--log-level", "warn",
+             # the final graphs are measured: no scan-op graph serving while they compile
+             "--quick-tier-steps", "0", *extra],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "daemon.log"), "a"),
             env=env)
         t0 = time.monotonic()

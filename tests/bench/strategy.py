@@ -39,7 +39,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 def start_daemon(build: str, cache: str, sock: str, log: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [os.path.join(build, "torchloopd"), "--socket", sock, "--cache-dir", cache, "--no-probe",
-         "--compile-timeout", "1800"],
+         # each strategy compiled as asked (no quick tier in front of unroll)
+         "--compile-timeout", "1800", "--quick-tier-steps", "0"],
         stdout=open(log, "w"), stderr=subprocess.STDOUT)
     for _ in range(600):
         try:

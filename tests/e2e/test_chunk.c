@@ -39,22 +39,7 @@ static void check_scan(struct tl_client *c, const char *adapter, const char *bod
                        const char *entry, struct tl_tree *carry, struct tl_tree *inputs,
                        struct tl_builder *b)
 {
-	struct tl_reply *r;
-	struct tl_error err;
-	struct treejson tj;
-	char dir[512];
-
-	cr_assert_eq(tl_scan(c, adapter, carry, inputs, &r, &err), 0, "%s %s", err.code,
-	             err.message);
-	h_tmpdir(dir, sizeof dir, "cref");
-	h_reference(dir, body, entry, carry, inputs, NULL, NULL, false, false);
-	treejson_init(&tj, b, NULL);
-	h_assert_close(tl_reply_tree(r, "carry"), h_load_ref(&tj, dir, "carry"), 1e-10, 1e-12,
-	               "carry");
-	h_assert_close(tl_reply_tree(r, "outputs"), h_load_ref(&tj, dir, "outputs"), 1e-10, 1e-12,
-	               "outputs");
-	tl_reply_free(r);
-	treejson_free(&tj);
+	h_assert_scan_matches_reference(c, adapter, body, entry, carry, inputs, b, "cref");
 }
 
 static const char *signature(json_t *desc, size_t i)

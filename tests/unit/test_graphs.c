@@ -6,7 +6,8 @@
  *
  * Single flight (three waiters, one specialization, one compile or cache
  * hit), the budget (a new signature refused at once, by name), a run checked
- * by hand, the warm-start index read past a corrupt record, and the loop
+ * by hand, the warm-start index read past a corrupt record, background
+ * compiles (a quick tier's upgrades) queued behind the others, and the loop
  * closing with every handle closed (uv_loop_close returns 0).
  */
 #include "daemon.h"
@@ -429,6 +430,77 @@ Test(graphs, the_warm_start_index_is_read_past_a_corrupt_record)
 	fwrite(saved, 1, (size_t)len, f);
 	fclose(f);
 	free(saved);
+	free_trees(&t);
+	close_graphs();
+}
+
+/* ---- the compile worker's queue ------------------------------------------ */
+
+struct qjob {
+	struct compile_job job; /* first: the callback casts back */
+	int tag;
+	int *order, *n;
+	struct proto_err err;
+};
+
+static void queue_done(struct compile_job *job, const struct compile_result *res,
+                       const struct proto_err *err)
+{
+	struct qjob *q = (struct qjob *)job;
+
+	(void)res;
+	cr_assert_not_null(err, "a body that raises on import cannot compile");
+	q->err = *err;
+	q->order[(*q->n)++] = q->tag;
+}
+
+/*
+ * A quick tier's upgrade is a background job: it goes behind every job
+ * queued after it, never in front.  Five jobs whose body raises on import
+ * (milliseconds each): the first goes to the worker at once, then
+ * background, foreground, background, foreground are queued; the
+ * foreground ones come back first, each kind in its own order.
+ */
+Test(graphs, background_compiles_wait_behind_every_other_job)
+{
+	static const bool background[5] = {false, true, false, true, false};
+	static const int want[5] = {0, 2, 4, 1, 3};
+	struct qjob q[5];
+	struct trees t;
+	int order[5], n = 0;
+	char key[CACHE_KEY_HEX];
+
+	open_graphs();
+	make_trees(&t, 3);
+	memset(key, 'e', sizeof key - 1);
+	key[sizeof key - 1] = '\0';
+	for (int i = 0; i < 5; i++) {
+		memset(&q[i], 0, sizeof q[i]);
+		q[i].job.body_source = "raise RuntimeError('queue order')\n";
+		q[i].job.body_file = "queue.py";
+		q[i].job.entry = "body";
+		q[i].job.strategy = "unroll";
+		q[i].job.kind = "forward";
+		q[i].job.carry = &t.c;
+		q[i].job.inputs = &t.x;
+		q[i].job.dtype = PROTO_DTYPE_F64;
+		q[i].job.steps = 3;
+		q[i].job.background = background[i];
+		q[i].job.done = queue_done;
+		cache_tmp_path(d.graphs.cache, key, q[i].job.output, sizeof q[i].job.output);
+		q[i].tag = i;
+		q[i].order = order;
+		q[i].n = &n;
+		compiler_submit(d.compiler, &q[i].job);
+	}
+	cr_assert_eq(compiler_queue_length(d.compiler), 5, "one in flight, four queued");
+	while (n < 5)
+		uv_run(&loop, UV_RUN_ONCE);
+	for (int i = 0; i < 5; i++) {
+		cr_assert_eq(order[i], want[i], "job %d finished %dth", want[i], i + 1);
+		cr_assert_eq(q[i].err.code, PROTO_E_BODY_ERROR, "%s: %s",
+		             proto_code_name(q[i].err.code), q[i].err.message);
+	}
 	free_trees(&t);
 	close_graphs();
 }

@@ -1,0 +1,277 @@
+/*
+ * test_tier.c - the quick tier (--quick-tier-steps): an unrolled graph that
+ * is not in the cache is served first by the scan op's graph, while the
+ * unrolled one compiles in the background and then takes over.  Results
+ * match an eager PyTorch loop (tests/helpers/eager_ref.py) before and after
+ * the switch, for scan and for grad (vs autograd and finite differences);
+ * the switch holds one budget slot; a restart serves the unrolled graph from
+ * the cache, and a cache that holds only the quick tier's graph serves it
+ * while the unrolled one is rebuilt; a daemon stopped during an upgrade exits
+ * cleanly; a body the scan op cannot take (module-level tensors) is compiled
+ * unrolled once, with no upgrade; a quick compile that fails (a side effect
+ * the scan op's tracer refuses) falls back to the unrolled loop for the
+ * request waiting on it.
+ *
+ * Each test has its own cache (the quick tier is only taken on a miss), and
+ * --quick-tier-steps 4 keeps the graphs small: T = 4 costs two compiles of a
+ * few seconds per specialization.
+ */
+#include "harness.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+TestSuite(tier, .timeout = 900);
+
+static const char *const ARGS[] = {"--no-probe", "--quick-tier-steps", "4", NULL};
+#define EMA     "examples/bodies/ema.py"
+#define RNN     "examples/bodies/rnn.py"
+#define REFUSED "tests/fixtures/scan_op_refuses.py"
+
+/* The adapter's only specialization, as describe shows it (caller decrefs). */
+static json_t *the_spec(struct tl_client *c, const char *adapter)
+{
+	json_t *desc = h_call_json(c, "describe", adapter);
+	json_t *specs = json_object_get(desc, "specializations");
+	json_t *sp;
+
+	cr_assert_eq(json_array_size(specs), 1, "one specialization");
+	sp = json_incref(json_array_get(specs, 0));
+	json_decref(desc);
+	return sp;
+}
+
+static const char *str(json_t *sp, const char *key)
+{
+	const char *s = json_string_value(json_object_get(sp, key));
+
+	cr_assert_not_null(s, "describe has no %s", key);
+	return s;
+}
+
+static void assert_tier(struct tl_client *c, const char *adapter, const char *tier,
+                        const char *lowered, bool upgrading)
+{
+	json_t *sp = the_spec(c, adapter);
+
+	cr_assert_str_eq(str(sp, "state"), "ready");
+	cr_assert_str_eq(str(sp, "tier"), tier);
+	cr_assert_str_eq(str(sp, "lowered"), lowered);
+	cr_assert_eq(json_is_true(json_object_get(sp, "upgrading")), upgrading, "upgrading");
+	json_decref(sp);
+}
+
+/* Polls describe until the unrolled graph took over (at most 600 s). */
+static void await_final(struct tl_client *c, const char *adapter)
+{
+	for (int i = 0; i < 2400; i++) {
+		json_t *sp = the_spec(c, adapter);
+		bool over = !json_is_true(json_object_get(sp, "upgrading"));
+		bool final = strcmp(str(sp, "tier"), "final") == 0;
+		json_decref(sp);
+		if (over) {
+			cr_assert(final, "the upgrade ended without the unrolled graph");
+			return;
+		}
+		usleep(250 * 1000);
+	}
+	cr_assert_fail("the unrolled graph did not take over within 600 s");
+}
+
+/* carry [3, 2], inputs [T, 3, 2] */
+static void ema_trees(struct tl_builder *b, struct h_bufs *bb, int64_t T, uint64_t seed,
+                      struct tl_tree **carry, struct tl_tree **inputs)
+{
+	int64_t cs[] = {3, 2}, xs[] = {T, 3, 2};
+
+	*carry = h_rand_tensor(b, bb, 2, cs, seed);
+	*inputs = h_rand_tensor(b, bb, 3, xs, seed + 1);
+}
+
+static void check_scan(struct tl_client *c, const char *adapter, const char *body,
+                       const char *entry, struct tl_tree *carry, struct tl_tree *inputs,
+                       struct tl_builder *b)
+{
+	h_assert_scan_matches_reference(c, adapter, body, entry, carry, inputs, b, "tref");
+}
+
+static void start(struct hd *d, const char *cache, struct tl_client **c, const char *adapter,
+                  const char *body, const char *entry)
+{
+	hd_start(d, cache, ARGS);
+	hd_wait_ready(d, 120);
+	*c = hd_connect(d);
+	hd_register(*c, adapter, body, entry, 8, 4096, 2);
+}
+
+static void remove_object(const char *cache, const char *key)
+{
+	char path[1024];
+
+	for (int i = 0; i < 2; i++) {
+		snprintf(path, sizeof path, "%s/objects/%s.%s", cache, key, i ? "meta" : "so");
+		cr_assert_eq(unlink(path), 0, "unlink %s", path);
+	}
+}
+
+Test(tier, a_long_unrolled_scan_is_served_by_the_scan_op_first_then_unrolled)
+{
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	struct tl_tree *carry, *inputs;
+	char cache[512], key[128];
+	struct tl_client *c;
+	struct hd d;
+	json_t *sp;
+
+	h_tmpdir(cache, sizeof cache, "tcache");
+	ema_trees(b, &bb, 4, 31, &carry, &inputs);
+	start(&d, cache, &c, "tier.ema", EMA, "body");
+	/* the first reply comes from the scan op's graph; the unrolled one is
+	 * being built (a compile takes seconds, the describe below microseconds) */
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	assert_tier(c, "tier.ema", "quick", "scan", true);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	await_final(c, "tier.ema");
+	assert_tier(c, "tier.ema", "final", "unroll", false);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 2, "the scan op's, then the unrolled");
+	cr_assert_eq(hd_counter(c, "tier.ema", "graphs"), 1, "one budget slot");
+	sp = the_spec(c, "tier.ema");
+	snprintf(key, sizeof key, "%s", str(sp, "key"));
+	json_decref(sp);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+
+	/* a restart: the unrolled graph from the cache, no compile */
+	start(&d, cache, &c, "tier.ema", EMA, "body");
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	assert_tier(c, "tier.ema", "final", "unroll", false);
+	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 0);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+
+	/* the cache holds only the quick tier's graph (a daemon stopped while it
+	 * upgraded): that serves at once, and the unrolled one is built again */
+	remove_object(cache, key);
+	start(&d, cache, &c, "tier.ema", EMA, "body");
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	sp = the_spec(c, "tier.ema");
+	cr_assert_str_eq(str(sp, "tier"), "quick");
+	cr_assert(json_is_true(json_object_get(sp, "from_cache")));
+	json_decref(sp);
+	await_final(c, "tier.ema");
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 1, "only the unrolled graph");
+	cr_assert_eq(hd_counter(c, "tier.ema", "cache_hits"), 1, "the quick tier's");
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
+
+/* A grad reply against autograd and finite differences on the eager loop. */
+static void check_grad(struct tl_client *c, struct tl_builder *b, const char *tag,
+                       struct tl_tree *carry, struct tl_tree *inputs, struct tl_tree *cot_c,
+                       struct tl_tree *cot_y)
+{
+	struct tl_reply *r;
+	struct tl_error err;
+
+	cr_assert_eq(tl_grad(c, "tier.ema", carry, inputs, cot_c, cot_y, &r, &err), 0, "%s %s",
+	             err.code, err.message);
+	h_assert_grad_matches_reference(r, b, tag, EMA, "body", carry, inputs, cot_c, cot_y);
+	tl_reply_free(r);
+}
+
+Test(tier, grad_is_served_by_the_scan_ops_vjp_first_and_a_stop_mid_upgrade_is_clean)
+{
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
+	struct tl_client *c;
+	struct hd d;
+	char cache[512];
+
+	h_tmpdir(cache, sizeof cache, "tcache");
+	ema_trees(b, &bb, 4, 41, &carry, &inputs);
+	ema_trees(b, &bb, 4, 43, &cot_c, &cot_y);
+	start(&d, cache, &c, "tier.ema", EMA, "body");
+	check_grad(c, b, "tq", carry, inputs, cot_c, cot_y);
+	assert_tier(c, "tier.ema", "quick", "scan", true);
+	/* stopped while the unrolled graph compiles: a clean exit */
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0, "clean exit mid-upgrade; log %s", d.log);
+
+	start(&d, cache, &c, "tier.ema", EMA, "body");
+	check_grad(c, b, "tq2", carry, inputs, cot_c, cot_y);
+	await_final(c, "tier.ema");
+	assert_tier(c, "tier.ema", "final", "unroll", false);
+	check_grad(c, b, "tf", carry, inputs, cot_c, cot_y);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
+
+/* rnn.py captures module-level tensors, which torch's scan op cannot take:
+ * the worker lowers the quick tier's compile unrolled, and nothing follows. */
+Test(tier, a_body_the_scan_op_cannot_take_compiles_unrolled_once)
+{
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	int64_t hs[] = {2, 8}, xs[] = {4, 2, 3};
+	struct tl_tree *items[2], *carry, *inputs;
+	struct tl_client *c;
+	struct hd d;
+	char cache[512];
+	json_t *sp;
+
+	h_tmpdir(cache, sizeof cache, "tcache");
+	items[0] = h_rand_tensor(b, &bb, 2, hs, 51);
+	items[1] = tl_none(b);
+	carry = tl_tuple(b, 2, items);
+	inputs = h_rand_tensor(b, &bb, 3, xs, 52);
+	start(&d, cache, &c, "tier.rnn", RNN, "cell");
+	check_scan(c, "tier.rnn", RNN, "cell", carry, inputs, b);
+	assert_tier(c, "tier.rnn", "final", "unroll", false);
+	sp = the_spec(c, "tier.rnn");
+	cr_assert(strstr(str(sp, "note"), "module-level tensors") != NULL, "note: %s",
+	          str(sp, "note"));
+	json_decref(sp);
+	cr_assert_eq(hd_counter(c, "tier.rnn", "compiles"), 1);
+	check_scan(c, "tier.rnn", RNN, "cell", carry, inputs, b);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
+
+/* tests/fixtures/scan_op_refuses.py has a Python side effect the scan op's
+ * tracer refuses: the quick tier's compile fails, and the unrolled loop is
+ * compiled in its place for the same waiting request. */
+Test(tier, a_quick_tier_that_fails_falls_back_to_the_unrolled_loop)
+{
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	struct tl_tree *carry, *inputs;
+	struct tl_client *c;
+	struct hd d;
+	char cache[512];
+
+	h_tmpdir(cache, sizeof cache, "tcache");
+	ema_trees(b, &bb, 4, 61, &carry, &inputs);
+	start(&d, cache, &c, "tier.refused", REFUSED, "body");
+	check_scan(c, "tier.refused", REFUSED, "body", carry, inputs, b);
+	assert_tier(c, "tier.refused", "final", "unroll", false);
+	cr_assert_eq(hd_counter(c, "tier.refused", "compiles"), 2, "the scan op's, then unrolled");
+	cr_assert_eq(hd_counter(c, "tier.refused", "graphs"), 1);
+	check_scan(c, "tier.refused", REFUSED, "body", carry, inputs, b);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
