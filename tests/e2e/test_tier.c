@@ -6,7 +6,8 @@
  * the switch, for scan and for grad (vs autograd and finite differences);
  * the switch holds one budget slot; a restart serves the unrolled graph from
  * the cache, and a cache that holds only the quick tier's graph serves it
- * while the unrolled one is rebuilt; a daemon stopped during an upgrade exits
+ * while the unrolled one is rebuilt (for an --adapters file, loaded at
+ * start-up and upgraded with no request); a daemon stopped during an upgrade exits
  * cleanly; a body the scan op cannot take (module-level tensors) is compiled
  * unrolled once, with no upgrade; a quick compile that fails (a side effect
  * the scan op's tracer refuses) falls back to the unrolled loop for the
@@ -270,6 +271,58 @@ Test(tier, a_quick_tier_that_fails_falls_back_to_the_unrolled_loop)
 	cr_assert_eq(hd_counter(c, "tier.refused", "compiles"), 2, "the scan op's, then unrolled");
 	cr_assert_eq(hd_counter(c, "tier.refused", "graphs"), 1);
 	check_scan(c, "tier.refused", REFUSED, "body", carry, inputs, b);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
+
+/*
+ * An adapter from an --adapters file whose daemon stopped mid-upgrade: at the
+ * next start its quick graph is loaded from the cache before the daemon says
+ * ready (the warm-start index), and the upgrade resumes with no request.
+ */
+Test(tier, a_preloaded_adapter_resumes_its_upgrade_after_a_restart)
+{
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	struct tl_tree *carry, *inputs;
+	char cache[512], dir[512], path[700];
+	const char *args[] = {"--no-probe", "--quick-tier-steps", "4", "--adapters", dir, NULL};
+	struct tl_client *c;
+	struct hd d;
+	json_t *sp;
+	FILE *f;
+
+	h_tmpdir(cache, sizeof cache, "tcache");
+	h_tmpdir(dir, sizeof dir, "tadapters");
+	snprintf(path, sizeof path, "%s/tier.file.adapter", dir);
+	f = fopen(path, "w");
+	cr_assert_not_null(f);
+	fprintf(f, "name = tier.file\nbody = %s/%s\nentry = body\nmax_steps = 8\n", h_root(), EMA);
+	fclose(f);
+	ema_trees(b, &bb, 4, 71, &carry, &inputs);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	check_scan(c, "tier.file", EMA, "body", carry, inputs, b);
+	assert_tier(c, "tier.file", "quick", "scan", true);
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0, "clean exit mid-upgrade; log %s", d.log);
+
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	/* no request yet: loaded at start-up, and the unrolled graph on its way */
+	sp = the_spec(c, "tier.file");
+	cr_assert_str_eq(str(sp, "state"), "ready");
+	cr_assert_str_eq(str(sp, "tier"), "quick");
+	cr_assert(json_is_true(json_object_get(sp, "from_cache")));
+	json_decref(sp);
+	await_final(c, "tier.file");
+	cr_assert_eq(hd_counter(c, "tier.file", "compiles"), 1, "only the unrolled graph");
+	check_scan(c, "tier.file", EMA, "body", carry, inputs, b);
+	assert_tier(c, "tier.file", "final", "unroll", false);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
 	h_bufs_free(&bb);

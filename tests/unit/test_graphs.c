@@ -7,8 +7,9 @@
  * Single flight (three waiters, one specialization, one compile or cache
  * hit), the budget (a new signature refused at once, by name), a run checked
  * by hand, the warm-start index read past a corrupt record, background
- * compiles (a quick tier's upgrades) queued behind the others, and the loop
- * closing with every handle closed (uv_loop_close returns 0).
+ * compiles (a quick tier's upgrades) queued behind the others, the loop
+ * closing with every handle closed (uv_loop_close returns 0), and every
+ * limit flag's bounds.
  */
 #include "daemon.h"
 #include "graphs.h"
@@ -503,4 +504,46 @@ Test(graphs, background_compiles_wait_behind_every_other_job)
 	}
 	free_trees(&t);
 	close_graphs();
+}
+
+/* ---- flags ---------------------------------------------------------------- */
+
+static int parse_one(const char *flag, long long v)
+{
+	struct config cfg;
+	char name[64], value[32];
+	char *argv[] = {"torchloopd", name, value, NULL};
+
+	snprintf(name, sizeof name, "--%s", flag);
+	snprintf(value, sizeof value, "%lld", v);
+	optind = 0; /* glibc: start getopt afresh */
+	return config_parse(&cfg, 3, argv);
+}
+
+/* Every limit flag (config.h's table, --quick-tier-steps included) takes its
+ * bounds and refuses one past either, before the daemon starts anything. */
+Test(graphs, every_limit_flag_takes_its_bounds_and_refuses_one_past_them)
+{
+	static const struct {
+		const char *name;
+		long long min, max;
+	} limits[] = {
+#define LIMIT_ROW(name, field, min, def, max, help) {name, min, max},
+	    CONFIG_LIMITS(LIMIT_ROW)
+#undef LIMIT_ROW
+	};
+	bool tier = false;
+
+	for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
+		cr_assert_eq(parse_one(limits[i].name, limits[i].min), 0, "--%s %lld",
+		             limits[i].name, limits[i].min);
+		cr_assert_eq(parse_one(limits[i].name, limits[i].max), 0, "--%s %lld",
+		             limits[i].name, limits[i].max);
+		cr_assert_eq(parse_one(limits[i].name, limits[i].min - 1), -1, "--%s %lld",
+		             limits[i].name, limits[i].min - 1);
+		cr_assert_eq(parse_one(limits[i].name, limits[i].max + 1), -1, "--%s %lld",
+		             limits[i].name, limits[i].max + 1);
+		tier |= strcmp(limits[i].name, "quick-tier-steps") == 0;
+	}
+	cr_assert(tier, "--quick-tier-steps is in the table");
 }
