@@ -70,7 +70,7 @@ void describe_specs(struct writer *w, const struct adapter *a)
 	msgpack_pack_array(&w->pk, n);
 	for (const struct specialization *sp = a->specs; sp; sp = sp->next) {
 		msgpack_pack_map(&w->pk,
-		                 7 + (sp->state == SPEC_FAILED) + 4 * (sp->state == SPEC_READY));
+		                 7 + (sp->state == SPEC_FAILED) + 5 * (sp->state == SPEC_READY));
 		writer_key_str(w, "signature", sp->signature);
 		writer_key_str(w, "key", sp->key);
 		writer_key_str(w, "kind", sp->grad ? "grad" : "scan");
@@ -92,4 +92,6 @@ void describe_lowering(struct writer *w, const struct specialization *sp)
 	writer_key_str(w, "note", sp->note);
 	writer_key_str(w, "tier", sp->quick ? "quick" : "final");
 	writer_key_bool(w, "upgrading", sp->upgrading);
+	/* the cache object serving now: the quick tier's while tier is quick */
+	writer_key_str(w, "graph_key", sp->graph_key[0] ? sp->graph_key : sp->key);
 }

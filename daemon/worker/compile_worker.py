@@ -28,6 +28,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -404,12 +405,14 @@ class Scan:
             )
         return new_carry, y
 
-    def forward(self, *flat: Any) -> tuple[Any, ...]:
+    def forward(self, *flat: Any, lifted: list[Any] | None = None) -> tuple[Any, ...]:
+        """lifted: the values of the body's captured tensors for the scan op
+        (FlatModule's buffers under torch.export); None: the tensors themselves."""
         carry = spec_build(self.carry_spec, list(flat[: self.n_carry]), [0])
         xs = spec_build(self.inputs_spec, list(flat[self.n_carry :]), [0])
         if self.strategy == "unroll":
             return self.unrolled(carry, xs)
-        return self.hop(carry, xs)
+        return self.hop(carry, xs, lifted)
 
     def unrolled(self, carry: Any, xs: Any) -> tuple[Any, ...]:
         ys = []
@@ -422,26 +425,56 @@ class Scan:
         stacked = [torch.stack([col[i] for col in columns]) for i in range(len(columns[0]))]
         return tuple(flat_tensors(carry)) + tuple(stacked)
 
-    def hop(self, carry: Any, xs: Any) -> tuple[Any, ...]:
+    def hop(self, carry: Any, xs: Any, lifted: list[Any] | None = None) -> tuple[Any, ...]:
         """torch's scan higher-order op: Inductor lowers it to a while loop.
 
         Its combine function must be pure and see tensors only, so it takes
         and returns flat leaf lists and rebuilds the trees (None leaves
         included) inside; the structural checks ran in the eager dry run.
+        Tensors the body captures from its module are lifted into the op's
+        additional inputs: the combine function runs the body (and its
+        module's helpers) over a copy of the module's globals in which those
+        names are the op's placeholders, so the body's own code is unchanged.
         """
-        from torch._higher_order_ops.scan import scan as scan_hop
+        from torch._higher_order_ops.scan import scan_op
 
         carry_spec, inputs_spec, body = self.carry_spec, self.inputs_spec, self.body
+        c0, x0 = flat_tensors(carry), flat_tensors(xs)
+        nc, nx = len(c0), len(x0)
+        captured = captured_tensors(body)
+        names = [n for n, _ in captured]
+        if lifted is None:
+            lifted = [t for _, t in captured]
 
-        def combine(c_flat: list[Any], x_flat: list[Any]) -> tuple[list[Any], list[Any]]:
-            c = spec_build(carry_spec, list(c_flat), [0])
-            x = spec_build(inputs_spec, list(x_flat), [0])
-            new_c, y = body(c, x)
+        def combine(*flat: Any) -> list[Any]:
+            c = spec_build(carry_spec, list(flat[:nc]), [0])
+            x = spec_build(inputs_spec, list(flat[nc : nc + nx]), [0])
+            fn = rebound(body, dict(zip(names, flat[nc + nx :]))) if names else body
+            new_c, y = fn(c, x)
             # The op refuses outputs aliasing inputs or each other (`return c, c`).
-            return [t.clone() for t in flat_tensors(new_c)], [t.clone() for t in flat_tensors(y)]
+            return [t.clone() for t in flat_tensors(new_c)] + [t.clone() for t in flat_tensors(y)]
 
-        final, ys = scan_hop(combine, flat_tensors(carry), flat_tensors(xs))
-        return tuple(final) + tuple(ys)
+        return tuple(scan_op(combine, c0, x0, tuple(lifted)))
+
+
+def rebound(fn: Callable[..., Any], values: dict[str, Any]) -> Callable[..., Any]:
+    """fn over a copy of its module's globals where each name in values is
+    that value instead; the module's other functions (the body's helpers)
+    are rebound to the same copy, so they see the values too."""
+    g = dict(fn.__globals__)
+    g.update(values)
+    home = fn.__globals__
+
+    def copy(f: Any) -> Any:
+        new = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
+        new.__kwdefaults__ = f.__kwdefaults__
+        new.__dict__.update(f.__dict__)
+        return new
+
+    for k, v in list(g.items()):
+        if isinstance(v, types.FunctionType) and v.__globals__ is home and k not in values:
+            g[k] = copy(v)
+    return copy(fn)
 
 
 def captured_tensors(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
@@ -745,17 +778,20 @@ def vjp_module(scan: Scan, n_in: int) -> Callable[..., Any]:
     return fn
 
 
-def vjp_module_autograd(scan: Scan, n_in: int) -> Callable[..., Any]:
+def vjp_module_autograd(scan: Scan, n_in: int, n_lifted: int = 0) -> Callable[..., Any]:
     """forward + VJP with torch.autograd.grad, for strategy "scan": torch.func.vjp
     cannot trace through the scan op (it refuses functorch transforms of the
     compiled function), but the scan op has an autograd formula (a reversed scan)
-    that make_fx records."""
+    that make_fx records. The body's captured tensors come last (n_lifted of
+    them), so make_fx sees them as inputs, not as real tensors inside a fake
+    trace."""
 
     def fn(*args: Any) -> tuple[Any, ...]:
         primals = [a.detach().requires_grad_(True) for a in args[:n_in]]
-        cotangents = args[n_in:]
+        cotangents = args[n_in : len(args) - n_lifted]
+        lifted = list(args[len(args) - n_lifted :]) if n_lifted else None
         with torch.enable_grad():
-            outs = scan.forward(*primals)
+            outs = scan.forward(*primals, lifted=lifted)
             pairs = [(o, g) for o, g in zip(outs, cotangents) if o.requires_grad]
             grads = torch.autograd.grad(
                 [o for o, _ in pairs], primals, [g for _, g in pairs], allow_unused=True
@@ -832,16 +868,13 @@ def capture_values(
     vjp_shapes = dyn.of(dyn.inputs) if dyn else None
     trace = {"tracing_mode": "symbolic", "_allow_non_fake_inputs": True} if dyn else {}
     use_scan = scan.strategy == "scan"
-    if use_scan and captured_tensors(scan.body):
-        # torch 2.14's scan op cannot take tensors its body captures from the
-        # module (Inductor cannot lower them, and its tracer refuses swapping
-        # them for carried ones): the unrolled loop instead -- the same numbers,
-        # the unrolled graph's compile time -- and the reply says so
-        names = ", ".join(n for n, _ in captured_tensors(scan.body))
+    if use_scan and dyn:
+        # torch 2.14's Inductor fails on the scan op over a symbolic size
+        # ("InductorError: KeyError: s39", forward and VJP alike): the unrolled
+        # loop instead -- the same numbers, its compile time -- and the reply says so
         scan.notes.append(
-            f"strategy scan: the body captures module-level tensors ({names}), which "
-            "torch's scan op cannot take; compiled the unrolled loop instead (pass them "
-            "in the carry to use the scan op)")
+            "dynamic = batch: torch's Inductor cannot lower the scan op over a symbolic "
+            "batch; compiled the unrolled loop instead")
         log(scan.notes[-1])
         use_scan = False
     unrolled = replace(scan, strategy="unroll")
@@ -853,9 +886,13 @@ def capture_values(
             example = tuple(args) + tuple(cot)
             ep = None
             if use_scan:
+                lifted = [t.detach() for _, t in captured_tensors(scan.body)]
                 try:
-                    gm = make_fx(vjp_module_autograd(scan, len(args)), **trace)(*args, *cot)
-                    ep = torch.export.export(Wrap(gm), example, strict=False,
+                    # fake tensors throughout: with real ones, the scan op's
+                    # backward meets the lifted tensors real inside its fake trace
+                    gm = make_fx(vjp_module_autograd(scan, len(args), len(lifted)),
+                                 **(trace or {"tracing_mode": "fake"}))(*args, *cot, *lifted)
+                    ep = torch.export.export(Wrap(gm, lifted), example, strict=False,
                                              dynamic_shapes=vjp_shapes)
                 except Exception as exc:  # noqa: BLE001 - the unrolled VJP below
                     scan.notes.append(
@@ -1061,20 +1098,34 @@ class FlatModule(torch.nn.Module):
     def __init__(self, scan: Scan) -> None:
         super().__init__()
         self.scan = scan
+        # the scan op takes the body's captured tensors as inputs: as buffers,
+        # torch.export traces them like parameters and AOTI keeps them as the
+        # graph's constants
+        self.lifted: list[str] = []
+        if scan.strategy == "scan":
+            for i, (_, t) in enumerate(captured_tensors(scan.body)):
+                self.register_buffer(f"lifted{i}", t.detach(), persistent=True)
+                self.lifted.append(f"lifted{i}")
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.scan.forward(*flat)
+        lifted = [getattr(self, n) for n in self.lifted] if self.lifted else None
+        return self.scan.forward(*flat, lifted=lifted)
 
 
 class Wrap(torch.nn.Module):
-    """A traced function (make_fx's graph) as a module for torch.export."""
+    """A traced function (make_fx's graph) as a module for torch.export;
+    lifted: tensors passed after the inputs, held as buffers (constants of
+    the graph)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], lifted: list[Any] | None = None) -> None:
         super().__init__()
         self.fn = fn
+        self.lifted = [f"lifted{i}" for i in range(len(lifted or []))]
+        for n, t in zip(self.lifted, lifted or []):
+            self.register_buffer(n, t.detach(), persistent=True)
 
     def forward(self, *flat: torch.Tensor) -> Any:
-        return self.fn(*flat)
+        return self.fn(*flat, *(getattr(self, n) for n in self.lifted))
 
 
 class OutModule(torch.nn.Module):

@@ -105,10 +105,10 @@ a GRU cell, h [4, 32], three W [32, 32] and three U [8, 32] in the carry
 `unroll` is the default; `scan` and `chunk` are selectable per adapter
 (`strategy = scan`, `strategy = chunk`: a T that is a multiple of 16 runs the
 16-step graph T / 16 times, so one compile serves T = 16, 32, …, 128). The unrolled graph lets Inductor fuse across steps with no per-step
-subgraph call; the scan op's compile time is flat in T. torch 2.14's scan op
-cannot take tensors a body captures from its module (the worker then
-compiles the unrolled loop and logs why) and refuses outputs that alias (the
-worker clones around that).
+subgraph call; the scan op's compile time is flat in T. Tensors a body
+captures from its module (`rnn.py`'s weights) become the scan op's
+additional inputs, held as the graph's constants; the op refuses outputs
+that alias (the worker clones around that).
 """
 
 
@@ -127,6 +127,8 @@ def tier_section(t: dict) -> str:
     worst_b = max(before.values(), key=lambda r: r["first_reply_s"])
     worst_a = max(after.values(), key=lambda r: r["first_reply_s"])
     met = "is met" if worst_a["first_reply_s"] <= 10 else "is **missed**"
+    finals = "".join(f" `{a['adapter']}`'s quick compile was lowered {a['lowered']} (final: "
+                     "nothing follows)." for a in after.values() if a["tier"] != "quick")
     return f"""## Cold T = 128 compiles: the quick tier
 
 `tests/bench/tier.py` ({t['started']} to {t['finished']}): a daemon started as `make run`
@@ -142,9 +144,7 @@ background; "unrolled in" is when it took over (from the request).
 
 Slowest first reply: {worst_b['first_reply_s']:.1f} s before (`{worst_b['adapter']}`),
 {worst_a['first_reply_s']:.1f} s after (`{worst_a['adapter']}`): the ≤ 10 s target for a cold
-T = 128 request {met} in this run. `rnn.tanh` captures module-level tensors,
-which torch's scan op cannot take, so its quick compile is the unrolled loop
-and nothing follows.
+T = 128 request {met} in this run.{finals}
 """
 
 

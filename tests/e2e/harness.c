@@ -568,11 +568,19 @@ void h_assert_scan_matches_reference(struct tl_client *c, const char *adapter,
 {
 	struct tl_reply *r;
 	struct tl_error err;
-	struct treejson tj;
-	char dir[512];
 
 	cr_assert_eq(tl_scan(c, adapter, carry, inputs, &r, &err), 0, "%s: %s %s", adapter,
 	             err.code, err.message);
+	h_assert_reply_matches_reference(r, body_file, entry, carry, inputs, b, tag);
+}
+
+void h_assert_reply_matches_reference(struct tl_reply *r, const char *body_file, const char *entry,
+                                      struct tl_tree *carry, struct tl_tree *inputs,
+                                      struct tl_builder *b, const char *tag)
+{
+	struct treejson tj;
+	char dir[512];
+
 	h_tmpdir(dir, sizeof dir, tag);
 	h_reference(dir, body_file, entry, carry, inputs, NULL, NULL, false, false);
 	treejson_init(&tj, b, NULL);

@@ -90,10 +90,14 @@ void h_assert_grad_matches_reference(struct tl_reply *r, struct tl_builder *b, c
                                      const struct tl_tree *cot_outputs);
 
 /*
- * Scans carry/inputs on adapter and checks the reply's carry and outputs
- * against the eager reference of body_file:entry (rtol 1e-10, atol 1e-12;
- * scratch under a tmpdir named tag).  b must be the builder the trees came from.
+ * A scan reply r's carry and outputs against the eager reference of
+ * body_file:entry at carry/inputs (rtol 1e-10, atol 1e-12; scratch under a
+ * tmpdir named tag), then frees r.  b must be the builder the trees came from.
  */
+void h_assert_reply_matches_reference(struct tl_reply *r, const char *body_file, const char *entry,
+                                      struct tl_tree *carry, struct tl_tree *inputs,
+                                      struct tl_builder *b, const char *tag);
+/* Scans carry/inputs on adapter, then h_assert_reply_matches_reference. */
 void h_assert_scan_matches_reference(struct tl_client *c, const char *adapter,
                                      const char *body_file, const char *entry,
                                      struct tl_tree *carry, struct tl_tree *inputs,

@@ -5,7 +5,8 @@
  * and finite differences (tests/helpers/eager_ref.py); one compile per kind
  * counted; every bad request with its code and path, the daemon serving on;
  * bodies that fix the batch size refused with BATCH_SPECIALIZED; symbolic
- * graphs loaded from the cache after a restart.
+ * graphs loaded from the cache after a restart; strategy = scan lowered
+ * unrolled, with a note.
  */
 #include "harness.h"
 
@@ -19,8 +20,9 @@ TestSuite(dynamic, .timeout = 900);
 
 static const char *const ARGS[] = {"--no-probe", NULL};
 
-static int register_dynamic(struct tl_client *c, const char *name, const char *body_path,
-                            const char *entry, const char *dynamic, struct tl_error *err)
+static int register_strategy(struct tl_client *c, const char *name, const char *body_path,
+                             const char *entry, const char *dynamic, const char *strategy,
+                             struct tl_error *err)
 {
 	char path[1024], *src;
 	FILE *f;
@@ -44,10 +46,17 @@ static int register_dynamic(struct tl_client *c, const char *name, const char *b
 	                                          .max_steps = 8,
 	                                          .max_elements = 4096,
 	                                          .recompile_budget = 4,
+	                                          .strategy = strategy,
 	                                          .dynamic = dynamic},
 	                 err);
 	free(src);
 	return rc;
+}
+
+static int register_dynamic(struct tl_client *c, const char *name, const char *body_path,
+                            const char *entry, const char *dynamic, struct tl_error *err)
+{
+	return register_strategy(c, name, body_path, entry, dynamic, NULL, err);
 }
 
 /* rnn.py's (h, None) carry, inputs [T, batch, 3], cotangents of (h, None) and y. */
@@ -128,6 +137,46 @@ Test(dynamic, one_graph_serves_every_batch_size_for_scan_and_grad)
 			                 "float64 T=3 carry=t([B,8],N) inputs=[3,B,3]");
 		json_decref(desc);
 	}
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
+/* strategy = scan with dynamic = batch: torch 2.14's Inductor fails on the
+ * scan op over a symbolic size (KeyError on the symbol), so the worker
+ * compiles the unrolled loop and says so; one graph still serves two batch
+ * sizes with the eager loop's numbers. */
+Test(dynamic, strategy_scan_with_a_symbolic_batch_compiles_the_unrolled_loop_and_says_so)
+{
+	static const int64_t batches[] = {4, 9};
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	json_t *desc, *sp;
+
+	hd_start(&d, NULL, ARGS);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	cr_assert_eq(register_strategy(c, "t7.rnn_scan", "examples/bodies/rnn.py", "cell", "batch",
+	                               "scan", &err),
+	             0, "%s %s", err.code, err.message);
+	for (size_t i = 0; i < sizeof batches / sizeof batches[0]; i++) {
+		struct tl_builder *b = tl_builder_new();
+		struct h_bufs bb = {{0}, 0};
+		struct tl_tree *carry, *inputs, *cot_c, *cot_y;
+
+		rnn_trees(b, &bb, batches[i], 90 + 4 * i, &carry, &inputs, &cot_c, &cot_y);
+		h_assert_scan_matches_reference(c, "t7.rnn_scan", "examples/bodies/rnn.py", "cell",
+		                                carry, inputs, b, "dynscan");
+		h_bufs_free(&bb);
+		tl_builder_free(b);
+	}
+	cr_assert_eq(hd_counter(c, "t7.rnn_scan", "compiles"), 1);
+	desc = h_call_json(c, "describe", "t7.rnn_scan");
+	sp = json_array_get(json_object_get(desc, "specializations"), 0);
+	cr_assert_str_eq(json_string_value(json_object_get(sp, "lowered")), "unroll");
+	cr_assert(strstr(json_string_value(json_object_get(sp, "note")),
+	                 "cannot lower the scan op over a symbolic batch") != NULL);
+	json_decref(desc);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
 }

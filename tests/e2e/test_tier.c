@@ -8,10 +8,12 @@
  * the cache, and a cache that holds only the quick tier's graph serves it
  * while the unrolled one is rebuilt (for an --adapters file, loaded at
  * start-up and upgraded with no request); a daemon stopped during an upgrade exits
- * cleanly; a body the scan op cannot take (module-level tensors) is compiled
- * unrolled once, with no upgrade; a quick compile that fails (a side effect
- * the scan op's tracer refuses) falls back to the unrolled loop for the
- * request waiting on it.
+ * cleanly; a body's module-level tensors are the scan op's constants; a
+ * quick compile that fails falls back to the unrolled loop for the request
+ * waiting on it, and an unrolled compile that fails leaves the scan op's
+ * graph serving, with the reason in describe's note
+ * (tests/fixtures/refuses.py has a body for each).  Which graph served a
+ * reply is read right after it, and graph_key names that graph's object.
  *
  * Each test has its own cache (the quick tier is only taken on a miss), and
  * --quick-tier-steps 4 keeps the graphs small: T = 4 costs two compiles of a
@@ -28,9 +30,9 @@
 TestSuite(tier, .timeout = 900);
 
 static const char *const ARGS[] = {"--no-probe", "--quick-tier-steps", "4", NULL};
+#define REFUSED "tests/fixtures/refuses.py"
 #define EMA     "examples/bodies/ema.py"
 #define RNN     "examples/bodies/rnn.py"
-#define REFUSED "tests/fixtures/scan_op_refuses.py"
 
 /* The adapter's only specialization, as describe shows it (caller decrefs). */
 static json_t *the_spec(struct tl_client *c, const char *adapter)
@@ -62,24 +64,36 @@ static void assert_tier(struct tl_client *c, const char *adapter, const char *ti
 	cr_assert_str_eq(str(sp, "tier"), tier);
 	cr_assert_str_eq(str(sp, "lowered"), lowered);
 	cr_assert_eq(json_is_true(json_object_get(sp, "upgrading")), upgrading, "upgrading");
+	/* graph_key names the object serving: the quick tier's own, then key's */
+	if (strcmp(tier, "quick") == 0)
+		cr_assert_str_neq(str(sp, "graph_key"), str(sp, "key"));
+	else
+		cr_assert_str_eq(str(sp, "graph_key"), str(sp, "key"));
 	json_decref(sp);
 }
 
-/* Polls describe until the unrolled graph took over (at most 600 s). */
-static void await_final(struct tl_client *c, const char *adapter)
+/* Polls describe until the upgrade is over (at most 600 s); returns the
+ * specialization then (caller decrefs). */
+static json_t *await_upgrade(struct tl_client *c, const char *adapter)
 {
 	for (int i = 0; i < 2400; i++) {
 		json_t *sp = the_spec(c, adapter);
-		bool over = !json_is_true(json_object_get(sp, "upgrading"));
-		bool final = strcmp(str(sp, "tier"), "final") == 0;
+		if (!json_is_true(json_object_get(sp, "upgrading")))
+			return sp;
 		json_decref(sp);
-		if (over) {
-			cr_assert(final, "the upgrade ended without the unrolled graph");
-			return;
-		}
 		usleep(250 * 1000);
 	}
-	cr_assert_fail("the unrolled graph did not take over within 600 s");
+	cr_assert_fail("the upgrade was not over within 600 s");
+	return NULL;
+}
+
+/* Waits until the unrolled graph took over. */
+static void await_final(struct tl_client *c, const char *adapter)
+{
+	json_t *sp = await_upgrade(c, adapter);
+
+	cr_assert_str_eq(str(sp, "tier"), "final", "the upgrade ended without the unrolled graph");
+	json_decref(sp);
 }
 
 /* carry [3, 2], inputs [T, 3, 2] */
@@ -92,11 +106,30 @@ static void ema_trees(struct tl_builder *b, struct h_bufs *bb, int64_t T, uint64
 	*inputs = h_rand_tensor(b, bb, 3, xs, seed + 1);
 }
 
+/* tier "quick": the scan op's graph, its upgrade under way; "final": the
+ * unrolled graph, nothing under way; NULL: either. */
+static void assert_served_by(struct tl_client *c, const char *adapter, const char *tier)
+{
+	if (tier != NULL && strcmp(tier, "quick") == 0)
+		assert_tier(c, adapter, "quick", "scan", true);
+	else if (tier != NULL)
+		assert_tier(c, adapter, "final", "unroll", false);
+}
+
+/* A scan against the eager loop; which graph served it (tier, see above) is
+ * read right after the reply, before the reference's seconds let an upgrade
+ * under way end. */
 static void check_scan(struct tl_client *c, const char *adapter, const char *body,
                        const char *entry, struct tl_tree *carry, struct tl_tree *inputs,
-                       struct tl_builder *b)
+                       struct tl_builder *b, const char *tier)
 {
-	h_assert_scan_matches_reference(c, adapter, body, entry, carry, inputs, b, "tref");
+	struct tl_reply *r;
+	struct tl_error err;
+
+	cr_assert_eq(tl_scan(c, adapter, carry, inputs, &r, &err), 0, "%s: %s %s", adapter,
+	             err.code, err.message);
+	assert_served_by(c, adapter, tier);
+	h_assert_reply_matches_reference(r, body, entry, carry, inputs, b, "tref");
 }
 
 static void start(struct hd *d, const char *cache, struct tl_client **c, const char *adapter,
@@ -132,13 +165,11 @@ Test(tier, a_long_unrolled_scan_is_served_by_the_scan_op_first_then_unrolled)
 	ema_trees(b, &bb, 4, 31, &carry, &inputs);
 	start(&d, cache, &c, "tier.ema", EMA, "body");
 	/* the first reply comes from the scan op's graph; the unrolled one is
-	 * being built (a compile takes seconds, the describe below microseconds) */
-	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
-	assert_tier(c, "tier.ema", "quick", "scan", true);
-	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	 * being built (a compile takes seconds, the describe microseconds) */
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, "quick");
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, NULL);
 	await_final(c, "tier.ema");
-	assert_tier(c, "tier.ema", "final", "unroll", false);
-	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, "final");
 	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 2, "the scan op's, then the unrolled");
 	cr_assert_eq(hd_counter(c, "tier.ema", "graphs"), 1, "one budget slot");
 	sp = the_spec(c, "tier.ema");
@@ -149,8 +180,7 @@ Test(tier, a_long_unrolled_scan_is_served_by_the_scan_op_first_then_unrolled)
 
 	/* a restart: the unrolled graph from the cache, no compile */
 	start(&d, cache, &c, "tier.ema", EMA, "body");
-	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
-	assert_tier(c, "tier.ema", "final", "unroll", false);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, "final");
 	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 0);
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
@@ -159,13 +189,12 @@ Test(tier, a_long_unrolled_scan_is_served_by_the_scan_op_first_then_unrolled)
 	 * upgraded): that serves at once, and the unrolled one is built again */
 	remove_object(cache, key);
 	start(&d, cache, &c, "tier.ema", EMA, "body");
-	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, "quick");
 	sp = the_spec(c, "tier.ema");
-	cr_assert_str_eq(str(sp, "tier"), "quick");
 	cr_assert(json_is_true(json_object_get(sp, "from_cache")));
 	json_decref(sp);
 	await_final(c, "tier.ema");
-	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, "final");
 	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 1, "only the unrolled graph");
 	cr_assert_eq(hd_counter(c, "tier.ema", "cache_hits"), 1, "the quick tier's");
 	tl_close(c);
@@ -177,13 +206,14 @@ Test(tier, a_long_unrolled_scan_is_served_by_the_scan_op_first_then_unrolled)
 /* A grad reply against autograd and finite differences on the eager loop. */
 static void check_grad(struct tl_client *c, struct tl_builder *b, const char *tag,
                        struct tl_tree *carry, struct tl_tree *inputs, struct tl_tree *cot_c,
-                       struct tl_tree *cot_y)
+                       struct tl_tree *cot_y, const char *tier)
 {
 	struct tl_reply *r;
 	struct tl_error err;
 
 	cr_assert_eq(tl_grad(c, "tier.ema", carry, inputs, cot_c, cot_y, &r, &err), 0, "%s %s",
 	             err.code, err.message);
+	assert_served_by(c, "tier.ema", tier);
 	h_assert_grad_matches_reference(r, b, tag, EMA, "body", carry, inputs, cot_c, cot_y);
 	tl_reply_free(r);
 }
@@ -201,26 +231,25 @@ Test(tier, grad_is_served_by_the_scan_ops_vjp_first_and_a_stop_mid_upgrade_is_cl
 	ema_trees(b, &bb, 4, 41, &carry, &inputs);
 	ema_trees(b, &bb, 4, 43, &cot_c, &cot_y);
 	start(&d, cache, &c, "tier.ema", EMA, "body");
-	check_grad(c, b, "tq", carry, inputs, cot_c, cot_y);
-	assert_tier(c, "tier.ema", "quick", "scan", true);
+	check_grad(c, b, "tq", carry, inputs, cot_c, cot_y, "quick");
 	/* stopped while the unrolled graph compiles: a clean exit */
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0, "clean exit mid-upgrade; log %s", d.log);
 
 	start(&d, cache, &c, "tier.ema", EMA, "body");
-	check_grad(c, b, "tq2", carry, inputs, cot_c, cot_y);
+	check_grad(c, b, "tq2", carry, inputs, cot_c, cot_y, "quick");
 	await_final(c, "tier.ema");
-	assert_tier(c, "tier.ema", "final", "unroll", false);
-	check_grad(c, b, "tf", carry, inputs, cot_c, cot_y);
+	check_grad(c, b, "tf", carry, inputs, cot_c, cot_y, "final");
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
 	h_bufs_free(&bb);
 	tl_builder_free(b);
 }
 
-/* rnn.py captures module-level tensors, which torch's scan op cannot take:
- * the worker lowers the quick tier's compile unrolled, and nothing follows. */
-Test(tier, a_body_the_scan_op_cannot_take_compiles_unrolled_once)
+/* rnn.py captures module-level tensors (its weights): the quick tier's scan
+ * op takes them as additional inputs (constants of its graph), then the
+ * unrolled graph takes over; both match the eager loop. */
+Test(tier, a_body_capturing_module_tensors_is_served_by_the_scan_op_then_unrolled)
 {
 	struct tl_builder *b = tl_builder_new();
 	struct h_bufs bb = {{0}, 0};
@@ -237,44 +266,70 @@ Test(tier, a_body_the_scan_op_cannot_take_compiles_unrolled_once)
 	carry = tl_tuple(b, 2, items);
 	inputs = h_rand_tensor(b, &bb, 3, xs, 52);
 	start(&d, cache, &c, "tier.rnn", RNN, "cell");
-	check_scan(c, "tier.rnn", RNN, "cell", carry, inputs, b);
-	assert_tier(c, "tier.rnn", "final", "unroll", false);
+	check_scan(c, "tier.rnn", RNN, "cell", carry, inputs, b, "quick");
 	sp = the_spec(c, "tier.rnn");
-	cr_assert(strstr(str(sp, "note"), "module-level tensors") != NULL, "note: %s",
-	          str(sp, "note"));
+	cr_assert_str_eq(str(sp, "note"), "", "lowered as asked");
 	json_decref(sp);
-	cr_assert_eq(hd_counter(c, "tier.rnn", "compiles"), 1);
-	check_scan(c, "tier.rnn", RNN, "cell", carry, inputs, b);
+	await_final(c, "tier.rnn");
+	check_scan(c, "tier.rnn", RNN, "cell", carry, inputs, b, "final");
+	cr_assert_eq(hd_counter(c, "tier.rnn", "compiles"), 2, "the scan op's, then the unrolled");
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
 	h_bufs_free(&bb);
 	tl_builder_free(b);
 }
 
-/* tests/fixtures/scan_op_refuses.py has a Python side effect the scan op's
- * tracer refuses: the quick tier's compile fails, and the unrolled loop is
- * compiled in its place for the same waiting request. */
-Test(tier, a_quick_tier_that_fails_falls_back_to_the_unrolled_loop)
-{
-	struct tl_builder *b = tl_builder_new();
-	struct h_bufs bb = {{0}, 0};
+/* One adapter of tests/fixtures/refuses.py on a daemon of its own, with ema's
+ * trees at T = 4. */
+struct refused {
+	struct tl_builder *b;
+	struct h_bufs bb;
 	struct tl_tree *carry, *inputs;
 	struct tl_client *c;
 	struct hd d;
+	const char *adapter, *entry;
+};
+
+static void refused_start(struct refused *r, const char *adapter, const char *entry)
+{
 	char cache[512];
 
+	memset(r, 0, sizeof *r);
+	r->b = tl_builder_new();
+	r->adapter = adapter;
+	r->entry = entry;
 	h_tmpdir(cache, sizeof cache, "tcache");
-	ema_trees(b, &bb, 4, 61, &carry, &inputs);
-	start(&d, cache, &c, "tier.refused", REFUSED, "body");
-	check_scan(c, "tier.refused", REFUSED, "body", carry, inputs, b);
-	assert_tier(c, "tier.refused", "final", "unroll", false);
-	cr_assert_eq(hd_counter(c, "tier.refused", "compiles"), 2, "the scan op's, then unrolled");
-	cr_assert_eq(hd_counter(c, "tier.refused", "graphs"), 1);
-	check_scan(c, "tier.refused", REFUSED, "body", carry, inputs, b);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
-	h_bufs_free(&bb);
-	tl_builder_free(b);
+	ema_trees(r->b, &r->bb, 4, 61, &r->carry, &r->inputs);
+	start(&r->d, cache, &r->c, adapter, REFUSED, entry);
+}
+
+static void refused_scan(struct refused *r, const char *tier)
+{
+	check_scan(r->c, r->adapter, REFUSED, r->entry, r->carry, r->inputs, r->b, tier);
+}
+
+static void refused_stop(struct refused *r)
+{
+	tl_close(r->c);
+	cr_assert_eq(hd_stop(&r->d), 0);
+	h_bufs_free(&r->bb);
+	tl_builder_free(r->b);
+}
+
+/* tests/fixtures/refuses.py:scan_op_refuses cannot be traced inside the scan
+ * op: the quick tier's compile fails, and the unrolled loop is compiled in
+ * its place for the same waiting request. */
+Test(tier, a_quick_tier_that_fails_falls_back_to_the_unrolled_loop)
+{
+	struct refused r;
+
+	refused_start(&r, "tier.refused", "scan_op_refuses");
+	refused_scan(&r, "final");
+	cr_assert_eq(hd_counter(r.c, "tier.refused", "compiles"), 2,
+	             "the scan op's, then unrolled");
+	cr_assert_eq(hd_counter(r.c, "tier.refused", "graphs"), 1);
+	refused_scan(&r, "final");
+	refused_stop(&r);
 }
 
 /*
@@ -305,8 +360,7 @@ Test(tier, a_preloaded_adapter_resumes_its_upgrade_after_a_restart)
 	hd_start(&d, cache, args);
 	hd_wait_ready(&d, 120);
 	c = hd_connect(&d);
-	check_scan(c, "tier.file", EMA, "body", carry, inputs, b);
-	assert_tier(c, "tier.file", "quick", "scan", true);
+	check_scan(c, "tier.file", EMA, "body", carry, inputs, b, "quick");
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0, "clean exit mid-upgrade; log %s", d.log);
 
@@ -321,10 +375,32 @@ Test(tier, a_preloaded_adapter_resumes_its_upgrade_after_a_restart)
 	json_decref(sp);
 	await_final(c, "tier.file");
 	cr_assert_eq(hd_counter(c, "tier.file", "compiles"), 1, "only the unrolled graph");
-	check_scan(c, "tier.file", EMA, "body", carry, inputs, b);
-	assert_tier(c, "tier.file", "final", "unroll", false);
+	check_scan(c, "tier.file", EMA, "body", carry, inputs, b, "final");
 	tl_close(c);
 	cr_assert_eq(hd_stop(&d), 0);
 	h_bufs_free(&bb);
 	tl_builder_free(b);
+}
+
+/* tests/fixtures/refuses.py:unroll_refuses cannot be exported unrolled: the quick
+ * tier's graph serves, the background compile fails, and the scan op's graph
+ * keeps serving (still the eager loop's numbers) with the reason in note. */
+Test(tier, an_unrolled_compile_that_fails_leaves_the_scan_op_serving)
+{
+	struct refused r;
+	json_t *sp;
+
+	refused_start(&r, "tier.nounroll", "unroll_refuses");
+	refused_scan(&r, "quick");
+	sp = await_upgrade(r.c, "tier.nounroll");
+	cr_assert_str_eq(str(sp, "tier"), "quick");
+	cr_assert_str_eq(str(sp, "lowered"), "scan");
+	cr_assert(strstr(str(sp, "note"), "the unrolled graph failed (UNSUPPORTED_OP)") != NULL,
+	          "note: %s", str(sp, "note"));
+	json_decref(sp);
+	refused_scan(&r, NULL);
+	cr_assert_eq(hd_counter(r.c, "tier.nounroll", "compiles"), 2,
+	             "the scan op's, the failed one");
+	cr_assert_eq(hd_counter(r.c, "tier.nounroll", "graphs"), 1);
+	refused_stop(&r);
 }
