@@ -822,7 +822,8 @@ static void after_load(uv_work_t *w, int status)
 		memcpy(sp->graph_key, j->key, sizeof sp->graph_key);
 		memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
 		memcpy(sp->note, j->note, sizeof sp->note);
-		/* the worker lowers a body the scan op cannot take unrolled: final already */
+		/* the worker lowered the quick compile unrolled (a scan-op VJP torch
+		 * could not export): final already */
 		upgrade = j->quick && strcmp(sp->lowered, "scan") == 0;
 		sp->quick = upgrade;
 		if (!upgrade && sp->lock_fd >= 0) {

@@ -1,0 +1,107 @@
+"""The compile worker's lifting of the tensors a body captures from its module
+into torch's scan op (daemon/worker/compile_worker.py: captured_tensors,
+rebound, Scan.hop), run eagerly -- no compile -- against a hand-written loop.
+
+The body reaches its weights through a module-level helper, so these tests
+fail if the lifted values do not reach the helpers as well as the body.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "daemon" / "worker"))
+import compile_worker as w  # noqa: E402
+
+SOURCE = '''
+import torch
+
+W = torch.tensor([[2.0, 0.0], [1.0, 3.0]], dtype=torch.float64)
+S = torch.tensor(0.5, dtype=torch.float64)
+LIMIT = 4.0  # not a tensor: stays as it is
+
+
+def helper(c):
+    return (c @ W).clamp(-LIMIT, LIMIT)
+
+
+def body(carry, x):
+    c = helper(carry) * S + x
+    return c, c.sum(-1)
+'''
+
+
+def _body():
+    job = w.Job(body_source=SOURCE, body_file="<test_lifting>", entry="body")
+    return w.load_body(job)
+
+
+def _scan(body, carry, xs, strategy="scan"):
+    return w.Scan(body=body, carry_spec=w.tree_spec(carry, "carry"),
+                  inputs_spec=w.tree_spec(xs, "inputs"), steps=xs.shape[0],
+                  dtype="float64", strategy=strategy)
+
+
+def _by_hand(carry, xs, weight, scale):
+    ys = []
+    for x in xs:
+        carry = (carry @ weight).clamp(-4.0, 4.0) * scale + x
+        ys.append(carry.sum(-1))
+    return carry, torch.stack(ys)
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(3)
+    return (torch.rand(5, 2, dtype=torch.float64, generator=gen),
+            torch.rand(6, 5, 2, dtype=torch.float64, generator=gen))
+
+
+def test_captured_tensors_are_the_modules_tensors_named_in_its_functions():
+    names = [n for n, _ in w.captured_tensors(_body())]
+    assert names == ["S", "W"]
+
+
+def test_the_scan_op_over_the_modules_own_tensors_is_the_loop():
+    body = _body()
+    carry, xs = _inputs()
+    final, ys = _scan(body, carry, xs).forward(carry, xs)
+    want_c, want_y = _by_hand(carry, xs, body.__globals__["W"], body.__globals__["S"])
+    torch.testing.assert_close(final, want_c, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ys, want_y, rtol=1e-12, atol=1e-12)
+
+
+def test_lifted_values_reach_the_helper_and_leave_the_module_alone():
+    body = _body()
+    g = body.__globals__
+    carry, xs = _inputs()
+    weight = torch.tensor([[0.0, -1.0], [1.0, 0.5]], dtype=torch.float64)
+    scale = torch.tensor(0.25, dtype=torch.float64)
+    saved_w, saved_helper = g["W"], g["helper"]
+    # the order of captured_tensors: S, W
+    final, ys = _scan(body, carry, xs).forward(carry, xs, lifted=[scale, weight])
+    want_c, want_y = _by_hand(carry, xs, weight, scale)
+    torch.testing.assert_close(final, want_c, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ys, want_y, rtol=1e-12, atol=1e-12)
+    assert g["W"] is saved_w and g["helper"] is saved_helper
+    # and the unrolled loop (no lifting) still reads the module's own tensors
+    final_u, _ = _scan(body, carry, xs, "unroll").forward(carry, xs)
+    torch.testing.assert_close(final_u, _by_hand(carry, xs, saved_w, g["S"])[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_a_body_without_captured_tensors_is_called_as_it_is():
+    src = "def body(c, x):\n    return c + x, c * x\n"
+    body = w.load_body(w.Job(body_source=src, body_file="<plain>", entry="body"))
+    carry, xs = _inputs()
+    assert w.captured_tensors(body) == []
+    final, ys = _scan(body, carry, xs).forward(carry, xs)
+    c, want = carry, []
+    for x in xs:
+        c, y = c + x, c * x
+        want.append(y)
+    torch.testing.assert_close(final, c)
+    torch.testing.assert_close(ys, torch.stack(want))
