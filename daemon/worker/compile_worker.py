@@ -434,7 +434,7 @@ class Scan:
         Tensors the body captures from its module are lifted into the op's
         additional inputs: the combine function runs the body (and its
         module's helpers) over a copy of the module's globals in which those
-        names are the op's placeholders, so the body's own code is unchanged.
+        names are bound to the op's traced inputs, so the body's code is unchanged.
         """
         from torch._higher_order_ops.scan import scan_op
 
