@@ -170,7 +170,9 @@ Test(dynamic, strategy_scan_with_a_symbolic_batch_compiles_the_unrolled_loop_and
 		h_bufs_free(&bb);
 		tl_builder_free(b);
 	}
-	cr_assert_eq(hd_counter(c, "t7.rnn_scan", "compiles"), 1);
+	/* one graph for both batch sizes (0 compiles when the run's cache has it) */
+	cr_assert_eq(hd_counter(c, "t7.rnn_scan", "graphs"), 1);
+	cr_assert_leq(hd_counter(c, "t7.rnn_scan", "compiles"), 1);
 	desc = h_call_json(c, "describe", "t7.rnn_scan");
 	sp = json_array_get(json_object_get(desc, "specializations"), 0);
 	cr_assert_str_eq(json_string_value(json_object_get(sp, "lowered")), "unroll");
