@@ -1092,20 +1092,25 @@ def compile_job(job: Job) -> dict[str, Any]:
     }
 
 
+def hold_lifted(module: torch.nn.Module, tensors: list[Any]) -> list[str]:
+    """Registers tensors as module's buffers (lifted0, lifted1, ...): torch.export
+    traces them like parameters and AOTI keeps them as the graph's constants.
+    Returns their names, in order."""
+    names = [f"lifted{i}" for i in range(len(tensors))]
+    for n, t in zip(names, tensors):
+        module.register_buffer(n, t.detach(), persistent=True)
+    return names
+
+
 class FlatModule(torch.nn.Module):
     """The flat scan as a module for torch.export."""
 
     def __init__(self, scan: Scan) -> None:
         super().__init__()
         self.scan = scan
-        # the scan op takes the body's captured tensors as inputs: as buffers,
-        # torch.export traces them like parameters and AOTI keeps them as the
-        # graph's constants
-        self.lifted: list[str] = []
-        if scan.strategy == "scan":
-            for i, (_, t) in enumerate(captured_tensors(scan.body)):
-                self.register_buffer(f"lifted{i}", t.detach(), persistent=True)
-                self.lifted.append(f"lifted{i}")
+        # the scan op takes the body's captured tensors as inputs
+        self.lifted = hold_lifted(self, [t for _, t in captured_tensors(scan.body)]
+                                  if scan.strategy == "scan" else [])
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         lifted = [getattr(self, n) for n in self.lifted] if self.lifted else None
@@ -1120,9 +1125,7 @@ class Wrap(torch.nn.Module):
     def __init__(self, fn: Callable[..., Any], lifted: list[Any] | None = None) -> None:
         super().__init__()
         self.fn = fn
-        self.lifted = [f"lifted{i}" for i in range(len(lifted or []))]
-        for n, t in zip(self.lifted, lifted or []):
-            self.register_buffer(n, t.detach(), persistent=True)
+        self.lifted = hold_lifted(self, lifted or [])
 
     def forward(self, *flat: torch.Tensor) -> Any:
         return self.fn(*flat, *(getattr(self, n) for n in self.lifted))
