@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <grp.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -216,6 +217,18 @@ static int parse_other(struct config *c, int opt, const char *arg)
 	return -1;
 }
 
+/* The CPUs this process may run on (its affinity mask, which is what libgomp
+ * counts its workers against), else the online count. */
+static long usable_cpus(void)
+{
+	cpu_set_t set;
+	long online = sysconf(_SC_NPROCESSORS_ONLN);
+
+	if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+		return CPU_COUNT(&set);
+	return online > 0 ? online : 1;
+}
+
 int config_parse(struct config *c, int argc, char **argv)
 {
 	struct option opts[N_LIMITS + 17];
@@ -267,7 +280,7 @@ int config_parse(struct config *c, int argc, char **argv)
 		fprintf(stderr, "torchloopd: unexpected argument '%s'\n", argv[optind]);
 		return -1;
 	}
-	cores = sysconf(_SC_NPROCESSORS_ONLN) > 0 ? sysconf(_SC_NPROCESSORS_ONLN) : 1;
+	cores = usable_cpus();
 	if (c->threads == 0)
 		c->threads = cores;
 	c->omp_threads = cores / c->threads > 1 ? (int)(cores / c->threads) : 1;

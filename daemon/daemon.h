@@ -153,6 +153,10 @@ struct daemon {
 	uv_work_t canary;
 	bool canary_out, pool_stalled;
 	double canary_sent;
+	/* and one to the graph runner (runner.h), whose stall is the pool's too */
+	struct runner_item runner_canary;
+	bool runner_canary_out;
+	double runner_canary_sent;
 	/* memory held by connections: replies queued + frames being read (conn.c) */
 	uint64_t queued_bytes;
 	/* shared memory mapped for connections (shm.c) */

@@ -20,6 +20,7 @@
 #include "config.h"
 #include "engine.h"
 #include "protocol.h"
+#include "runner.h"
 #include "tree.h"
 
 #include <msgpack.h>
@@ -143,7 +144,9 @@ struct graphs {
 	const char *worker_sha, *isa; /* parts of every cache key */
 	struct registry reg;
 	bool stopping; /* shutdown began: a busy key's lock is no longer waited for */
-	uint64_t failed_evictions, inline_runs; /* counters for `stats` */
+	uint64_t failed_evictions, inline_runs, runner_runs; /* counters for `stats` */
+	/* runs with an OpenMP team (runner.h); not started: they go to the pool */
+	struct runner runner;
 };
 
 /* ---- adapters (adapter.c) ----------------------------------------------- */

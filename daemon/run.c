@@ -12,6 +12,7 @@
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +21,7 @@
 
 struct run_job {
 	uv_work_t work;
+	struct runner_item item; /* a run with an OpenMP team: on the runner */
 	struct graphs *g;
 	struct specialization *sp;
 	/* sp's graph when the run was made: a quick tier's upgrade may replace
@@ -349,12 +351,27 @@ void run_add(struct run_job *j, const struct tree_node *tree)
 	signature_flatten(tree, j->in, &j->n_in);
 }
 
+#define JOB_OF(it) ((struct run_job *)((char *)(it)-offsetof(struct run_job, item)))
+
+static void run_item_work(struct runner_item *it)
+{
+	run_work(&JOB_OF(it)->work);
+}
+
+static void run_item_done(struct runner_item *it)
+{
+	after_run(&JOB_OF(it)->work, 0);
+}
+
 /*
  * A graph that has run a few times and whose engine time is at most
- * --inline-run-us runs right here on the loop thread: for µs-scale graphs the
- * two cross-thread wake-ups of the pool (loop -> pool, pool -> loop) cost
- * several times the run itself.  Longer graphs, and every graph's first runs
- * (which measure it), go to the pool so the loop never stalls for long.
+ * --inline-run-us runs right here on the loop thread, with one OpenMP thread:
+ * for µs-scale graphs the two cross-thread wake-ups of the pool (loop -> pool,
+ * pool -> loop) cost several times the run itself.  Longer graphs, and every
+ * graph's first runs (which measure it), leave the loop so it never stalls
+ * for long: runs with an OpenMP team go to the one runner thread (runner.h:
+ * a single master keeps libgomp's workers spinning), runs of one thread to the
+ * pool, where several may run at once.
  */
 #define INLINE_AFTER_RUNS 3
 
@@ -366,12 +383,21 @@ void run_submit(struct run_job *j, run_done_fn *done, void *arg)
 	j->done = done;
 	j->done_arg = arg;
 	j->work.data = j;
-	j->team = choose_team(j->sp, cfg, &j->team_trial);
 	if (cfg->inline_run_us > 0 && sp->runs >= INLINE_AFTER_RUNS &&
 	    sp->run_ema_us <= (double)cfg->inline_run_us) {
+		j->team = 1;
+		j->team_trial = -1;
 		j->g->inline_runs++;
 		run_work(&j->work);
 		after_run(&j->work, 0);
+		return;
+	}
+	j->team = choose_team(j->sp, cfg, &j->team_trial);
+	if (j->team > 1 && j->g->runner.started) {
+		j->g->runner_runs++;
+		j->item.work = run_item_work;
+		j->item.done = run_item_done;
+		runner_submit(&j->g->runner, &j->item);
 		return;
 	}
 	uv_queue_work(j->g->loop, &j->work, run_work, after_run);

@@ -496,6 +496,44 @@ Per-run noise on this machine is of the same order (see the latency section).
 """
 
 
+def bigruns_section(d: dict) -> str:
+    title = "## Large runs: one OpenMP master"
+    if not d:
+        return f"{title}\n\n(bigruns.json missing: run `make bench`.)\n"
+    labels = {"this": "this build", "against": f"`{d['against']}`"}
+    rows = []
+    for label, shapes in d["results"].items():
+        for shape, r in shapes.items():
+            n, t = shape.split("x")
+            b_med = d.get("b_median", {}).get(shape)
+            rows.append([labels[label], grp(int(n)), t, us(b_med) if b_med else "—",
+                         us(r["c_median"]), us(r["f_median"]), ratio(r["ratio_median"]),
+                         ratio(r["f_median"] / b_med) if b_med else "—",
+                         ", ".join(f"{f:.0f}/{c:.0f}" for f, c in zip(r["f"], r["c"]))])
+    tab = table(["daemon", "N", "T", "(b) torch.compile in process (µs)", "(c) in process (µs)",
+                 "(f) daemon, shared memory (µs)", "(f) / (c)", "(f) / (b)",
+                 "each round, (f)/(c) µs"], rows)
+    return f"""{title}
+
+`tests/bench/bigruns.py` ({d['started']} to {d['finished']}): the cumulative sum
+compiled by torch.compile in a Python process ((b)), the daemon's artifact
+run in process ((c), `bench_c inproc`) and the same scan through a daemon over
+shared memory ((f), `bench_c daemon … inplace`), p50 over {d['iters']} calls, all
+alternating for {d['rounds']} rounds; each round starts each daemon afresh on a
+warm cache, so only one daemon is alive at a time. Medians of the rounds;
+(f) / (c) is the median of each round's own ratio, (f) / (b) the ratio of the
+medians.
+
+{tab}
+
+Runs with an OpenMP team of more than one thread go to one runner thread
+(docs/architecture.md, "Threads and ownership"). Before, they were spread
+over the libuv pool: each pool thread became an OpenMP master with a worker
+of its own, libgomp then held more workers than CPUs and stopped spinning at
+barriers, and every run waited for a sleeping worker to wake.
+"""
+
+
 def header(b: dict) -> str:
     m = b["machine"]
     return f"""# Performance
@@ -515,12 +553,13 @@ make build build/bench_c
 .venv/bin/python tests/bench/tier.py build build/bench/tier.json
 .venv/bin/python tests/bench/batch.py build build/bench/batch.json
 .venv/bin/python tests/bench/outvariant.py build/bench/outvariant.json
+.venv/bin/python tests/bench/bigruns.py build build/bench/bigruns.json
 .venv/bin/python tests/bench/bench.py build build/bench
 .venv/bin/python tests/bench/report.py build/bench docs/performance.md
 cp build/bench/*.png docs/
 ```
 
-Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bench.json`. Timings
+Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/bench.json`. Timings
 are never asserted in tests; they live here.
 """
 
@@ -582,9 +621,14 @@ def main() -> None:
     if os.path.exists(bp):
         with open(bp) as f:
             batch = json.load(f)
+    big = {}
+    gp = os.path.join(bench_dir, "bigruns.json")
+    if os.path.exists(gp):
+        with open(gp) as f:
+            big = json.load(f)
     doc = "\n".join([header(b), strategy_section(strategy), tier_section(tier),
                       batch_section(batch),
-                     latency_section(b), pyclient_section(b),
+                     latency_section(b), bigruns_section(big), pyclient_section(b),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b), time_section(b)])
     with open(out_md, "w") as f:

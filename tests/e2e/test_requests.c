@@ -17,6 +17,7 @@
 #include <jansson.h>
 #include <msgpack.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -160,6 +161,40 @@ Test(requests, inline_runs_can_be_switched_off)
 	setup(&f, args);
 	for (int i = 0; i < 20; i++)
 		scan_ok(&f, f.c);
+	cr_assert_eq(h_stat(f.c, "inline_runs"), 0);
+	teardown(&f);
+}
+
+/*
+ * --threads 1: a run's OpenMP team is every core the daemon may use, so on a
+ * machine of two or more every run goes to the one graph runner
+ * (stats.runner_runs), none to the pool (docs/architecture.md, "Threads and
+ * ownership"); the numbers are those of the eager loop all the same.  On one
+ * core the team is one thread and the runs stay on the pool: the test says
+ * so and checks that instead.
+ */
+Test(requests, runs_with_an_openmp_team_go_to_the_graph_runner)
+{
+	static const char *const args[] = {"--no-probe", "--inline-run-us", "0", "--threads", "1",
+	                                   NULL};
+	struct fixture f;
+	cpu_set_t set;
+	int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+	uint64_t before;
+
+	setup(&f, args);
+	before = h_stat(f.c, "runner_runs");
+	for (int i = 0; i < 20; i++)
+		scan_ok(&f, f.c);
+	if (cpus >= 2) {
+		cr_assert_geq(h_stat(f.c, "runner_runs") - before, 20,
+		              "runs of a team left the runner");
+	} else {
+		fprintf(stderr,
+		        "runs_with_an_openmp_team_go_to_the_graph_runner: ONE CPU, the "
+		        "runner is not used (teams of one thread): checking that instead\n");
+		cr_assert_eq(h_stat(f.c, "runner_runs"), 0);
+	}
 	cr_assert_eq(h_stat(f.c, "inline_runs"), 0);
 	teardown(&f);
 }

@@ -78,6 +78,7 @@ static void close_graphs(void)
 {
 	adapter_clear(&d.graphs.reg);
 	compiler_stop(d.compiler);
+	runner_close(&d.graphs.runner);
 	uv_run(&loop, UV_RUN_DEFAULT);
 	cr_assert_eq(uv_loop_close(&loop), 0, "a libuv handle is still open");
 }
