@@ -15,14 +15,14 @@ static void *runner_main(void *arg)
 	for (;;) {
 		struct runner_item *it;
 
-		while (r->todo == NULL && !r->stop)
+		while (r->queue == NULL && !r->stop)
 			pthread_cond_wait(&r->wake, &r->lock);
-		if (r->todo == NULL)
+		if (r->queue == NULL)
 			break; /* stopping, and nothing left to run */
-		it = r->todo;
-		r->todo = it->next;
-		if (r->todo == NULL)
-			r->todo_tail = &r->todo;
+		it = r->queue;
+		r->queue = it->next;
+		if (r->queue == NULL)
+			r->queue_tail = &r->queue;
 		pthread_mutex_unlock(&r->lock);
 		it->work(it);
 		pthread_mutex_lock(&r->lock);
@@ -76,7 +76,7 @@ int runner_start(struct runner *r, uv_loop_t *loop)
 	int rc;
 
 	*r = (struct runner){.loop = loop};
-	r->todo_tail = &r->todo;
+	r->queue_tail = &r->queue;
 	r->ran_tail = &r->ran;
 	if (uv_async_init(loop, &r->async, on_ran) != 0)
 		return -1;
@@ -102,8 +102,8 @@ void runner_submit(struct runner *r, struct runner_item *it)
 		uv_ref((uv_handle_t *)&r->async);
 	it->next = NULL;
 	pthread_mutex_lock(&r->lock);
-	*r->todo_tail = it;
-	r->todo_tail = &it->next;
+	*r->queue_tail = it;
+	r->queue_tail = &it->next;
 	pthread_cond_signal(&r->wake);
 	pthread_mutex_unlock(&r->lock);
 }

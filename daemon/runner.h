@@ -33,7 +33,7 @@ struct runner {
 	pthread_mutex_t lock;
 	pthread_cond_t wake;
 	/* under lock: items to run, items run (for the loop), stop */
-	struct runner_item *todo, **todo_tail, *ran, **ran_tail;
+	struct runner_item *queue, **queue_tail, *ran, **ran_tail;
 	bool stop;
 	/* loop thread */
 	unsigned inflight; /* submitted, done not yet called: the loop stays alive */
