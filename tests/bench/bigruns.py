@@ -31,14 +31,18 @@ ITERS = 300
 def start(build: str, cache: str) -> tuple:
     tmp = tempfile.mkdtemp(prefix="tl-bigruns-")
     d = bench.Daemon(build, cache, tmp)
-    c = bench.Client(d.sock)
-    sos = {}
-    for n, t in SHAPES:
-        name = f"bench.big{n}x{t}"
-        bench.register(c, name)
-        bench.timed_scan(c, name, n, t)
-        sp = c.call("describe", name=name)["result"]["specializations"][0]
-        sos[(n, t)] = os.path.join(cache, "objects", sp["key"] + ".so")
+    try:
+        c = bench.Client(d.sock)
+        sos = {}
+        for n, t in SHAPES:
+            name = f"bench.big{n}x{t}"
+            bench.register(c, name)
+            bench.timed_scan(c, name, n, t)
+            sp = c.call("describe", name=name)["result"]["specializations"][0]
+            sos[(n, t)] = os.path.join(cache, "objects", sp["key"] + ".so")
+    except BaseException:
+        d.stop()  # never leave a daemon on the socket for the next measurement
+        raise
     return d, sos
 
 
@@ -77,7 +81,8 @@ def main() -> None:
             r["f_median"] = statistics.median(r["f"])
             r["ratio_median"] = statistics.median(f / c for f, c in zip(r["f"], r["c"]))
     b_median = {k: statistics.median(v) for k, v in res_b.items()}
-    doc = {"b": res_b, "b_median": b_median, "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    doc = {"b": res_b, "b_median": b_median, "started": started,
+           "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "rounds": rounds, "iters": ITERS,
            "against": sys.argv[sys.argv.index("--label") + 1] if "--label" in sys.argv else against, "results": res}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
