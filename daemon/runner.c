@@ -75,7 +75,7 @@ int runner_start(struct runner *r, uv_loop_t *loop)
 {
 	int rc;
 
-	*r = (struct runner){.loop = loop};
+	*r = (struct runner){0};
 	r->queue_tail = &r->queue;
 	r->ran_tail = &r->ran;
 	if (uv_async_init(loop, &r->async, on_ran) != 0)

@@ -6,10 +6,10 @@
  * stops spinning at barriers ("throttled": the workers sleep in futex waits
  * and every region pays their wake-up).  Graph runs spread over libuv's pool
  * made one pool of workers per pool thread, so a run on a 2-core machine
- * woke a cold worker every time (N = 4096, T = 128: 3-4x the in-process
- * run).  Runs with a team of more than one thread therefore all go to this
- * one thread: one master, cores - 1 workers, which spin between the runs of
- * a busy client.  Runs of one thread stay on the pool (they start no team).
+ * woke a cold worker every time (N = 4096, T = 128: 2.5x the in-process
+ * run in tests/bench/bigruns.py).  Runs with a team of more than one thread therefore all go to
+ * this one thread: one master, cores - 1 workers, which spin between the runs of a busy client.
+ * Runs of one thread stay on the pool (they start no team).
  *
  * Loop thread, except each item's work, which runs on the runner's thread.
  */
@@ -27,7 +27,6 @@ struct runner_item {
 };
 
 struct runner {
-	uv_loop_t *loop;
 	uv_async_t async;
 	pthread_t thread;
 	pthread_mutex_t lock;

@@ -169,7 +169,7 @@ Test(requests, inline_runs_can_be_switched_off)
  * --threads 1: a run's OpenMP team is every core the daemon may use, so on a
  * machine of two or more every run goes to the one graph runner
  * (stats.runner_runs), none to the pool (docs/architecture.md, "Threads and
- * ownership"); the numbers are those of the eager loop all the same.  On one
+ * ownership"); the numbers are the hand-computed ones all the same (scan_ok).  On one
  * core the team is one thread and the runs stay on the pool: the test says
  * so and checks that instead.
  */
