@@ -6,6 +6,7 @@
  */
 #include "torchloop.h"
 
+#include "busypoll.h"
 #include "frame.h"
 #include "msg.h"
 #include "shapes.h"
@@ -17,6 +18,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,6 +54,8 @@ struct tl_client {
 	uint64_t shm_threshold;
 	struct out_hint hints[TL_HINTS];
 	unsigned next_hint;
+	struct busypoll poll; /* waits for replies poll first (tl_set_busy_poll) */
+	bool poll_reply;      /* this request's reply is worth polling for */
 };
 
 struct tl_builder {
@@ -161,6 +165,9 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 		return fail(err, "IO", NULL, "out of memory");
 	}
 	c->fd = fd;
+	c->poll_reply = true;
+	const char *bp = getenv("TORCHLOOP_BUSY_POLL_US");
+	tl_set_busy_poll(c, bp && *bp ? atoi(bp) : TL_BUSY_POLL_US_DEFAULT);
 	*out = c;
 	ok(err);
 	return 0;
@@ -178,6 +185,16 @@ void tl_close(struct tl_client *c)
 void tl_set_timeout(struct tl_client *c, int timeout_ms)
 {
 	c->timeout_ms = timeout_ms;
+}
+
+void tl_set_busy_poll(struct tl_client *c, int us)
+{
+	cpu_set_t set;
+	int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+
+	if (us < 0 || cpus < 2) /* one CPU: the poller would hold the daemon off it */
+		us = 0;
+	busypoll_init(&c->poll, (uint64_t)(us > 1000 ? 1000 : us) * 1000);
 }
 
 void tl_set_progress(struct tl_client *c, tl_progress_fn fn, void *user)
@@ -403,18 +420,34 @@ static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, str
 	return 0;
 }
 
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, struct tl_error *err)
 {
-	for (;;) {
-		if (c->timeout_ms > 0 && wait_fd(c->fd, POLLIN, c->timeout_ms) == 0)
+	bool adapt = c->poll.max_ns > 0 && c->poll_reply;
+	uint64_t t0 = adapt ? now_ns() : 0;
+
+	/* poll first (proto/busypoll.h), then sleep in read(2) */
+	for (bool polling = adapt && c->poll.window_ns > 0;;) {
+		if (!polling && c->timeout_ms > 0 && wait_fd(c->fd, POLLIN, c->timeout_ms) == 0)
 			return fail(err, "IO", NULL, "no reply from torchloopd within %d ms",
 			            c->timeout_ms);
-		*got = read(c->fd, p, n);
-		if (*got < 0 && errno == EINTR)
+		*got = polling ? recv(c->fd, p, n, MSG_DONTWAIT) : read(c->fd, p, n);
+		if (*got < 0 && (errno == EINTR || (polling && errno == EAGAIN))) {
+			polling = polling && now_ns() - t0 < c->poll.window_ns;
 			continue;
+		}
 		if (*got <= 0)
 			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
 			            *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
+		if (!polling && adapt)
+			busypoll_update(&c->poll, false, now_ns() - t0);
 		return 0;
 	}
 }
@@ -857,7 +890,9 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 			writer_key_u64(&w, "min_bytes", c->shm_threshold);
 		}
 	}
+	c->poll_reply = w.pos + st.bytes < BUSYPOLL_MAX_REQUEST;
 	rc = roundtrip(c, &w, id, out, err);
+	c->poll_reply = true;
 	writer_destroy(&w);
 	for (size_t i = 0; i < st.n; i++)
 		shm_region_free(c->shm, st.blocks[i]);

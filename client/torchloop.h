@@ -48,6 +48,12 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 void tl_close(struct tl_client *c);
 /* Replies may wait for a compile: 0 (default) waits forever. */
 void tl_set_timeout(struct tl_client *c, int timeout_ms);
+/* Busy polling: after a request, poll the socket for up to us microseconds
+ * (adaptive, proto/busypoll.h) before sleeping in read(2); a reply that lands
+ * within it costs no wake-up.  Default: $TORCHLOOP_BUSY_POLL_US, else 50;
+ * at most 1000; 0 turns it off; off when the process may use one CPU only. */
+#define TL_BUSY_POLL_US_DEFAULT 50
+void tl_set_busy_poll(struct tl_client *c, int us);
 /* Called for each progress event (a compile the request waits on). */
 typedef void (*tl_progress_fn)(const char *event, const char *adapter, const char *signature,
                                double elapsed_seconds, void *user);

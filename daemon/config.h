@@ -35,6 +35,9 @@
 	  "seconds the thread pool may take to start a job before health reports it stalled")      \
 	X("inline-run-us", inline_run_us, 0, 50, 100000,                                           \
 	  "graphs measured at most this many microseconds run on the event loop (0: never)")       \
+	X("busy-poll-us", busy_poll_us, 0, 50, 1000,                                               \
+	  "microseconds the event loop polls for the next request before it sleeps, once every "   \
+	  "request is answered (adaptive; 0 or one core: never)")                                  \
 	X("quick-tier-steps", quick_tier_steps, 0, 32, 129,                                        \
 	  "unrolled graphs of this many steps or more are served by the scan op's graph while "    \
 	  "they compile (0 or 129: never)")                                                        \

@@ -127,6 +127,7 @@ struct daemon_stats {
 	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy;
 	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses;
 	uint64_t shm_attaches, shm_stray_fds;
+	uint64_t busy_polled; /* requests the loop found while polling (daemon_run) */
 	uint64_t error_codes[PROTO_E__COUNT];
 };
 
@@ -227,6 +228,9 @@ int registry_load_dir(struct daemon *d, const char *dir, bool reload,
 /* main(): before any thread exists (every thread inherits the blocked set). */
 int daemon_block_signals(struct daemon *d);
 int daemon_start(struct daemon *d);
+/* Runs the loop until nothing is left on it, polling for requests before it
+ * sleeps (--busy-poll-us, proto/busypoll.h). */
+void daemon_run(struct daemon *d);
 /* What the graph layer needs around it, without a socket (the unit tests use
  * these too): the ISA and worker hash of the cache keys, the cache. */
 int daemon_graphs_open(struct daemon *d);

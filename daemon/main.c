@@ -37,7 +37,7 @@ int main(int argc, char **argv)
 	d.dispatch = ops_dispatch;
 	if (daemon_start(&d) != 0)
 		d.exit_code = 1;
-	uv_run(d.loop, UV_RUN_DEFAULT);
+	daemon_run(&d);
 	/* what is left never held the loop: the signal thread's handle and the
 	 * exit timer (both unref'd) */
 	sigthread_stop(&d.sig);

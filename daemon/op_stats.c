@@ -5,7 +5,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 26);
+	struct outmsg *out = request_begin_result(req, 27);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -21,6 +21,7 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "inflight", d->inflight);
 	writer_key_u64(&out->w, "inline_runs", d->graphs.inline_runs);
 	writer_key_u64(&out->w, "runner_runs", d->graphs.runner_runs);
+	writer_key_u64(&out->w, "busy_polled", d->stats.busy_polled);
 	writer_key_u64(&out->w, "worker_restarts", compiler_restarts(d->compiler));
 	writer_key_u64(&out->w, "worker_start_failures", compiler_start_failures(d->compiler));
 	writer_key_u64(&out->w, "worker_orphans_killed", compiler_orphans_killed(d->compiler));

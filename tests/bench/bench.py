@@ -471,14 +471,57 @@ def plots(out_dir: str, rows: list[dict], thr: list[dict]) -> None:
     fig.savefig(os.path.join(out_dir, "throughput.png"), dpi=110)
 
 
+PARTS = ("latency", "threshold", "throughput", "floors", "pyclient", "callgrind", "memory", "starts")
+
+
 def main() -> None:
+    """usage: bench.py BUILD OUT_DIR [--quick] [--parts latency,pyclient,...]
+
+    --parts runs only the named parts (PARTS) and writes their bench.json
+    (with the machine and the run's start and end) to OUT_DIR, without
+    plots: a partial run is for a question of its own, not for report.py."""
     build, out_dir = sys.argv[1], sys.argv[2]
     quick = "--quick" in sys.argv
+    parts = PARTS
+    if "--parts" in sys.argv:
+        parts = tuple(sys.argv[sys.argv.index("--parts") + 1].split(","))
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            sys.exit(f"bench.py: unknown parts {sorted(unknown)}; parts are {', '.join(PARTS)}")
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="tl-bench-")
     cache = os.path.join(tmp, "cache")
-    result: dict = {"machine": machine(), "quick": quick}
+    result: dict = {"machine": machine(), "quick": quick,
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     d = Daemon(build, cache, tmp)
+    if parts != PARTS:
+        result["parts"] = list(parts)
+        try:
+            if "latency" in parts:
+                result["latency"] = latency(build, d, cache, tmp, quick)
+            if "threshold" in parts:
+                result["threshold"] = threshold(build, d, quick)
+            if "throughput" in parts:
+                result["throughput"] = throughput(build, d)
+            if "floors" in parts:
+                result["floors"] = floors(build, d, cache, tmp, quick)
+            if "pyclient" in parts:
+                if "latency" not in parts:
+                    register(Client(d.sock), "bench.cumsum")
+                result["pyclient"] = pyclient.measure(build, d.sock, "bench.cumsum", quick)
+        finally:
+            d.stop()
+        if "callgrind" in parts:
+            result["callgrind"] = callgrind_profile(build, cache, tmp)
+        if "memory" in parts:
+            result["memory"] = memory(build, tmp, cache)
+        if "starts" in parts:
+            result["starts"] = starts(build, tmp)
+        result["ended"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        with open(os.path.join(out_dir, "bench.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print("wrote", os.path.join(out_dir, "bench.json"))
+        return
     result["latency"] = latency(build, d, cache, tmp, quick)
     result["threshold"] = threshold(build, d, quick)
     result["throughput"] = throughput(build, d)

@@ -186,7 +186,8 @@ def latency_section(b: dict) -> str:
 `tests/bench/bench.py`: a cumulative sum (carry [N] float64, inputs [T, N]).
 p50 / p99 per call in µs over 1000 calls after 20 warm-up calls (200 for
 N = 1 048 576; 100 CLI calls there). The daemon runs with its defaults
-(`--threads` = cores, `--inline-run-us` = 50). {clipped} (f): the
+(`--threads` = cores, `--inline-run-us` = 50, `--busy-poll-us` = 50; the
+clients poll for their replies likewise, `TORCHLOOP_BUSY_POLL_US` unset). {clipped} (f): the
 connection's region holds the inputs (allocated there with `tl_shm_alloc`,
 so nothing is copied on the client's side) and the daemon writes the
 results into it; (g): `torchloop.Client` with its defaults, plain torch
@@ -570,21 +571,23 @@ def pyclient_section(b: dict) -> str:
         return ""
     w = pc["wall"]
     names = {"c": "libtorchloop (`bench_c`, (d))", "fast": "`torchloop.Client`, C codec ((g))",
+             "adapter": "`torchloop.loop_adapter(...).scan`, C codec",
              "python": "`torchloop.Client`, `_wire.py` only"}
+    kinds = [k for k in names if k in w["rounds"]]
     rows = [[names[k], us(w["median_p50_us"][k]), ", ".join(us(x) for x in w["rounds"][k])]
-            for k in ("c", "fast", "python")]
+            for k in kinds]
     ins = pc.get("instructions")
     out = f"""## The Python client's own cost
 
 `tests/bench/pyclient.py` (run by `make bench` against the same daemon):
-N = 4, T = 1 float64 scans of the cumulative sum, the three clients in turn,
+N = 4, T = 1 float64 scans of the cumulative sum, the clients in turn,
 p50 over {w['iters']} scans per round:
 
 {table(["client", "median p50 (µs)", "each round (µs)"], rows, "lrl")}
 """
     if ins:
         per = ins["per_scan"]
-        rows = [[names[k], grp(per[k]), grp(per[k] - per["c"])] for k in ("c", "fast", "python")]
+        rows = [[names[k], grp(per[k]), grp(per[k] - per["c"])] for k in kinds if k in per]
         out += f"""
 Instructions the client process executes per scan (callgrind, {ins['scans'][0]}
 and {ins['scans'][1]} scans, the difference divided: start-up cancels out, and

@@ -240,3 +240,37 @@ Test(requests, a_broken_frame_after_good_ones_in_one_read_answers_them_then_clos
 	scan_ok(&f, f.c);
 	teardown(&f);
 }
+
+/*
+ * Busy polling (--busy-poll-us, proto/busypoll.h; docs/operations.md): once
+ * every request is answered the loop polls for the next one before it
+ * sleeps, so requests one client sends back to back are found by polling
+ * (stats.busy_polled); with --busy-poll-us 0 none is.  The numbers are the
+ * hand-computed ones either way (scan_ok).  On one core the daemon never
+ * polls: the test says so and checks that instead.
+ */
+Test(requests, back_to_back_requests_are_found_by_the_polling_loop)
+{
+	static const char *const on[] = {"--no-probe", "--busy-poll-us", "1000", NULL};
+	static const char *const off[] = {"--no-probe", "--busy-poll-us", "0", NULL};
+	struct fixture f;
+	cpu_set_t set;
+	int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+
+	setup(&f, on);
+	for (int i = 0; i < 200; i++)
+		scan_ok(&f, f.c);
+	if (cpus >= 2) {
+		cr_assert_gt(h_stat(f.c, "busy_polled"), 0, "no request was found by polling");
+	} else {
+		fprintf(stderr, "back_to_back_requests_are_found_by_the_polling_loop: ONE CPU, "
+		                "the loop never polls: checking that instead\n");
+		cr_assert_eq(h_stat(f.c, "busy_polled"), 0);
+	}
+	teardown(&f);
+	setup(&f, off);
+	for (int i = 0; i < 20; i++)
+		scan_ok(&f, f.c);
+	cr_assert_eq(h_stat(f.c, "busy_polled"), 0);
+	teardown(&f);
+}

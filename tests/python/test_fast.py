@@ -18,7 +18,12 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import socket
 import struct
+import threading
+import time
+from typing import Any
 
 import msgpack
 import pytest
@@ -222,6 +227,326 @@ def test_replies_reuse_a_layout_only_when_every_structural_byte_matches() -> Non
     assert r.hits == 1 and out["result"]["outputs"][1] is False
     out = r.decode(reply(70003, a, b.double()))  # the same length, another dtype
     assert r.hits == 1 and out["result"]["outputs"][0].dtype == torch.float64
+
+
+# ---- _fast.Conn: a small request's whole round trip in C ---------------------
+#
+# A socketpair stands in for the daemon: the test reads the request the Conn
+# sent (decoded by the reference decoder) and writes reply frames built by the
+# reference encoder, whole, split byte by byte, or several in one write.
+
+def _frame(value) -> bytes:
+    enc = _wire.Encoder()
+    enc.value(value)
+    return b"".join(bytes(memoryview(b).cast("B")) for b in enc.frame())
+
+
+def _read_request(sock: socket.socket) -> dict:
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = sock.recv(n - len(out))
+            assert chunk, "the Conn closed the socket"
+            out += chunk
+        return out
+
+    (n,) = struct.unpack(">I", exact(4))
+    return _wire.decode(bytearray(exact(n)))
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _conn(sock: socket.socket, timeout_ms: int = -1):
+    return fast.Conn(sock.fileno(), timeout_ms, torchloop.ConnectionLost)
+
+
+def _serve(fn):
+    """Runs fn (the daemon's side) in a thread; join() re-raises its failure."""
+    box: dict = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["exc"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+
+    def join():
+        t.join(10)
+        assert not t.is_alive(), "the stand-in daemon hung"
+        if "exc" in box:
+            raise box["exc"]
+
+    return join
+
+
+def test_conn_returns_the_result_past_events_and_other_replies(pair) -> None:
+    a, b = pair
+    carry = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    want = {"carry": carry * 3, "outputs": (torch.ones(1, 2, dtype=torch.float32), None)}
+
+    def daemon():
+        req = _read_request(b)
+        assert req["op"] == "scan" and req["id"] == 70000
+        _same(req["carry"], carry)
+        # an event, a reply to an earlier request and the reply, in one write
+        b.sendall(_frame({"id": 70000, "event": "compiling", "adapter": "x"})
+                  + _frame({"id": 69999, "result": {"carry": None}})
+                  + _frame({"id": 70000, "result": want}))
+        req = _read_request(b)
+        for byte in _frame({"id": req["id"], "result": {"n": 7}}):  # split byte by byte
+            b.send(bytes([byte]))
+
+    join = _serve(daemon)
+    events: list = []
+    conn = _conn(a)
+    got = conn.call(70000, "scan", {"adapter": "x", "carry": carry, "inputs": None}, 4096, events.append)
+    _same(got, want)
+    assert events == [{"id": 70000, "event": "compiling", "adapter": "x"}]
+    assert conn.call(70001, "describe", {"name": "x"}, 4096, None) == {"n": 7}
+    join()
+
+
+def test_conn_reads_bodies_larger_than_its_stage_in_place(pair) -> None:
+    a, b = pair
+    big = torch.arange(10000, dtype=torch.float64)  # 80 000 bytes: past the 16 KiB stage
+
+    def daemon():
+        for _ in range(2):
+            req = _read_request(b)
+            # the reply and the next one's first bytes in one write: both
+            # the staged and the direct read of a large body are exercised
+            b.sendall(_frame({"id": req["id"], "result": {"t": big * req["id"]}}))
+
+    join = _serve(daemon)
+    conn = _conn(a)
+    for rid in (1, 2):
+        out = conn.call(rid, "scan", {}, 4096, None)
+        _same(out, {"t": big * rid})
+    join()
+    b.sendall(_frame({"id": 3, "event": "progress"}) + _frame({"x": big}))
+    assert _wire.decode(conn.recv_body()) == {"id": 3, "event": "progress"}
+    _same(_wire.decode(conn.recv_body()), {"x": big})
+
+
+def test_conn_gives_error_replies_back_whole(pair) -> None:
+    a, b = pair
+    error = {"code": "BAD_RANK", "message": "inputs must have a leading time axis", "path": "inputs[0]"}
+    conn = _conn(a)
+    b.sendall(_frame({"id": 5, "error": error}))
+    assert conn.call(5, "scan", {}, 4096, None) == ({"id": 5, "error": error},)
+    _read_request(b)
+    # a frame-level error (no id: the daemon could not read the request's) ends the wait too
+    b.sendall(_frame({"id": None, "error": {"code": "MSGPACK_INVALID", "message": "m"}}))
+    assert conn.call(6, "scan", {}, 4096, None)[0]["error"]["code"] == "MSGPACK_INVALID"
+    _read_request(b)
+    # a result that is not a map is the Client's to return as it is
+    b.sendall(_frame({"id": 7, "result": [1, 2]}))
+    assert conn.call(7, "list", {}, 4096, None) == ({"id": 7, "result": [1, 2]},)
+
+
+def test_conn_leaves_what_it_cannot_parse_to_the_reference_decoder(pair) -> None:
+    a, b = pair
+    body = b"\x82\xa2id\x05\xa6result\xc1"  # 0xc1 is never msgpack
+    b.sendall(struct.pack(">I", len(body)) + body)
+    out = _conn(a).call(5, "scan", {}, 4096, None)
+    assert type(out) is bytearray and out == body
+    with pytest.raises(ValueError, match="0xc1"):
+        _wire.decode(out)
+
+
+def test_conn_sends_nothing_for_what_the_c_encoder_hands_back(pair) -> None:
+    a, b = pair
+    conn = _conn(a)
+    assert conn.call(1, "scan", {"carry": torch.zeros(1024, dtype=torch.float64)}, 4096, None) is None
+    assert conn.call(2, "scan", {"carry": {1: 2}}, 4096, None) is None  # a key _wire.py refuses
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        b.recv(1)
+
+
+@pytest.mark.parametrize("case", ["closed", "closed mid-frame", "too large", "timeout"])
+def test_conn_raises_connection_lost(pair, case: str) -> None:
+    a, b = pair
+    if case == "closed":
+        b.shutdown(socket.SHUT_WR)  # the request is still written; its reply never comes
+    elif case == "closed mid-frame":
+        b.sendall(struct.pack(">I", 100) + b"\x80" * 10)
+        b.shutdown(socket.SHUT_WR)
+    elif case == "too large":
+        b.sendall(struct.pack(">I", _wire.FRAME_MAX + 1))
+    else:
+        a.settimeout(0.05)  # Python makes the descriptor non-blocking: Conn polls
+    conn = _conn(a, 50 if case == "timeout" else -1)
+    with pytest.raises(torchloop.ConnectionLost) as info:
+        conn.call(1, "health", {}, 4096, None)
+    want = {"closed": ("IO", "closed the connection"), "closed mid-frame": ("IO", "closed the connection"),
+            "too large": ("FRAME_TOO_LARGE", f"reply of {_wire.FRAME_MAX + 1} bytes"),
+            "timeout": ("IO", "read from torchloopd: timed out")}[case]
+    assert info.value.code == want[0] and want[1] in info.value.message
+
+
+def test_conn_write_to_a_closed_peer_raises_connection_lost(pair) -> None:
+    a, b = pair
+    b.close()
+    with pytest.raises(torchloop.ConnectionLost, match=r"write to torchloopd: \[Errno 32\]"):
+        _conn(a).call(1, "scan", {"x": torch.zeros(512, dtype=torch.float64)}, 1 << 20, None)
+
+
+def test_conn_runs_signal_handlers_while_it_waits(pair) -> None:
+    a, b = pair
+    # were EINTR retried without running the handler, the call would wait for
+    # this late reply and return it, and the test would fail instead of hang
+    late = threading.Timer(5, lambda: b.sendall(_frame({"id": 1, "result": {}})))
+    late.start()
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stop()
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Stop):
+            _conn(a).call(1, "health", {}, 4096, None)  # no reply ever: the handler ends the wait
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        late.cancel()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.03])
+def test_conn_busy_polls_then_sleeps(pair, delay: float) -> None:
+    """With a 1 ms busy-poll window a reply is found by polling (no delay)
+    or, 30 ms late, by the sleep that follows the window."""
+    a, b = pair
+
+    def daemon():
+        req = _read_request(b)
+        time.sleep(delay)
+        b.sendall(_frame({"id": req["id"], "result": {"late": delay}}))
+
+    join = _serve(daemon)
+    conn = fast.Conn(a.fileno(), -1, torchloop.ConnectionLost, 1000)
+    assert conn.call(9, "health", {}, 4096, None) == {"late": delay}
+    join()
+
+
+def test_conn_busy_poll_keeps_the_timeout(pair) -> None:
+    a, _b = pair
+    a.settimeout(0.05)
+    conn = fast.Conn(a.fileno(), 50, torchloop.ConnectionLost, 1000)
+    with pytest.raises(torchloop.ConnectionLost, match="timed out"):
+        conn.call(1, "health", {}, 4096, None)
+
+
+def test_client_busy_poll_setting(monkeypatch) -> None:
+    monkeypatch.setenv("TORCHLOOP_BUSY_POLL_US", "7")
+    multi = len(os.sched_getaffinity(0)) > 1
+    assert torchloop.Client("/nonexistent").busy_poll_us == (7 if multi else 0)
+    assert torchloop.Client("/nonexistent", busy_poll_us=0).busy_poll_us == 0
+    monkeypatch.delenv("TORCHLOOP_BUSY_POLL_US")
+    assert torchloop.Client("/nonexistent").busy_poll_us == (50 if multi else 0)
+
+
+def _stand_in(tmp_path, first) -> tuple[str, Any]:
+    """A stand-in daemon on a Unix socket for two connections: each says
+    hello; on the first, first(sock, request) answers the first request;
+    on the second, a scan's reply is carry + 1 and the inputs as outputs.
+    Returns the socket path and the join of the serving thread."""
+    path = str(tmp_path / "sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(2)
+
+    def daemon():
+        try:
+            for attempt in range(2):
+                s, _ = srv.accept()
+                hello = _read_request(s)
+                s.sendall(_frame({"id": hello["id"], "result": {"protocol": 1}}))
+                req = _read_request(s)
+                if attempt == 0:
+                    first(s, req)
+                else:
+                    s.sendall(_frame({"id": req["id"], "result": {"carry": req["carry"] + 1,
+                                                                  "outputs": req["inputs"]}}))
+                s.close()
+        finally:
+            srv.close()
+
+    return path, _serve(daemon)
+
+
+def test_client_over_conn_raises_errors_and_reconnects(tmp_path) -> None:
+    """torchloop.Client's quick path (scan through Conn.call) against a
+    stand-in daemon on a Unix socket: the error reply is raised as the
+    reference adapter's exception type with code and path; a lost connection
+    raises ConnectionLost, and the next call connects again."""
+    carry, xs = torch.zeros(2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+
+    def first(s, req):
+        s.sendall(_frame({"id": req["id"], "error": {"code": "BAD_RANK", "message": "m",
+                                                     "path": "inputs"}}))
+        _read_request(s)  # then the second scan's connection is lost
+
+    path, join = _stand_in(tmp_path, first)
+    c = torchloop.Client(path)
+    with pytest.raises(torchloop.TorchloopValueError) as info:
+        c.scan("x", carry, xs)
+    assert info.value.code == "BAD_RANK" and info.value.path == "inputs"
+    with pytest.raises(torchloop.ConnectionLost):
+        c.scan("x", carry, xs)
+    assert c._conn is None and c._sock is None
+    final, ys = c.scan("x", carry, xs)  # a new connection
+    _same(final, carry + 1)
+    _same(ys, xs)
+    c.close()
+    join()
+
+
+def test_client_interrupted_mid_request_connects_again(tmp_path) -> None:
+    """A signal handler's exception (Ctrl-C) while the client waits for a
+    reply leaves the connection's reply stream at an unknown point: the
+    client drops it, and the next call gets a connection of its own."""
+    carry, xs = torch.zeros(2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+
+    def first(s, req):  # half a reply, then nothing until the client leaves
+        s.sendall(_frame({"id": req["id"], "result": {"carry": carry}})[:9])
+        assert s.recv(1) == b""
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stop()
+
+    path, join = _stand_in(tmp_path, first)
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        c = torchloop.Client(path)
+        c._connect()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(Stop):
+            c.scan("x", carry, xs)
+        assert c._conn is None and c._sock is None
+        final, _ = c.scan("x", carry, xs)
+        _same(final, carry + 1)
+        c.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    join()
 
 
 # ---- end to end ------------------------------------------------------------------

@@ -16,12 +16,21 @@
  *       a reply body; tensors view body's bytes (numpy over the bytearray,
  *       then torch.from_numpy, as _wire._leaf does).
  *   setup(...) is called once by _wire.py with the torch and numpy objects.
+ *   Conn(fd, timeout_ms, lost, busy_poll_us=0): a small request's whole
+ *       round trip in one call (encode, send, read, decode; below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "busypoll.h" /* proto/: adaptive busy polling, shared with the daemon and libtorchloop */
 
 #define ALIGN      64
 #define FRAME_MAX  ((size_t)1 << 30)
@@ -35,7 +44,7 @@ static struct {
 	PyObject *from_numpy, *empty, *ndarray, *np_f32, *np_f64; /* torch, numpy */
 	PyObject *s_dtype, *s_is_cpu, *s_layout, *s_requires_grad, *s_shape;
 	PyObject *s_is_contiguous, *s_data_ptr, *s_detach, *s_contiguous;
-	PyObject *s_id, *s_op, *k_dtype;
+	PyObject *s_id, *s_op, *s_event, *s_error, *s_result, *k_dtype;
 	int ready;
 } G;
 
@@ -339,10 +348,46 @@ static int enc_value(struct buf *b, PyObject *v, int depth)
 	return 1; /* subclasses and other types: _wire.py */
 }
 
+/* The frame of {"id": id, "op": op, **fields} into b: 0, 1 (_wire.py must
+ * take over: nothing to send) or -1 with a Python error set.  b->limit is
+ * the largest tensor to copy in. */
+static int encode_request(struct buf *b, PyObject *id, PyObject *op, PyObject *fields)
+{
+	PyObject *key, *val;
+	Py_ssize_t pos = 0;
+	int rc;
+
+	if (PyDict_GetItemWithError(fields, G.s_id) != NULL ||
+	    PyDict_GetItemWithError(fields, G.s_op) != NULL)
+		return 1; /* keys that would repeat: _wire.py's dict merge decides */
+	if (PyErr_Occurred())
+		return -1;
+	rc = put(b, "\0\0\0\0", 4);
+	rc = rc ? rc : put_header(b, 0x80, 0xDF, PyDict_GET_SIZE(fields) + 2);
+	rc = rc ? rc : put_str(b, G.s_id);
+	rc = rc ? rc : (PyLong_CheckExact(id) ? put_int(b, id) : 1);
+	rc = rc ? rc : put_str(b, G.s_op);
+	rc = rc ? rc : put_str(b, op);
+	while (rc == 0 && PyDict_Next(fields, &pos, &key, &val)) {
+		if (!PyUnicode_CheckExact(key))
+			return 1;
+		rc = put_str(b, key);
+		rc = rc ? rc : enc_value(b, val, 1);
+	}
+	if (rc != 0)
+		return rc;
+	if (b->len - 4 > FRAME_MAX) /* _wire.py raises its error */
+		return 1;
+	uint32_t body = (uint32_t)(b->len - 4);
+	for (int i = 0; i < 4; i++)
+		b->p[i] = (char)(body >> (8 * (3 - i)));
+	return 0;
+}
+
 static PyObject *fast_encode(PyObject *self, PyObject *args)
 {
-	PyObject *id, *op, *fields, *key, *val;
-	Py_ssize_t limit, pos = 0;
+	PyObject *id, *op, *fields, *out = NULL;
+	Py_ssize_t limit;
 	struct buf b = {0};
 	int rc;
 
@@ -352,39 +397,11 @@ static PyObject *fast_encode(PyObject *self, PyObject *args)
 	if (!G.ready)
 		return PyErr_Format(PyExc_RuntimeError, "torchloop._fast.setup was not called");
 	b.limit = limit < 0 ? 0 : limit;
-	if (PyDict_GetItemWithError(fields, G.s_id) != NULL ||
-	    PyDict_GetItemWithError(fields, G.s_op) != NULL)
-		Py_RETURN_NONE; /* keys that would repeat: _wire.py's dict merge decides */
-	if (PyErr_Occurred())
-		return NULL;
-	rc = put(&b, "\0\0\0\0", 4);
-	rc = rc ? rc : put_header(&b, 0x80, 0xDF, PyDict_GET_SIZE(fields) + 2);
-	rc = rc ? rc : put_str(&b, G.s_id);
-	rc = rc ? rc : (PyLong_CheckExact(id) ? put_int(&b, id) : 1);
-	rc = rc ? rc : put_str(&b, G.s_op);
-	rc = rc ? rc : put_str(&b, op);
-	while (rc == 0 && PyDict_Next(fields, &pos, &key, &val)) {
-		if (!PyUnicode_CheckExact(key)) {
-			rc = 1;
-			break;
-		}
-		rc = put_str(&b, key);
-		rc = rc ? rc : enc_value(&b, val, 1);
-	}
-	if (rc != 0) {
-		PyMem_Free(b.p);
-		if (rc < 0)
-			return NULL;
-		Py_RETURN_NONE;
-	}
-	if (b.len - 4 > FRAME_MAX) { /* _wire.py raises its error */
-		PyMem_Free(b.p);
-		Py_RETURN_NONE;
-	}
-	uint32_t body = (uint32_t)(b.len - 4);
-	for (int i = 0; i < 4; i++)
-		b.p[i] = (char)(body >> (8 * (3 - i)));
-	PyObject *out = PyBytes_FromStringAndSize(b.p, (Py_ssize_t)b.len);
+	rc = encode_request(&b, id, op, fields);
+	if (rc == 0)
+		out = PyBytes_FromStringAndSize(b.p, (Py_ssize_t)b.len);
+	else if (rc > 0)
+		out = Py_NewRef(Py_None);
 	PyMem_Free(b.p);
 	return out;
 }
@@ -659,16 +676,14 @@ static PyObject *dec_value(struct rd *r, int depth)
 	return NULL; /* 0xc1 */
 }
 
-static PyObject *fast_decode(PyObject *self, PyObject *body)
+/* The value of a whole reply body (a bytearray); NULL with no error set when
+ * _wire.py must parse it (and say what is wrong), NULL with an error set
+ * for KeyboardInterrupt and the like. */
+static PyObject *decode_body(PyObject *body)
 {
 	struct rd r;
 	PyObject *v;
 
-	(void)self;
-	if (!PyByteArray_CheckExact(body))
-		return PyErr_Format(PyExc_TypeError, "decode takes a bytearray");
-	if (!G.ready)
-		return PyErr_Format(PyExc_RuntimeError, "torchloop._fast.setup was not called");
 	r.body = body;
 	r.p = (const unsigned char *)PyByteArray_AS_STRING(body);
 	r.len = (size_t)PyByteArray_GET_SIZE(body);
@@ -678,14 +693,376 @@ static PyObject *fast_decode(PyObject *self, PyObject *body)
 		Py_DECREF(v);
 		v = NULL;
 	}
-	if (v == NULL) { /* _wire.py parses it again and says what is wrong */
-		if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception))
-			return NULL; /* KeyboardInterrupt and the like */
+	if (v == NULL && PyErr_Occurred()) {
+		if (!PyErr_ExceptionMatches(PyExc_Exception))
+			return NULL;
 		PyErr_Clear();
-		Py_RETURN_NONE;
 	}
 	return v;
 }
+
+static PyObject *fast_decode(PyObject *self, PyObject *body)
+{
+	PyObject *v;
+
+	(void)self;
+	if (!PyByteArray_CheckExact(body))
+		return PyErr_Format(PyExc_TypeError, "decode takes a bytearray");
+	if (!G.ready)
+		return PyErr_Format(PyExc_RuntimeError, "torchloop._fast.setup was not called");
+	v = decode_body(body);
+	if (v == NULL && !PyErr_Occurred())
+		Py_RETURN_NONE;
+	return v;
+}
+
+/* ---- the connection ------------------------------------------------------------
+ *
+ * Conn(fd, timeout_ms, lost, busy_poll_us=0) reads and writes a connected
+ * socket it does not own (the Client's socket object keeps it open), so that
+ * a small request's whole round trip is one call from Python:
+ *
+ *   call(id, op, fields, limit, on_event) -> dict | tuple | bytearray | None
+ *       None: the request needs _wire.py (nothing was sent).  Otherwise it is
+ *       sent and frames are read up to the reply whose "id" is id, or a
+ *       frame-level error (an "error" with no id).  Event frames go to
+ *       on_event (when not None); replies to other ids are skipped.  The
+ *       usual end is the reply's "result" map (a dict); an error reply (or a
+ *       result that is not a map) comes back as the 1-tuple (reply,), and a
+ *       frame the C decoder cannot parse as its body, for _wire.py to parse
+ *       (and to say what is wrong).
+ *   recv_body() -> bytearray
+ *       the body of the next frame.
+ *
+ * Both read through one staging buffer: a small frame arrives in one recv,
+ * bytes past it stay staged for the next frame; a body of STAGE bytes or
+ * more is read straight into its own bytearray.  A socket with a timeout is
+ * non-blocking (Python's settimeout): a wait longer than timeout_ms raises
+ * lost("IO", "... timed out").  The GIL is released around every system
+ * call; a signal (EINTR) runs Python's handlers, and a handler's exception
+ * ends the call.  Broken connections raise lost("IO", message), a reply over
+ * the frame limit lost("FRAME_TOO_LARGE", message): the Client drops the
+ * connection on either.  A wait for bytes polls the socket for up to
+ * busy_poll_us first (adaptive, proto/busypoll.h; 0: never). */
+
+#define STAGE 16384
+
+typedef struct {
+	PyObject_HEAD
+	int fd;
+	int timeout_ms; /* -1: block */
+	PyObject *lost; /* the exception type raised when the connection is unusable */
+	unsigned char *stage;
+	size_t off, len;      /* the staged bytes: stage[off, off + len) */
+	struct busypoll poll; /* a wait for a reply polls first */
+	int poll_reply;       /* ... when this request is small (call); recv_body: never */
+} Conn;
+
+static int lost(Conn *c, const char *code, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+	va_end(ap);
+	if (msg == NULL)
+		return -1;
+	PyObject *exc = PyObject_CallFunction(c->lost, "sO", code, msg);
+	Py_DECREF(msg);
+	if (exc != NULL) {
+		PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+		Py_DECREF(exc);
+	}
+	return -1;
+}
+
+static int lost_errno(Conn *c, const char *what, int err)
+{
+	return lost(c, "IO", "%s torchloopd: [Errno %d] %s", what, err, strerror(err));
+}
+
+/* After EAGAIN: waits for the socket (GIL released); 0, or -1 raised. */
+static int conn_wait(Conn *c, short events, const char *what)
+{
+	struct pollfd p = {.fd = c->fd, .events = events};
+	int n, err;
+
+	for (;;) {
+		PyThreadState *ts = PyEval_SaveThread();
+		n = poll(&p, 1, c->timeout_ms);
+		err = errno;
+		PyEval_RestoreThread(ts);
+		if (n > 0)
+			return 0;
+		if (n == 0)
+			return lost(c, "IO", "%s torchloopd: timed out", what);
+		if (err != EINTR)
+			return lost_errno(c, what, err);
+		if (PyErr_CheckSignals() != 0)
+			return -1;
+	}
+}
+
+/* What a failed send/recv means: 0 to try again, or -1 raised. */
+static int conn_retry(Conn *c, int err, short events, const char *what)
+{
+	if (err == EINTR)
+		return PyErr_CheckSignals() != 0 ? -1 : 0;
+	if (err == EAGAIN || err == EWOULDBLOCK)
+		return conn_wait(c, events, what);
+	return lost_errno(c, what, err);
+}
+
+static int conn_send(Conn *c, const char *p, size_t n)
+{
+	while (n > 0) {
+		ssize_t k;
+		int err;
+		PyThreadState *ts = PyEval_SaveThread();
+		k = send(c->fd, p, n, MSG_NOSIGNAL);
+		err = errno;
+		PyEval_RestoreThread(ts);
+		if (k >= 0) {
+			p += k;
+			n -= (size_t)k;
+		} else if (conn_retry(c, err, POLLOUT, "write to") != 0) {
+			return -1;
+		}
+	}
+	return 0;
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* One recv into p (at most n bytes): how many came (at least one), or -1
+ * raised.  Polls the socket for the busy-poll window first (GIL released). */
+static ssize_t conn_recv(Conn *c, void *p, size_t n)
+{
+	int adapt = c->poll.max_ns > 0 && c->poll_reply;
+	uint64_t t0 = adapt ? now_ns() : 0;
+	int polling = adapt && c->poll.window_ns > 0;
+
+	for (;;) {
+		ssize_t k;
+		int err;
+		PyThreadState *ts = PyEval_SaveThread();
+		do
+			k = recv(c->fd, p, n, polling ? MSG_DONTWAIT : 0);
+		while (polling && k < 0 && errno == EAGAIN && now_ns() - t0 < c->poll.window_ns);
+		err = errno;
+		PyEval_RestoreThread(ts);
+		if (k > 0) {
+			if (!polling && adapt)
+				busypoll_update(&c->poll, false, now_ns() - t0);
+			return k;
+		}
+		if (k == 0)
+			return lost(c, "IO", "torchloopd closed the connection");
+		if (polling && err == EAGAIN)
+			polling = 0; /* nothing yet: sleep (or wait out the timeout) */
+		else if (conn_retry(c, err, POLLIN, "read from") != 0)
+			return -1;
+	}
+}
+
+static PyObject *conn_body(Conn *c)
+{
+	while (c->len < 4) { /* the length: move what is staged to the front, read more */
+		memmove(c->stage, c->stage + c->off, c->len);
+		c->off = 0;
+		ssize_t k = conn_recv(c, c->stage + c->len, STAGE - c->len);
+		if (k < 0)
+			return NULL;
+		c->len += (size_t)k;
+	}
+	const unsigned char *h = c->stage + c->off;
+	size_t length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | h[3];
+	if (length > FRAME_MAX) {
+		lost(c, "FRAME_TOO_LARGE", "reply of %zu bytes", length);
+		return NULL;
+	}
+	c->off += 4;
+	c->len -= 4;
+	PyObject *body = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)length);
+	if (body == NULL)
+		return NULL;
+	unsigned char *dst = (unsigned char *)PyByteArray_AS_STRING(body);
+	size_t got = 0;
+	for (;;) {
+		size_t k = c->len < length - got ? c->len : length - got;
+		memcpy(dst + got, c->stage + c->off, k);
+		got += k;
+		c->off += k;
+		c->len -= k;
+		if (got == length)
+			return body;
+		ssize_t n; /* nothing is staged now */
+		if (length - got >= STAGE) {
+			n = conn_recv(c, dst + got, length - got);
+			if (n > 0)
+				got += (size_t)n;
+		} else {
+			n = conn_recv(c, c->stage, STAGE);
+			c->off = 0;
+			c->len = n > 0 ? (size_t)n : 0;
+		}
+		if (n < 0) {
+			Py_DECREF(body);
+			return NULL;
+		}
+		if (got == length)
+			return body;
+	}
+}
+
+static PyObject *conn_recv_body(PyObject *self, PyObject *unused)
+{
+	(void)unused;
+	((Conn *)self)->poll_reply = 0; /* _wire.py's requests: large tensors, shared memory */
+	return conn_body((Conn *)self);
+}
+
+static PyObject *conn_call(PyObject *self, PyObject *args)
+{
+	Conn *c = (Conn *)self;
+	PyObject *id, *op, *fields, *on_event;
+	Py_ssize_t limit;
+	struct buf b = {0};
+
+	if (!PyArg_ParseTuple(args, "OUO!nO", &id, &op, &PyDict_Type, &fields, &limit, &on_event))
+		return NULL;
+	if (!G.ready)
+		return PyErr_Format(PyExc_RuntimeError, "torchloop._fast.setup was not called");
+	b.limit = limit < 0 ? 0 : limit;
+	int rc = encode_request(&b, id, op, fields);
+	c->poll_reply = b.len < BUSYPOLL_MAX_REQUEST;
+	if (rc == 0)
+		rc = conn_send(c, b.p, b.len);
+	PyMem_Free(b.p);
+	if (rc != 0)
+		return rc > 0 ? Py_NewRef(Py_None) : NULL;
+	for (;;) {
+		PyObject *body = conn_body(c);
+		if (body == NULL)
+			return NULL;
+		PyObject *msg = decode_body(body);
+		if (msg == NULL || !PyDict_CheckExact(msg)) {
+			if (msg == NULL && PyErr_Occurred()) {
+				Py_DECREF(body);
+				return NULL;
+			}
+			Py_XDECREF(msg);
+			return body; /* _wire.py parses it and says what is wrong */
+		}
+		Py_DECREF(body);
+		PyObject *event = PyDict_GetItemWithError(msg, G.s_event);
+		if (event == NULL && PyErr_Occurred())
+			goto fail;
+		if (event != NULL) {
+			if (on_event != Py_None) {
+				PyObject *r = PyObject_CallOneArg(on_event, msg);
+				if (r == NULL)
+					goto fail;
+				Py_DECREF(r);
+			}
+			Py_DECREF(msg);
+			continue;
+		}
+		PyObject *rid = PyDict_GetItemWithError(msg, G.s_id);
+		if (rid == NULL && PyErr_Occurred())
+			goto fail;
+		int mine = rid != NULL ? PyObject_RichCompareBool(rid, id, Py_EQ) : 0;
+		int err = mine >= 0 ? PyDict_Contains(msg, G.s_error) : -1;
+		if (err < 0)
+			goto fail;
+		if (mine && !err) {
+			PyObject *result = PyDict_GetItemWithError(msg, G.s_result);
+			if (result == NULL && PyErr_Occurred())
+				goto fail;
+			if (result == NULL || PyDict_CheckExact(result)) {
+				result = result ? Py_NewRef(result) : PyDict_New();
+				Py_DECREF(msg);
+				return result;
+			}
+		}
+		if (mine || (err && (rid == NULL || rid == Py_None))) {
+			/* its error, or a frame-level error, or an odd result: the
+			 * Client's to raise or return */
+			PyObject *t = PyTuple_Pack(1, msg);
+			Py_DECREF(msg);
+			return t;
+		}
+		Py_DECREF(msg); /* a reply to an earlier request: skipped */
+		continue;
+	fail:
+		Py_DECREF(msg);
+		return NULL;
+	}
+}
+
+static int conn_init(PyObject *self, PyObject *args, PyObject *kwds)
+{
+	Conn *c = (Conn *)self;
+	int fd, timeout_ms, busy_poll_us = 0;
+	PyObject *exc;
+	static char *kwlist[] = {"fd", "timeout_ms", "lost", "busy_poll_us", NULL};
+
+	if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiO|i", kwlist, &fd, &timeout_ms, &exc,
+	                                 &busy_poll_us))
+		return -1;
+	if (fd < 0) {
+		PyErr_SetString(PyExc_ValueError, "Conn needs a connected socket's descriptor");
+		return -1;
+	}
+	if (c->stage == NULL && (c->stage = PyMem_Malloc(STAGE)) == NULL) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	c->fd = fd;
+	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
+	c->off = c->len = 0;
+	busy_poll_us = busy_poll_us < 0 ? 0 : busy_poll_us > 1000 ? 1000 : busy_poll_us;
+	busypoll_init(&c->poll, (uint64_t)busy_poll_us * 1000);
+	Py_INCREF(exc);
+	Py_XSETREF(c->lost, exc);
+	return 0;
+}
+
+static void conn_dealloc(PyObject *self)
+{
+	Conn *c = (Conn *)self;
+
+	PyTypeObject *type = Py_TYPE(self); /* a heap type: its instances hold it */
+
+	Py_XDECREF(c->lost);
+	PyMem_Free(c->stage);
+	type->tp_free(self);
+	Py_DECREF(type);
+}
+
+static PyMethodDef conn_methods[] = {
+    {"call", conn_call, METH_VARARGS,
+     "call(id, op, fields, limit, on_event) -> dict | tuple | bytearray | None"},
+    {"recv_body", conn_recv_body, METH_NOARGS, "recv_body() -> bytearray: the next frame's body"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot conn_slots[] = {
+    {Py_tp_doc, "One request's round trip on a connected socket (see _fast.c)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, conn_init},
+    {Py_tp_dealloc, conn_dealloc},
+    {Py_tp_methods, conn_methods},
+    {0, NULL},
+};
+
+static PyType_Spec conn_spec = {"torchloop._fast.Conn", sizeof(Conn), 0, Py_TPFLAGS_DEFAULT,
+                                conn_slots};
 
 /* ---- set-up ----------------------------------------------------------------- */
 
@@ -718,6 +1095,9 @@ static PyObject *fast_setup(PyObject *self, PyObject *args)
 	INTERN(s_contiguous, "contiguous")
 	INTERN(s_id, "id")
 	INTERN(s_op, "op")
+	INTERN(s_event, "event")
+	INTERN(s_error, "error")
+	INTERN(s_result, "result")
 	INTERN(k_dtype, "dtype")
 #undef INTERN
 	G.ready = 1;
@@ -740,5 +1120,12 @@ PyMODINIT_FUNC PyInit__fast(void)
 	if (TUPLE_MARK == NULL &&
 	    (TUPLE_MARK = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type)) == NULL)
 		return NULL;
-	return PyModule_Create(&module);
+	PyObject *m = PyModule_Create(&module);
+	PyObject *conn = m != NULL ? PyType_FromSpec(&conn_spec) : NULL;
+	if (conn == NULL || PyModule_AddObject(m, "Conn", conn) < 0) {
+		Py_XDECREF(conn);
+		Py_XDECREF(m);
+		return NULL;
+	}
+	return m;
 }

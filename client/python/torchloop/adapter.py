@@ -126,14 +126,24 @@ class _Driver:
         self.client = Client(socket)
         self.name = name
         self.registered: dict[tuple[str, str], str] = {}
+        # body function -> adapter name: reading a module's source per scan
+        # (inspect.getsource) cost about 10 µs of a 30 µs small scan
+        self.by_body: dict[Callable[..., Any], str] = {}
         self.lock = threading.Lock()
 
     def adapter_for(self, body: Callable[..., Any]) -> str:
+        try:  # a body seen before: its module's source is not read again
+            name = self.by_body.get(body)
+        except TypeError:  # an unhashable callable: body_source says what is wrong
+            name = None
+        if name is not None:
+            return name
         source, entry = body_source(body)
         with self.lock:
             key = (source, entry)
             if key not in self.registered:
                 self.registered[key] = self._register(source, entry, getattr(body, "__module__", ""))
+            self.by_body[body] = self.registered[key]
             return self.registered[key]
 
     def _register(self, source: str, entry: str, module: str) -> str:
@@ -159,6 +169,7 @@ class _Driver:
                 raise
             with self.lock:
                 self.registered = {k: v for k, v in self.registered.items() if v != name}
+                self.by_body = {k: v for k, v in self.by_body.items() if v != name}
             return self.client.call(op, adapter=self.adapter_for(body), **fields)
 
     def scan(self, body: Callable[..., Any], carry: Any, inputs: Any) -> tuple[Any, Any]:

@@ -36,6 +36,9 @@ SHM_DEFAULT = 64 << 20
 # Tensors below this many bytes travel inline: measured by `make bench`
 # (tests/bench/bench.py --threshold; docs/performance.md).
 SHM_THRESHOLD = 128 << 10
+# A wait for a reply polls the socket this long before it sleeps (adaptive;
+# libtorchloop's TL_BUSY_POLL_US_DEFAULT; docs/python.md, the Client section)
+BUSY_POLL_US = 50
 _LENGTH = struct.Struct(">I")
 _FIRST_ID = 1 << 16
 
@@ -66,9 +69,14 @@ class Client:
     """One connection; methods send one request and wait for its reply."""
 
     def __init__(self, socket: str | None = None, timeout: float | None = None, *,
-                 shm: int | None = None, shm_threshold: int = SHM_THRESHOLD) -> None:
+                 shm: int | None = None, shm_threshold: int = SHM_THRESHOLD,
+                 busy_poll_us: int | None = None) -> None:
         self.path = socket or default_socket()
         self.timeout = timeout
+        if busy_poll_us is None:
+            busy_poll_us = int(os.environ.get("TORCHLOOP_BUSY_POLL_US") or BUSY_POLL_US)
+        # one CPU: the poller would hold the daemon off it
+        self.busy_poll_us = busy_poll_us if len(os.sched_getaffinity(0)) > 1 else 0
         self._sock: _socket.socket | None = None
         self._pid = 0
         # request ids count from 2**16 so that each is a 5-byte uint32 in a
@@ -87,6 +95,10 @@ class Client:
         self._stage = bytearray(16384)
         self._staged = memoryview(b"")
         self._replies = _wire.Replies()
+        # with the C codec, frames are read (and small requests' whole round
+        # trips made) by _fast.Conn on the socket's descriptor, through its
+        # own staging buffer; _stage and _staged serve _wire.py alone
+        self._conn: Any = None
 
     # ---- the connection -------------------------------------------------
 
@@ -104,6 +116,10 @@ class Client:
             raise ConnectionLost("IO", f"cannot connect to torchloopd at {self.path}: {exc}") from exc
         self._sock, self._pid = sock, os.getpid()
         self._staged = memoryview(b"")
+        self._conn = None
+        if _wire.fast is not None:
+            ms = -1 if self.timeout is None else max(0, round(self.timeout * 1000))
+            self._conn = _wire.fast.Conn(sock.fileno(), ms, ConnectionLost, self.busy_poll_us)
         self._hello()
         return sock
 
@@ -116,6 +132,7 @@ class Client:
         if self._sock is not None and self._pid == os.getpid():
             self._sock.close()
         self._sock = None
+        self._conn = None
         self._region = None  # results still viewing it keep the mapping alive
 
     def __enter__(self) -> "Client":
@@ -185,6 +202,13 @@ class Client:
                 self._staged = memoryview(self._stage)[:n]
 
     def _recv(self, area: Any = None) -> dict:
+        if self._conn is not None:
+            try:
+                body = self._conn.recv_body()
+            except BaseException:  # lost, or a signal handler's exception mid-frame:
+                self._drop()  # where the next frame starts is unknown
+                raise
+            return self._decode(body, area)
         staged = self._staged
         if not staged.nbytes:
             staged = memoryview(self._stage)[:self._recv_some(memoryview(self._stage))]
@@ -219,22 +243,53 @@ class Client:
         if self._sock is not None:
             self._sock.close()
         self._sock = None
+        self._conn = None
         self._region = None
         self._staged = memoryview(b"")
 
     def _roundtrip(self, op: str, fields: dict[str, Any], *, place: Any = None,
                    area: Any = None, fd: int | None = None) -> dict:
         rid = self._new_id()
-        frame = None
-        if place is None and fd is None and _wire.fast is not None:
-            frame = _wire.fast.encode(rid, op, fields, _wire.FAST_LIMIT)
-        if frame is not None:
-            buffers = [frame]
-        else:
-            enc = _wire.Encoder(place)
-            enc.value({"id": rid, "op": op, **fields})
-            buffers = enc.frame()
-        return self._exchange(buffers, rid, area, fd)
+        if place is None and fd is None and self._conn is not None:
+            result = self._conn_call(rid, op, fields, _wire.FAST_LIMIT)
+            if result is not None:
+                return result
+        enc = _wire.Encoder(place)
+        enc.value({"id": rid, "op": op, **fields})
+        return self._exchange(enc.frame(), rid, area, fd)
+
+    def _conn_call(self, rid: int, op: str, fields: dict[str, Any], limit: int) -> dict | None:
+        """The round trip in C (_fast.Conn.call): the result map, or None when
+        the request needs _wire.py (nothing was sent)."""
+        try:
+            out = self._conn.call(rid, op, fields, limit, self.on_event)
+        except BaseException:  # lost, or interrupted (Ctrl-C) with the reply
+            self._drop()  # unread or half read: the next call connects again
+            raise
+        if out is None or type(out) is dict:
+            return out
+        return self._settle(rid, out)
+
+    def _settle(self, rid: int, out: Any) -> dict:
+        """What Conn.call returned when it was not a result: an error reply
+        (raised) or a body the C decoder left to _wire.py."""
+        reply = out[0] if type(out) is tuple else self._decode(out, None)
+        return self._reply(rid, None, reply)
+
+    def _quick(self, op: str, fields: dict[str, Any]) -> dict | None:
+        """A scan or grad whose tensors all travel inline, in one C call on a
+        connection already made: its result map, or None when the request
+        needs the general path (call()), with nothing sent."""
+        with self._lock:
+            conn = self._conn
+            if conn is None or self._pid != os.getpid():
+                return None
+            if self._hints and self._hints.get((fields["adapter"], op)):
+                return None  # it wants an output area in the region
+            limit = _wire.FAST_LIMIT
+            if self.shm_size > 0 and self.shm_threshold <= limit:
+                limit = self.shm_threshold - 1
+            return self._conn_call(self._new_id(), op, fields, limit)
 
     def _new_id(self) -> int:
         self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFFF else _FIRST_ID
@@ -243,22 +298,31 @@ class Client:
     def _exchange(self, buffers: list[Any], rid: int, area: Any = None, fd: int | None = None) -> dict:
         """Sends one request's frame and reads frames up to its reply."""
         self._send(buffers, fd)
+        return self._reply(rid, area, None)
+
+    def _reply(self, rid: int, area: Any, reply: dict | None) -> dict:
+        """Reads frames (after `reply`, when one is in hand) up to the reply
+        to rid: its result map, or its error raised."""
         while True:
-            reply = self._recv(area)
+            if reply is None:
+                reply = self._recv(area)
             if "event" in reply:
                 if self.on_event is not None:
                     self.on_event(reply)
-                continue
-            if reply.get("id") != rid:
-                if "error" in reply and reply.get("id") is None:
-                    raise from_reply(reply["error"])  # a frame-level error
-                continue
-            if "error" in reply:
-                raise from_reply(reply["error"])
-            return reply.get("result", {})
+            elif reply.get("id") == rid:
+                if "error" in reply:
+                    raise from_reply(reply["error"])
+                return reply.get("result", {})
+            elif "error" in reply and reply.get("id") is None:
+                raise from_reply(reply["error"])  # a frame-level error
+            reply = None
 
     def call(self, op: str, **fields: Any) -> dict:
         """Sends one request and returns its result map (raises on an error reply)."""
+        if op in ("scan", "grad") and "adapter" in fields:
+            result = self._quick(op, fields)
+            if result is not None:
+                return result
         with self._lock:
             if self._sock is None or self._pid != os.getpid():
                 self._connect()
@@ -291,13 +355,12 @@ class Client:
     def _tensor_call(self, op: str, fields: dict[str, Any]) -> dict:
         threshold = self.shm_threshold
         key = (str(fields.get("adapter")), op)
-        if _wire.fast is not None and not self._hints.get(key):
+        if self._conn is not None and not self._hints.get(key):
             # every tensor below the threshold (the C codec refuses larger
             # ones) and no output area wanted: an inline request like any other
-            rid = self._new_id()
-            frame = _wire.fast.encode(rid, op, fields, min(_wire.FAST_LIMIT, threshold - 1))
-            if frame is not None:
-                return self._exchange([frame], rid)
+            result = self._conn_call(self._new_id(), op, fields, min(_wire.FAST_LIMIT, threshold - 1))
+            if result is not None:
+                return result
         trees = [fields.get(k) for k in ("carry", "inputs", "cot_carry", "cot_outputs")]
         need = sum(_ref_bytes(t, threshold) for t in trees)
         region = self._attach(need)
@@ -376,11 +439,16 @@ class Client:
 
     def scan(self, adapter: str, carry: Any, inputs: Any) -> tuple[Any, Any]:
         """(final carry, stacked outputs) for one scan; trees keep their structure."""
-        res = self.call("scan", adapter=adapter, carry=carry, inputs=inputs)
+        fields = {"adapter": adapter, "carry": carry, "inputs": inputs}
+        res = self._quick("scan", fields)
+        if res is None:
+            res = self.call("scan", **fields)
         return res["carry"], res["outputs"]
 
     def grad(self, adapter: str, carry: Any, inputs: Any, cot_carry: Any = None,
              cot_outputs: Any = None) -> dict:
         """The scan and its vector-Jacobian product: keys carry, outputs, grad_carry, grad_inputs."""
-        return self.call("grad", adapter=adapter, carry=carry, inputs=inputs,
-                         cot_carry=cot_carry, cot_outputs=cot_outputs)
+        fields = {"adapter": adapter, "carry": carry, "inputs": inputs, "cot_carry": cot_carry,
+                  "cot_outputs": cot_outputs}
+        res = self._quick("grad", fields)
+        return res if res is not None else self.call("grad", **fields)
