@@ -276,10 +276,11 @@ class Client:
         reply = out[0] if type(out) is tuple else self._decode(out, None)
         return self._reply(rid, None, reply)
 
-    def _quick(self, op: str, fields: dict[str, Any]) -> dict | None:
+    def _quick(self, op: str, fields: dict[str, Any]) -> dict | None | bool:
         """A scan or grad whose tensors all travel inline, in one C call on a
-        connection already made: its result map, or None when the request
-        needs the general path (call()), with nothing sent."""
+        connection already made: its result map; None when it did not try
+        (no connection yet, an output area wanted), False when the C encoder
+        handed the request back (a large tensor); nothing sent either way."""
         with self._lock:
             conn = self._conn
             if conn is None or self._pid != os.getpid():
@@ -289,7 +290,8 @@ class Client:
             limit = _wire.FAST_LIMIT
             if self.shm_size > 0 and self.shm_threshold <= limit:
                 limit = self.shm_threshold - 1
-            return self._conn_call(self._new_id(), op, fields, limit)
+            result = self._conn_call(self._new_id(), op, fields, limit)
+            return False if result is None else result
 
     def _new_id(self) -> int:
         self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFFF else _FIRST_ID
@@ -319,15 +321,19 @@ class Client:
 
     def call(self, op: str, **fields: Any) -> dict:
         """Sends one request and returns its result map (raises on an error reply)."""
-        if op in ("scan", "grad") and "adapter" in fields:
-            result = self._quick(op, fields)
-            if result is not None:
-                return result
+        quick = self._quick(op, fields) if op in ("scan", "grad") and "adapter" in fields else None
+        if quick is not None and quick is not False:
+            return quick
+        return self._general(op, fields, quick is False)
+
+    def _general(self, op: str, fields: dict[str, Any], declined: bool = False) -> dict:
+        """call() past the quick path (declined: it tried, and the C encoder
+        handed the request back)."""
         with self._lock:
             if self._sock is None or self._pid != os.getpid():
                 self._connect()
             if op in ("scan", "grad") and self.shm_size > 0:
-                return self._tensor_call(op, fields)
+                return self._tensor_call(op, fields, declined)
             return self._roundtrip(op, fields)
 
     # ---- shared memory ------------------------------------------------------
@@ -352,10 +358,10 @@ class Client:
         self._region = region
         return region
 
-    def _tensor_call(self, op: str, fields: dict[str, Any]) -> dict:
+    def _tensor_call(self, op: str, fields: dict[str, Any], declined: bool = False) -> dict:
         threshold = self.shm_threshold
         key = (str(fields.get("adapter")), op)
-        if self._conn is not None and not self._hints.get(key):
+        if self._conn is not None and not declined and not self._hints.get(key):
             # every tensor below the threshold (the C codec refuses larger
             # ones) and no output area wanted: an inline request like any other
             result = self._conn_call(self._new_id(), op, fields, min(_wire.FAST_LIMIT, threshold - 1))
@@ -441,8 +447,8 @@ class Client:
         """(final carry, stacked outputs) for one scan; trees keep their structure."""
         fields = {"adapter": adapter, "carry": carry, "inputs": inputs}
         res = self._quick("scan", fields)
-        if res is None:
-            res = self.call("scan", **fields)
+        if res is None or res is False:
+            res = self._general("scan", fields, res is False)
         return res["carry"], res["outputs"]
 
     def grad(self, adapter: str, carry: Any, inputs: Any, cot_carry: Any = None,
@@ -451,4 +457,6 @@ class Client:
         fields = {"adapter": adapter, "carry": carry, "inputs": inputs, "cot_carry": cot_carry,
                   "cot_outputs": cot_outputs}
         res = self._quick("grad", fields)
-        return res if res is not None else self.call("grad", **fields)
+        if res is None or res is False:
+            res = self._general("grad", fields, res is False)
+        return res
