@@ -420,18 +420,10 @@ static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, str
 	return 0;
 }
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, struct tl_error *err)
 {
 	bool adapt = c->poll.max_ns > 0 && c->poll_reply;
-	uint64_t t0 = adapt ? now_ns() : 0;
+	uint64_t t0 = adapt ? busypoll_now_ns() : 0;
 
 	/* poll first (proto/busypoll.h), then sleep in read(2) */
 	for (bool polling = adapt && c->poll.window_ns > 0;;) {
@@ -440,14 +432,14 @@ static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, st
 			            c->timeout_ms);
 		*got = polling ? recv(c->fd, p, n, MSG_DONTWAIT) : read(c->fd, p, n);
 		if (*got < 0 && (errno == EINTR || (polling && errno == EAGAIN))) {
-			polling = polling && now_ns() - t0 < c->poll.window_ns;
+			polling = polling && busypoll_now_ns() - t0 < c->poll.window_ns;
 			continue;
 		}
 		if (*got <= 0)
 			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
 			            *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
 		if (!polling && adapt)
-			busypoll_update(&c->poll, false, now_ns() - t0);
+			busypoll_update(&c->poll, false, busypoll_now_ns() - t0);
 		return 0;
 	}
 }

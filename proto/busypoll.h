@@ -24,6 +24,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <time.h>
 
 #define BUSYPOLL_START_NS 10000u /* the first window after a shrink to 0 */
 #define BUSYPOLL_GROW     4      /* a sleep this many windows long or shorter grows it */
@@ -38,6 +39,15 @@ struct busypoll {
 	uint64_t max_ns;    /* 0: never poll */
 	uint64_t window_ns; /* this wait's polling budget, <= max_ns */
 };
+
+/* The clients' clock for windows (the daemon's loop uses uv_hrtime). */
+static inline uint64_t busypoll_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
 
 static inline void busypoll_init(struct busypoll *b, uint64_t max_ns)
 {

@@ -831,20 +831,12 @@ static int conn_send(Conn *c, const char *p, size_t n)
 	return 0;
 }
 
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* One recv into p (at most n bytes): how many came (at least one), or -1
  * raised.  Polls the socket for the busy-poll window first (GIL released). */
 static ssize_t conn_recv(Conn *c, void *p, size_t n)
 {
 	int adapt = c->poll.max_ns > 0 && c->poll_reply;
-	uint64_t t0 = adapt ? now_ns() : 0;
+	uint64_t t0 = adapt ? busypoll_now_ns() : 0;
 	int polling = adapt && c->poll.window_ns > 0;
 
 	for (;;) {
@@ -853,12 +845,13 @@ static ssize_t conn_recv(Conn *c, void *p, size_t n)
 		PyThreadState *ts = PyEval_SaveThread();
 		do
 			k = recv(c->fd, p, n, polling ? MSG_DONTWAIT : 0);
-		while (polling && k < 0 && errno == EAGAIN && now_ns() - t0 < c->poll.window_ns);
+		while (polling && k < 0 && errno == EAGAIN &&
+		       busypoll_now_ns() - t0 < c->poll.window_ns);
 		err = errno;
 		PyEval_RestoreThread(ts);
 		if (k > 0) {
 			if (!polling && adapt)
-				busypoll_update(&c->poll, false, now_ns() - t0);
+				busypoll_update(&c->poll, false, busypoll_now_ns() - t0);
 			return k;
 		}
 		if (k == 0)

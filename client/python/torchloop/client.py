@@ -285,7 +285,7 @@ class Client:
             conn = self._conn
             if conn is None or self._pid != os.getpid():
                 return None
-            if self._hints and self._hints.get((fields["adapter"], op)):
+            if self._hints and self._hints.get((str(fields["adapter"]), op)):
                 return None  # it wants an output area in the region
             limit = _wire.FAST_LIMIT
             if self.shm_size > 0 and self.shm_threshold <= limit:
