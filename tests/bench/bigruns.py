@@ -4,11 +4,13 @@
 
 For N = 4096, T = 128 and N = 1 048 576, T = 1 (a cumulative sum, float64):
 (b) torch.compile in a Python process (bench.py's INPROC), (c) the daemon's
-own artifact run in this process by `bench_c inproc`, and
+own artifact run in this process by `bench_c inproc`,
 (f) the same scan through a daemon (`bench_c daemon ... inplace`: inputs
-allocated in the connection's region, results written into it), p50 µs over
-300 calls, all alternating for R rounds so that the VM's load moves both
-alike.  With --against, a daemon of OLD_BUILD is measured the same way, in
+allocated in the connection's region, results written into it), and
+(g) through the Python client with its defaults (ordinary tensors, which it
+copies into the region) and (g_torchcopy) the same with that copy made by
+torch's copy_ (pyclient.py's torchcopy mode), p50 µs over 300 calls, all
+alternating for R rounds so that the VM's load moves them alike.  With --against, a daemon of OLD_BUILD is measured the same way, in
 the same rounds (the client, bench_c, is BUILD's for both): how a change in
 the daemon moves (f) against the same (c); L names OLD_BUILD in the report.  Each round starts each daemon
 afresh on the shared, warm cache and stops it after: only one daemon is
@@ -26,6 +28,7 @@ import bench  # noqa: E402
 
 SHAPES = [(4096, 128), (1048576, 1)]
 ITERS = 300
+COLUMNS = ("c", "f", "g", "g_torchcopy")
 
 
 def start(build: str, cache: str) -> tuple:
@@ -56,7 +59,7 @@ def main() -> None:
     if against:
         builds["against"] = against
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    res: dict = {label: {f"{n}x{t}": {"c": [], "f": []} for n, t in SHAPES} for label in builds}
+    res: dict = {label: {f"{n}x{t}": {k: [] for k in COLUMNS} for n, t in SHAPES} for label in builds}
     res_b: dict = {f"{n}x{t}": [] for n, t in SHAPES}
     py = os.path.join(bench.ROOT, ".venv", "bin", "python")
     for _ in range(rounds):
@@ -72,13 +75,16 @@ def main() -> None:
                                                   str(ITERS)])["p50_us"])
                     r["f"].append(bench.run_json([bench_c, "daemon", d.sock, f"bench.big{n}x{t}",
                                                   str(n), str(t), str(ITERS), "inplace"])["p50_us"])
-                    print(label, n, t, "c %.0f f %.0f" % (r["c"][-1], r["f"][-1]), flush=True)
+                    for col, mode in (("g", "default"), ("g_torchcopy", "torchcopy")):
+                        r[col].append(bench.run_json([py, "-c", bench.PYCLIENT, d.sock, f"bench.big{n}x{t}",
+                                                      str(n), str(t), str(ITERS), mode])["p50_us"])
+                    print(label, n, t, " ".join("%s %.0f" % (k, r[k][-1]) for k in COLUMNS), flush=True)
             finally:
                 d.stop()
     for label in res:
         for r in res[label].values():
-            r["c_median"] = statistics.median(r["c"])
-            r["f_median"] = statistics.median(r["f"])
+            for k in COLUMNS:
+                r[k + "_median"] = statistics.median(r[k])
             r["ratio_median"] = statistics.median(f / c for f, c in zip(r["f"], r["c"]))
     b_median = {k: statistics.median(v) for k, v in res_b.items()}
     doc = {"b": res_b, "b_median": b_median, "started": started,
@@ -89,7 +95,7 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     print("(b)", json.dumps(b_median))
-    print(json.dumps({k: {s: (v["c_median"], v["f_median"], round(v["ratio_median"], 2))
+    print(json.dumps({k: {s: ([v[c + "_median"] for c in COLUMNS], round(v["ratio_median"], 2))
                           for s, v in r.items()} for k, r in res.items()}))
 
 

@@ -38,16 +38,20 @@ BODIES = os.path.join(ROOT, "examples", "bodies")
 
 # One client process's scans: argv sock adapter N T iters mode; mode is
 # inline (shm=0), shm (every tensor through shared memory), default, python
-# (defaults, without the C codec) or adapter (loop_adapter's scan of
+# (defaults, without the C codec), adapter (loop_adapter's scan of
 # examples/bodies/cumsum.py's body, registered by the adapter itself; argv
-# then ends with the examples/bodies directory).
+# then ends with the examples/bodies directory) or torchcopy (defaults, but
+# inputs copied into the region by torch's copy_, which splits the copy over
+# the process's OpenMP team: the client before 2026-12-02, for bigruns.py).
 # Prints p50/p99 in µs as JSON.
 SCANS = r"""
 import json, os, sys, time, torch, torchloop
-from torchloop import _wire
+from torchloop import _wire, _shm
 sock, adapter, n, steps, iters, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 if mode == "python":
     _wire.fast = None
+if mode == "torchcopy":
+    _shm.Region.put = lambda self, off, t: self._bytes[off:off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
 kw = {"inline": dict(shm=0), "shm": dict(shm_threshold=1)}.get(mode, {})
 c = torchloop.Client(sock, **kw)
 scan = lambda carry, xs: c.scan(adapter, carry, xs)

@@ -516,22 +516,56 @@ def bigruns_section(d: dict) -> str:
                  "each round, (f)/(c) µs"], rows)
     return f"""{title}
 
-`tests/bench/bigruns.py` ({d['started']} to {d['finished']}): the cumulative sum
+{bigruns_method(d)}
+
+{tab}
+
+{bigruns_python(d)}
+Runs with an OpenMP team of more than one thread go to one runner thread
+(docs/architecture.md, "Threads and ownership"). Before, they were spread
+over the libuv pool: each pool thread became an OpenMP master with a worker
+of its own, libgomp then held more workers than CPUs and stopped spinning at
+barriers, and every run waited for a sleeping worker to wake.
+"""
+
+
+def bigruns_method(d: dict) -> str:
+    return f"""`tests/bench/bigruns.py` ({d['started']} to {d['finished']}): the cumulative sum
 compiled by torch.compile in a Python process ((b)), the daemon's artifact
 run in process ((c), `bench_c inproc`) and the same scan through a daemon over
 shared memory ((f), `bench_c daemon … inplace`), p50 over {d['iters']} calls, all
 alternating for {d['rounds']} rounds; each round starts each daemon afresh on a
 warm cache, so only one daemon is alive at a time. Medians of the rounds;
 (f) / (c) is the median of each round's own ratio, (f) / (b) the ratio of the
-medians.
+medians."""
+
+
+def bigruns_python(d: dict) -> str:
+    """The Python client's columns, when the run has them (runs before
+    2026-12-02 20:00 do not)."""
+    rows = []
+    for label, shapes in d["results"].items():
+        for shape, r in shapes.items():
+            if "g_median" not in r:
+                continue
+            n, t = shape.split("x")
+            rows.append([grp(int(n)), t, us(r["f_median"]), us(r["g_median"]),
+                         us(r["g_torchcopy_median"]),
+                         ratio(r["g_torchcopy_median"] / r["g_median"]),
+                         ", ".join(f"{g:.0f}/{x:.0f}" for g, x in zip(r["g"], r["g_torchcopy"]))])
+    if not rows:
+        return ""
+    tab = table(["N", "T", "(f) libtorchloop, inputs in the region (µs)",
+                 "(g) Python client, copies its inputs in (µs)",
+                 "(g) with that copy by torch's copy_ (µs)", "copy_ / memmove",
+                 "each round, (g) / copy_ µs"], rows)
+    return f"""The Python client in the same rounds ((g): `torchloop.Client` with its
+defaults; its inputs are ordinary tensors, copied into the region on every
+call by one thread with memmove; the last columns make that copy with
+torch's `copy_`, which splits it over the process's OpenMP team, as the
+client did before 2026-12-02 20:00):
 
 {tab}
-
-Runs with an OpenMP team of more than one thread go to one runner thread
-(docs/architecture.md, "Threads and ownership"). Before, they were spread
-over the libuv pool: each pool thread became an OpenMP master with a worker
-of its own, libgomp then held more workers than CPUs and stopped spinning at
-barriers, and every run waited for a sleeping worker to wake.
 """
 
 

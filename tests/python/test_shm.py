@@ -141,3 +141,54 @@ def test_a_reference_without_a_region_is_refused_with_its_code(daemon: str, clie
                          place=lambda t: 0)
         assert info.value.code == "SHM_NOT_ATTACHED"
         assert c.health()["live"]  # the connection still serves
+
+
+def test_region_put_copies_every_kind_of_tensor_byte_for_byte() -> None:
+    """Region.put copies contiguous tensors by memmove (from data_ptr, so a
+    view's storage offset counts) and the rest through torch; both must land
+    the same bytes at the offset asked and leave the neighbours alone."""
+    from torchloop._shm import Region
+
+    region = Region(1 << 16)
+    try:
+        base = torch.arange(4 * 300, dtype=torch.float64).reshape(4, 300)
+        cases = [
+            torch.rand(300, dtype=torch.float64),  # contiguous
+            base[1:3],  # contiguous, at a storage offset of 300 elements
+            base.t()[5:9],  # not contiguous: torch's copy
+            torch.rand(7, 3, dtype=torch.float32),
+            torch.empty(0, dtype=torch.float64),  # nothing to copy
+        ]
+        bytes_ = torch.frombuffer(region.mm, dtype=torch.uint8)
+        for t in cases:
+            n = t.numel() * t.element_size()
+            off = region.alloc(n + 128)
+            assert off is not None
+            bytes_[off:off + n + 128].fill_(0xAB)
+            region.put(off + 64, t)
+            got = bytes_[off + 64:off + 64 + n].view(t.dtype).view(t.shape)
+            assert torch.equal(got, t), t.shape
+            assert bool((bytes_[off:off + 64] == 0xAB).all()), "bytes before it untouched"
+            assert bool((bytes_[off + 64 + n:off + n + 128] == 0xAB).all()), "bytes after it untouched"
+            region.free(off)
+        del bytes_, got
+    finally:
+        region.close_fd()
+
+
+def test_views_and_transposed_inputs_through_the_region_match_eager(client) -> None:
+    """Inputs that are views (a storage offset) or not contiguous at all are
+    copied into the region right: the answer is eager's on the same values."""
+    import bodies
+
+    carry, xs = data(8)
+    big = torch.cat([torch.full((1, N), 7.0, dtype=torch.float64), xs])  # [T + 1, N]
+    view = big[1:]  # contiguous, storage offset N
+    transposed = xs.t().contiguous().t()  # the same values, column-major
+    assert view.storage_offset() == N and not transposed.is_contiguous()
+    want_c, want_y = eager.scan(bodies.ema, carry, xs)
+    for inputs in (view, transposed):
+        got_c, got_y = client.scan(NAME, carry, inputs)
+        torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-14)
+        assert in_region(client, got_c)
