@@ -10,11 +10,14 @@ allocated in the connection's region, results written into it), and
 (g) through the Python client with its defaults (ordinary tensors, which it
 copies into the region) and (g_torchcopy) the same with that copy made by
 torch's copy_ (pyclient.py's torchcopy mode), p50 µs over 300 calls, all
-alternating for R rounds so that the VM's load moves them alike.  With --against, a daemon of OLD_BUILD is measured the same way, in
-the same rounds (the client, bench_c, is BUILD's for both): how a change in
-the daemon moves (f) against the same (c); L names OLD_BUILD in the report.  Each round starts each daemon
-afresh on the shared, warm cache and stops it after: only one daemon is
-alive at a time (an idle second daemon moved the other's numbers 2-3x).
+alternating for R rounds so that the VM's load moves them alike.
+
+With --against, a daemon of OLD_BUILD is measured the same way, in the same
+rounds (the clients, BUILD's bench_c and this checkout's Python package, are
+the same for both): how a change in the daemon moves (f) against the same (c); L names
+OLD_BUILD in the report.  Each round starts each daemon afresh on the shared,
+warm cache and stops it after: only one daemon is alive at a time (an idle
+second daemon moved the other's numbers 2-3x).
 """
 import json
 import os
