@@ -31,9 +31,13 @@
 /* Clients poll only for the replies of requests smaller than this (tensor
  * bytes, inline or by reference): a larger request's run is long, or has an
  * OpenMP team whose workers need the core a polling client would hold
- * (measured: N = 4096, T = 16 through shared memory, 126 µs p50 with the
- * client polling, 58 µs without). */
-#define BUSYPOLL_MAX_REQUEST (64u << 10)
+ * (measured: N = 4096, T = 16 -- 544 KiB -- through shared memory, 126 µs p50
+ * with the client polling, 58 µs without).  Below it a memory-bound graph
+ * runs in tens of µs on the loop thread, with one OpenMP thread
+ * (--inline-run-us): N = 4096, T = 1 (exactly 64 KiB of tensors) took
+ * 32-37 µs through shared memory with a 64 KiB limit (no polling) and
+ * 11-13 µs with this one (docs/performance.md). */
+#define BUSYPOLL_MAX_REQUEST (256u << 10)
 
 struct busypoll {
 	uint64_t max_ns;    /* 0: never poll */

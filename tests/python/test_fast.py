@@ -23,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 from typing import Any
 
 import msgpack
@@ -440,6 +441,37 @@ def test_conn_busy_polls_then_sleeps(pair, delay: float) -> None:
     conn = fast.Conn(a.fileno(), -1, torchloop.ConnectionLost, 1000)
     assert conn.call(9, "health", {}, 4096, None) == {"late": delay}
     join()
+
+
+def test_conn_polls_only_for_the_replies_of_requests_under_the_limit(pair) -> None:
+    """proto/busypoll.h's BUSYPOLL_MAX_REQUEST (256 KiB): a request of 3
+    tensors of 60 KiB (180 KiB) has its reply polled for, one of 5 (300 KiB)
+    sleeps however soon the reply comes.  Conn.polled counts the reads that
+    polling served; the stand-in answers at once, so with a 1 ms window some
+    small request is served by polling (several tries: a busy machine may
+    delay the stand-in's thread past a window now and then)."""
+    a, b = pair
+    leaf = torch.arange(7680, dtype=torch.float64)  # 60 KiB
+    tries = 20
+
+    def daemon():
+        for _ in range(2 * tries):
+            req = _read_request(b)
+            b.sendall(_frame({"id": req["id"], "result": {"n": len(req["carry"])}}))
+
+    join = _serve(daemon)
+    conn = fast.Conn(a.fileno(), 10000, torchloop.ConnectionLost, 1000)
+    for i in range(tries):
+        assert conn.call(2 * i + 1, "scan", {"carry": [leaf] * 3}, 64 << 10, None) == {"n": 3}
+    small = conn.polled
+    for i in range(tries):
+        assert conn.call(2 * i + 2, "scan", {"carry": [leaf] * 5}, 64 << 10, None) == {"n": 5}
+    join()
+    assert conn.polled == small, "a 300 KiB request's reply was polled for"
+    if len(os.sched_getaffinity(0)) < 2:
+        warnings.warn("ONE CPU: not checking that small requests are polled for")
+    else:
+        assert small > 0, "no reply of a 180 KiB request was found by polling"
 
 
 def test_conn_busy_poll_keeps_the_timeout(pair) -> None:

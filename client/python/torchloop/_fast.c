@@ -21,6 +21,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_ULONGLONG, READONLY: Conn.polled */
 
 #include <errno.h>
 #include <poll.h>
@@ -753,9 +754,10 @@ typedef struct {
 	int timeout_ms; /* -1: block */
 	PyObject *lost; /* the exception type raised when the connection is unusable */
 	unsigned char *stage;
-	size_t off, len;      /* the staged bytes: stage[off, off + len) */
-	struct busypoll poll; /* a wait for a reply polls first */
-	int poll_reply;       /* ... when this request is small (call); recv_body: never */
+	size_t off, len;           /* the staged bytes: stage[off, off + len) */
+	struct busypoll poll;      /* a wait for a reply polls first */
+	int poll_reply;            /* ... when this request is small (call); recv_body: never */
+	unsigned long long polled; /* reads of a reply that polling served (Conn.polled) */
 } Conn;
 
 static int lost(Conn *c, const char *code, const char *fmt, ...)
@@ -852,6 +854,7 @@ static ssize_t conn_recv(Conn *c, void *p, size_t n)
 		if (k > 0) {
 			if (!polling && adapt)
 				busypoll_update(&c->poll, false, busypoll_now_ns() - t0);
+			c->polled += polling != 0;
 			return k;
 		}
 		if (k == 0)
@@ -1045,8 +1048,15 @@ static PyMethodDef conn_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef conn_members[] = {
+    {"polled", T_ULONGLONG, offsetof(Conn, polled), READONLY,
+     "how many reads of a reply busy polling served"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyType_Slot conn_slots[] = {
     {Py_tp_doc, "One request's round trip on a connected socket (see _fast.c)."},
+    {Py_tp_members, conn_members},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, conn_init},
     {Py_tp_dealloc, conn_dealloc},
