@@ -214,23 +214,27 @@ time from the first fork to the last exit):
 def outvariant_section(rows: list[dict]) -> str:
     if not rows:
         return ""
-    body = table(["N", "T", "plain AOTI (µs)", "out-variant AOTI (µs)", "torch.compile (µs)"],
-                 [[grp(r["N"]), str(r["T"]), us(r["plain_us"]), us(r["out_us"]), us(r["jit_us"])]
+    placed = all("placed_us" in r for r in rows)  # runs before 2026-12-03 lack it
+    head = ["N", "T", "plain AOTI (µs)", "out-variant AOTI (µs)"]
+    head += ["out-variant, placed (µs)"] if placed else []
+    body = table(head + ["torch.compile (µs)"],
+                 [[grp(r["N"]), str(r["T"]), us(r["plain_us"]), us(r["out_us"])]
+                  + ([us(r["placed_us"])] if placed else []) + [us(r["jit_us"])]
                   for r in rows])
     return f"""## The graphs' calling convention: results into given buffers
 
-`tests/bench/outvariant.py`: the cumulative sum compiled three ways, called
+`tests/bench/outvariant.py`: the cumulative sum compiled {"four" if placed else "three"} ways, called
 in process from Python (p50 µs over 300 calls): AOTInductor returning tensors
 it allocates (`plain`), AOTInductor writing into buffers it is given (`out`,
 the daemon's convention since shared memory: results can land in the
-client's region with no copy), and torch.compile.
+client's region with no copy){", the same with the compile worker's StackIntoOutputs pass (`placed`, the daemon's graphs since 2026-12-03)" if placed else ""}, and torch.compile.
 
 {body}
 
 The out-variant saves the allocation of the results (at N = 1 048 576, fresh
-pages every call) but Inductor does not build a `torch.stack` in a buffer it
-was given: stacked outputs are written to a temporary and copied (one more
-pass over [T, N]), which is the difference at T = 128.
+pages every call), but as Inductor lowers it a `torch.stack` copied into a
+buffer it was given is built in a temporary and copied (one more pass over
+[T, N]).{" The placed column computes each stacked row straight into the given buffer (a cat whose storage is the buffer), which removes that pass." if placed else ""}
 """
 
 
@@ -449,14 +453,13 @@ What is left for small scans is mostly not the daemon's: the kernel's
 wake-up of the peer process on each side (the socketpair row), then libtorch's
 own tensor handling inside `engine_run` (allocating the output tensors,
 wrapping the inputs) and malloc. For large payloads on the socket it is the two
-socket copies; through shared memory ((f) above) what is left is the
-daemon's copy of the results into the client's region and the graph running
-on inputs and outputs that no longer all fit in the cache. The next steps,
-not done: graphs compiled to write their results straight into the region
-(an out-variant of each specialization, so the copy and the output
-allocation go away), and an opt-in client-side busy-poll for
-latency-critical callers (it would trade a client core for part of the
-wake-up in the socketpair row).
+socket copies; through shared memory ((f) above) the graphs write their
+results straight into the client's region (the out-variant; since
+2026-12-03 stacked outputs too are computed in place, section "The graphs'
+calling convention"), so what is left is the graph itself, running on inputs
+and outputs that no longer all fit in the cache, and the wake-ups of a
+request whose graph takes every core (busy polling, section "Busy polling",
+serves the others).
 """
     return out
 
@@ -543,19 +546,20 @@ medians."""
 def bigruns_python(d: dict) -> str:
     """The Python client's columns, when the run has them (runs before
     2026-12-02 20:00 do not)."""
+    labels = {"this": "this build", "against": f"`{d.get('against')}`"}
     rows = []
     for label, shapes in d["results"].items():
         for shape, r in shapes.items():
             if "g_median" not in r:
                 continue
             n, t = shape.split("x")
-            rows.append([grp(int(n)), t, us(r["f_median"]), us(r["g_median"]),
+            rows.append([labels[label], grp(int(n)), t, us(r["f_median"]), us(r["g_median"]),
                          us(r["g_torchcopy_median"]),
                          ratio(r["g_torchcopy_median"] / r["g_median"]),
                          ", ".join(f"{g:.0f}/{x:.0f}" for g, x in zip(r["g"], r["g_torchcopy"]))])
     if not rows:
         return ""
-    tab = table(["N", "T", "(f) libtorchloop, inputs in the region (µs)",
+    tab = table(["daemon", "N", "T", "(f) libtorchloop, inputs in the region (µs)",
                  "(g) Python client, copies its inputs in (µs)",
                  "(g) with that copy by torch's copy_ (µs)", "copy_ / memmove",
                  "each round, (g) / copy_ µs"], rows)
