@@ -56,6 +56,7 @@ struct tl_client {
 	unsigned next_hint;
 	struct busypoll poll; /* waits for replies poll first (tl_set_busy_poll) */
 	bool poll_reply;      /* this request's reply is worth polling for */
+	uint64_t polled;      /* reads that polling served (tl_polled_reads) */
 };
 
 struct tl_builder {
@@ -440,8 +441,14 @@ static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, st
 			            *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
 		if (!polling && adapt)
 			busypoll_update(&c->poll, false, busypoll_now_ns() - t0);
+		c->polled += polling;
 		return 0;
 	}
+}
+
+uint64_t tl_polled_reads(const struct tl_client *c)
+{
+	return c->polled;
 }
 
 static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error *err)

@@ -54,6 +54,10 @@ void tl_set_timeout(struct tl_client *c, int timeout_ms);
  * at most 1000; 0 turns it off; off when the process may use one CPU only. */
 #define TL_BUSY_POLL_US_DEFAULT 50
 void tl_set_busy_poll(struct tl_client *c, int us);
+/* Reads of a reply that busy polling served, since the connection opened:
+ * replies to requests of 256 KiB of tensors or more are never polled for
+ * (their graphs may use every core; proto/busypoll.h). */
+uint64_t tl_polled_reads(const struct tl_client *c);
 /* Called for each progress event (a compile the request waits on). */
 typedef void (*tl_progress_fn)(const char *event, const char *adapter, const char *signature,
                                double elapsed_seconds, void *user);

@@ -274,3 +274,63 @@ Test(requests, back_to_back_requests_are_found_by_the_polling_loop)
 	cr_assert_eq(h_stat(f.c, "busy_polled"), 0);
 	teardown(&f);
 }
+
+/*
+ * The client's side (client/torchloop.c, BUSYPOLL_MAX_REQUEST): libtorchloop
+ * polls for the replies of requests under 256 KiB of tensors only -- a larger
+ * request's graph may run with an OpenMP team on every core, which a polling
+ * client would take one from.  Small scans back to back are served by polling
+ * (tl_polled_reads); scans of 2 x 160 KiB never are, whatever the timing.
+ * On one core the client never polls: the test says so and checks that.
+ */
+Test(requests, the_client_polls_only_for_the_replies_of_requests_under_256_kib)
+{
+	enum { N = 20480 }; /* carry [N] + inputs [1, N], float64: 320 KiB */
+	static const char *const on[] = {"--no-probe", "--busy-poll-us", "1000", NULL};
+	static double carry[N], xs[N];
+	int64_t cs[] = {N}, xshape[] = {1, N};
+	struct fixture f;
+	struct tl_reply *r;
+	struct tl_error err;
+	struct tl_tree *ct, *xt;
+	cpu_set_t set;
+	int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+	uint64_t small, before;
+
+	setup(&f, on);
+	tl_set_busy_poll(f.c, 1000);
+	before = tl_polled_reads(f.c);
+	for (int i = 0; i < 200; i++)
+		scan_ok(&f, f.c);
+	small = tl_polled_reads(f.c) - before;
+	if (cpus >= 2) {
+		cr_assert_gt(small, 0, "no reply to a small scan was served by polling");
+	} else {
+		fprintf(stderr, "the_client_polls_only_for_the_replies_of_requests_under_256_kib: "
+		                "ONE CPU, the client never polls: checking that instead\n");
+		cr_assert_eq(small, 0);
+	}
+
+	hd_register(f.c, "big.cumsum", CUMSUM, "body", 1, N, 2);
+	h_fill(carry, TL_FLOAT64, N, 21);
+	h_fill(xs, TL_FLOAT64, N, 22);
+	ct = tl_tensor(f.b, TL_FLOAT64, 1, cs, carry);
+	xt = tl_tensor(f.b, TL_FLOAT64, 2, xshape, xs);
+	before = tl_polled_reads(f.c);
+	for (int i = 0; i < 20; i++) {
+		const double *y, *fin;
+
+		cr_assert_eq(tl_scan(f.c, "big.cumsum", ct, xt, &r, &err), 0, "%s %s", err.code,
+		             err.message);
+		y = tl_tree_data(tl_reply_tree(r, "outputs"));
+		fin = tl_tree_data(tl_reply_tree(r, "carry"));
+		for (int k = 0; k < N; k += 997) {
+			cr_assert_float_eq(y[k], carry[k] + xs[k], 1e-12);
+			cr_assert_float_eq(fin[k], carry[k] + xs[k], 1e-12);
+		}
+		tl_reply_free(r);
+	}
+	cr_assert_eq(tl_polled_reads(f.c), before, "a reply to a 320 KiB request was polled for");
+	scan_ok(&f, f.c);
+	teardown(&f);
+}
