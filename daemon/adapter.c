@@ -96,13 +96,16 @@ static void body_hash(struct adapter *a)
 	sha256_init(&s);
 	sha256_update(&s, a->def.source, strlen(a->def.source) + 1);
 	sha256_update(&s, a->def.entry, strlen(a->def.entry) + 1);
+	if (a->def.graph) /* the same text as Python source is another body */
+		sha256_update(&s, "graph", 6);
 	sha256_final(&s, md);
 	sha256_hex(md, a->body_sha);
 }
 
 bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
 {
-	return strcmp(a->def.source, def->source) == 0 && strcmp(a->def.entry, def->entry) == 0 &&
+	return a->def.graph == def->graph && strcmp(a->def.source, def->source) == 0 &&
+	       strcmp(a->def.entry, def->entry) == 0 &&
 	       strcmp(a->def.strategy, def->strategy) == 0 &&
 	       strcmp(a->def.dynamic, def->dynamic) == 0 && a->def.max_steps == def->max_steps &&
 	       a->def.max_elements == def->max_elements && a->def.budget == def->budget;
@@ -111,9 +114,26 @@ bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
 struct adapter *adapter_find(struct registry *r, const char *name, size_t len)
 {
 	for (struct adapter *a = r->head; a; a = a->next)
-		if (strlen(a->def.name) == len && memcmp(a->def.name, name, len) == 0)
+		if (strlen(a->def.name) == len && memcmp(a->def.name, name, len) == 0) {
+			a->last_found = ++r->tick;
 			return a;
+		}
 	return NULL;
+}
+
+unsigned adapter_count_graphs(struct registry *r, uid_t owner, struct adapter **lru)
+{
+	unsigned n = 0;
+
+	*lru = NULL;
+	for (struct adapter *a = r->head; a; a = a->next) {
+		if (!a->def.graph || a->def.owner != owner)
+			continue;
+		n++;
+		if (*lru == NULL || a->last_found < (*lru)->last_found)
+			*lru = a;
+	}
+	return n;
 }
 
 static void unlist(struct registry *r, struct adapter *a)

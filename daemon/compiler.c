@@ -304,13 +304,13 @@ static int send_job(struct compiler *c, struct compile_job *j)
 	}
 	if (j->check_only) {
 		msg_begin_request(&wr->w, j->id, "check", 3);
-		writer_key_str(&wr->w, "body_source", j->body_source);
+		writer_key_str(&wr->w, j->graph ? "body_graph" : "body_source", j->body_source);
 		writer_key_str(&wr->w, "body_file", j->body_file);
 		writer_key_str(&wr->w, "entry", j->entry);
 		return send_msg(c, wr);
 	}
 	msg_begin_request(&wr->w, j->id, "compile", 11);
-	writer_key_str(&wr->w, "body_source", j->body_source);
+	writer_key_str(&wr->w, j->graph ? "body_graph" : "body_source", j->body_source);
 	writer_key_str(&wr->w, "body_file", j->body_file);
 	writer_key_str(&wr->w, "entry", j->entry);
 	writer_key_str(&wr->w, "strategy", j->strategy);

@@ -53,6 +53,7 @@ struct compile_job {
 	/* set by the submitter; borrowed until done runs */
 	bool check_only; /* register-time import check: body_source/file/entry only */
 	bool background; /* queued behind every other job (a quick tier's upgrade) */
+	bool graph;      /* body_source holds a captured graph: sent as body_graph */
 	const char *body_source, *body_file, *entry, *strategy, *kind;
 	const struct tree_node *carry, *inputs;
 	enum proto_dtype dtype;

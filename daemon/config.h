@@ -41,6 +41,8 @@
 	X("quick-tier-steps", quick_tier_steps, 0, 32, 129,                                        \
 	  "unrolled graphs of this many steps or more are served by the scan op's graph while "    \
 	  "they compile (0 or 129: never)")                                                        \
+	X("max-graphs-per-uid", max_graphs_per_uid, 1, 64, 65536,                                  \
+	  "captured-graph adapters one uid may hold (its least recently used one goes first)")     \
 	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \
 	  "failed specializations one adapter remembers (least recently used dropped first)")      \
 	X("max-shm", max_shm, 0, 1LL << 30, 64LL << 30,                                            \

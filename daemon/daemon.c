@@ -435,17 +435,47 @@ int daemon_block_signals(struct daemon *d)
 	return sigthread_block(&d->sig.set);
 }
 
+/* The worker's part of every cache key: its script and the captured-graph
+ * loader beside it (both decide what a graph compiles to; a stand-in worker
+ * of the tests has no loader beside it). */
+static int worker_digest(struct daemon *d)
+{
+	static const char *const files[] = {NULL, "graph_loader.py"};
+	char path[PATH_MAX], hex[2][65];
+	const char *slash = strrchr(d->cfg.worker, '/');
+	int dir = slash ? (int)(slash - d->cfg.worker + 1) : 0;
+	struct sha256 s;
+	uint8_t md[32];
+	uint64_t size;
+
+	for (int i = 0; i < 2; i++) {
+		if (files[i] == NULL)
+			snprintf(path, sizeof path, "%s", d->cfg.worker);
+		else if (snprintf(path, sizeof path, "%.*s%s", dir, d->cfg.worker, files[i]) >=
+		         (int)sizeof path)
+			return -1;
+		if (sha256_file(path, hex[i], &size) == 0)
+			continue;
+		if (files[i] != NULL && errno == ENOENT) {
+			memset(hex[i], 0, sizeof hex[i]);
+			continue;
+		}
+		log_error("compile worker file %s: cannot read it", path);
+		return -1;
+	}
+	sha256_init(&s);
+	sha256_update(&s, hex, sizeof hex);
+	sha256_final(&s, md);
+	sha256_hex(md, d->worker_sha);
+	return 0;
+}
+
 int daemon_graphs_open(struct daemon *d)
 {
 	struct proto_err err;
-	uint64_t size;
 
-	if (read_isa(d) != 0)
+	if (read_isa(d) != 0 || worker_digest(d) != 0)
 		return -1;
-	if (sha256_file(d->cfg.worker, d->worker_sha, &size) != 0) {
-		log_error("compile worker script %s: cannot read it", d->cfg.worker);
-		return -1;
-	}
 	if (cache_open(&d->cache, d->cfg.cache_dir, &err) != 0) {
 		log_error("cache: %s", err.message);
 		return -1;

@@ -127,6 +127,7 @@ struct daemon_stats {
 	uint64_t connections, requests, errors, frame_errors, limit_breaches, busy;
 	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses;
 	uint64_t shm_attaches, shm_stray_fds;
+	uint64_t graphs_evicted; /* captured graphs dropped by --max-graphs-per-uid */
 	uint64_t busy_polled; /* requests the loop found while polling (daemon_run) */
 	uint64_t error_codes[PROTO_E__COUNT];
 };

@@ -18,6 +18,8 @@ void describe_bounds(struct writer *w, const struct adapter *a)
 	writer_key_str(w, "strategy", a->def.strategy);
 	writer_key_str(w, "dynamic", a->def.dynamic);
 	writer_key_str(w, "entry", a->def.entry);
+	writer_key_str(w, "body", a->def.graph ? "graph" : "source");
+	writer_key_i64(w, "owner", (int64_t)a->def.owner);
 }
 
 void describe_phases(struct writer *w, const struct specialization *sp)

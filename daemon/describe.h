@@ -13,7 +13,7 @@ void describe_phases(struct writer *w, const struct specialization *sp);
 void describe_lowering(struct writer *w, const struct specialization *sp);
 /* origin ("registered", "file", "restored") and persisted: 2 fields. */
 void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a);
-#define DESCRIBE_BOUNDS   8 /* map entries describe_bounds writes */
+#define DESCRIBE_BOUNDS   10 /* map entries describe_bounds writes */
 #define DESCRIBE_COUNTERS 13
 /* Counters and run percentiles: DESCRIBE_COUNTERS map entries. */
 void describe_counters(struct writer *w, const struct adapter *a);

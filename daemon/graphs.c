@@ -628,6 +628,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	}
 	memset(&j->job, 0, sizeof j->job);
 	j->job.body_source = a->def.source;
+	j->job.graph = a->def.graph;
 	j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
 	j->job.entry = a->def.entry;
 	/* a chunk graph is an unrolled loop of PROTO_CHUNK_STEPS (or fewer) steps */

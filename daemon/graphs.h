@@ -49,6 +49,8 @@ struct adapter_def {
 	char dynamic[8]; /* "none", or "batch": one graph serves every batch size */
 	int64_t max_steps, max_elements, budget;
 	enum adapter_origin origin;
+	bool graph;  /* source is a captured step graph (graph_loader.py), not Python */
+	uid_t owner; /* who registered it (graphs: the per-uid cap counts these) */
 };
 
 struct adapter_stats {
@@ -123,6 +125,7 @@ struct adapter {
 	struct proto_err crash_err;
 	struct adapter_stats stats;
 	uint64_t generation;
+	uint64_t last_found; /* registry tick of the last adapter_find (graph eviction) */
 };
 
 struct registry {
@@ -160,6 +163,8 @@ struct adapter *adapter_register(struct registry *r, struct adapter_def *def, bo
                                  bool *unchanged);
 struct adapter *adapter_find(struct registry *r, const char *name, size_t len);
 int adapter_unregister(struct registry *r, const char *name, size_t len);
+/* Captured-graph adapters of owner; *lru: the least recently found one. */
+unsigned adapter_count_graphs(struct registry *r, uid_t owner, struct adapter **lru);
 void adapter_clear(struct registry *r);
 /* Same body, entry, bounds, budget and strategy (registering it changes nothing). */
 bool adapter_same_def(const struct adapter *a, const struct adapter_def *def);

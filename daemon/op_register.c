@@ -1,11 +1,17 @@
 /*
- * op_register.c - register (admin): name, body (source text + entry, or a
- * file in the adapters directory), bounds, budget, strategy.  The same name
- * with a different definition replaces the adapter.  A new definition is
- * imported in the compile worker first (a "check" job, queued ahead of
+ * op_register.c - register: name, body, bounds, budget, strategy.  The body
+ * is Python source + entry (admin only: the compile worker imports it, as
+ * the daemon's user) or a captured step graph, body_graph (any peer: the
+ * worker loads it as data, daemon/worker/graph_loader.py).  A non-admin's
+ * graph is named "g." + its content hash by the client, may not replace
+ * another definition, and counts against --max-graphs-per-uid (the uid's
+ * least recently used graph adapter is dropped to make room).  The same
+ * name with a different definition replaces the adapter.  A new definition
+ * is checked in the compile worker first (a "check" job, queued ahead of
  * compiles): a syntax error, an import that raises or a missing entry
- * function is refused with BODY_ERROR and nothing is registered.  That runs
- * the body's module code as the daemon's user.
+ * function is refused with BODY_ERROR, a graph that does not load with
+ * BAD_GRAPH, and nothing is registered.  Graphs are not persisted in
+ * --state-dir: the client registers them again when the daemon forgot them.
  *
  * The request waits for the check; struct reg_check owns the parsed
  * definition until the worker answers (loop thread, compiler callback).
@@ -67,25 +73,63 @@ static int get_name(struct request *req, struct adapter_def *def, struct proto_e
 	return 0;
 }
 
-static int get_source(struct request *req, struct adapter_def *def, struct proto_err *err)
+/* body_source or body_graph, exactly one, into def->source. */
+static int get_body(struct request *req, struct adapter_def *def, struct proto_err *err)
 {
-	const char *s;
-	uint32_t n;
-	int rc = msg_get_str(&req->msg.up.data, "body_source", &s, &n, err);
+	const char *src, *graph;
+	uint32_t n_src, n_graph;
+	int rs = msg_get_str(&req->msg.up.data, "body_source", &src, &n_src, err);
+	int rg = rs < 0 ? -1 : msg_get_str(&req->msg.up.data, "body_graph", &graph, &n_graph, err);
+	const char *key = rg == 0 ? "body_graph" : "body_source";
 
-	if (rc < 0)
+	if (rs < 0 || rg < 0)
 		return -1;
-	if (rc > 0)
+	if ((rs == 0) == (rg == 0))
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
-		                  "register needs body_source (the body's Python source)");
-	if (n > PROTO_MAX_SOURCE)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body_source",
-		                  "body_source is over %d bytes", PROTO_MAX_SOURCE);
-	def->source = malloc(n + 1);
+		                  "register needs body_source (the body's Python source) or "
+		                  "body_graph (a captured step graph), not both");
+	def->graph = rg == 0;
+	if (def->graph) {
+		src = graph;
+		n_src = n_graph;
+	}
+	if (n_src > PROTO_MAX_SOURCE)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s is over %d bytes", key,
+		                  PROTO_MAX_SOURCE);
+	if (memchr(src, '\0', n_src) != NULL)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s holds a NUL byte", key);
+	def->source = malloc(n_src + 1);
 	if (def->source == NULL)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	memcpy(def->source, s, n);
-	def->source[n] = '\0';
+	memcpy(def->source, src, n_src);
+	def->source[n_src] = '\0';
+	return 0;
+}
+
+/* Source runs code: admins only.  A graph is data: anyone, in "g." names. */
+static int permitted(struct request *req, const struct adapter_def *def, struct proto_err *err)
+{
+	struct adapter *old;
+
+	if (request_is_admin(req))
+		return 0;
+	if (!def->graph)
+		return proto_fail(err, PROTO_E_PERMISSION_DENIED, NULL,
+		                  "register with body_source is reserved to the daemon's user, root "
+		                  "and the admin group (peer uid %d): it runs Python in the daemon; "
+		                  "captured graphs (body_graph) are open to every user",
+		                  (int)req->conn->uid);
+	if (strncmp(def->name, "g.", 2) != 0)
+		return proto_fail(err, PROTO_E_PERMISSION_DENIED, "name",
+		                  "a captured graph registered by uid %d must be named g.<its "
+		                  "content hash>",
+		                  (int)req->conn->uid);
+	old = adapter_find(&req->d->graphs.reg, def->name, strlen(def->name));
+	if (old && !adapter_same_def(old, def))
+		return proto_fail(err, PROTO_E_PERMISSION_DENIED, "name",
+		                  "%s is registered with another definition; only an admin may "
+		                  "replace it",
+		                  def->name);
 	return 0;
 }
 
@@ -103,9 +147,10 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 	    copy_str(req, "strategy", def->strategy, sizeof def->strategy, false, err) ||
 	    copy_str(req, "dynamic", def->dynamic, sizeof def->dynamic, false, err) ||
 	    copy_str(req, "body_file", def->body_file, sizeof def->body_file, false, err) ||
-	    get_source(req, def, err))
+	    get_body(req, def, err))
 		return -1;
-	return adapter_def_validate(def, err);
+	def->owner = req->conn->uid;
+	return adapter_def_validate(def, err) || permitted(req, def, err);
 }
 
 struct reg_check {
@@ -114,6 +159,24 @@ struct reg_check {
 	struct adapter_def def; /* owns def.source until registered */
 };
 
+/* A new graph of a uid at its --max-graphs-per-uid: its least recently used
+ * graph adapter goes (its runs finish; its clients register it again). */
+static void make_room(struct request *req, const struct adapter_def *def)
+{
+	struct registry *r = &req->d->graphs.reg;
+	struct adapter *lru, *old = adapter_find(r, def->name, strlen(def->name));
+
+	if (!def->graph || (old && old->def.graph && old->def.owner == def->owner))
+		return;
+	while (adapter_count_graphs(r, def->owner, &lru) >= (unsigned)req->d->cfg.max_graphs_per_uid) {
+		log_line(LOG_INFO, req->id, lru->def.name,
+		         "dropped: uid %d is at max-graphs-per-uid=%lld", (int)def->owner,
+		         req->d->cfg.max_graphs_per_uid);
+		req->d->stats.graphs_evicted++;
+		adapter_unregister(r, lru->def.name, strlen(lru->def.name));
+	}
+}
+
 static void finish_register(struct request *req, struct adapter_def *def)
 {
 	struct outmsg *out;
@@ -121,6 +184,7 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	struct proto_err err;
 	bool replaced, unchanged, persisted;
 
+	make_room(req, def);
 	a = adapter_register(&req->d->graphs.reg, def, &replaced, &unchanged);
 	if (a == NULL) {
 		free(def->source);
@@ -133,7 +197,7 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	                    : "registered",
 	         (int)req->conn->uid);
 	a->def.origin = ADAPTER_REGISTERED;
-	persisted = req->d->cfg.state_dir[0] != '\0';
+	persisted = req->d->cfg.state_dir[0] != '\0' && !a->def.graph;
 	if (persisted && registry_persist(req->d, &a->def, &err) != 0) {
 		log_line(LOG_WARN, req->id, a->def.name, "not persisted: %s", err.message);
 		persisted = false;
@@ -189,6 +253,7 @@ static void op_register(struct request *req)
 	}
 	rc->req = req;
 	rc->job.check_only = true;
+	rc->job.graph = rc->def.graph;
 	rc->job.body_source = rc->def.source;
 	rc->job.body_file = rc->def.body_file[0] ? rc->def.body_file : rc->def.name;
 	rc->job.entry = rc->def.entry;
@@ -197,4 +262,4 @@ static void op_register(struct request *req)
 	compiler_submit(req->d->compiler, &rc->job);
 }
 
-const struct op_desc op_register_desc = {"register", op_register, OP_ADMIN};
+const struct op_desc op_register_desc = {"register", op_register, 0};

@@ -5,7 +5,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 27);
+	struct outmsg *out = request_begin_result(req, 28);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -35,6 +35,7 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "shm_regions", d->shm_regions);
 	writer_key_u64(&out->w, "shm_attaches", d->stats.shm_attaches);
 	writer_key_u64(&out->w, "shm_stray_fds", d->stats.shm_stray_fds);
+	writer_key_u64(&out->w, "graphs_evicted", d->stats.graphs_evicted);
 	writer_key_u64(&out->w, "failed_evictions", d->graphs.failed_evictions);
 	writer_key_u64(&out->w, "busy", d->stats.busy);
 	for (int c = 1; c < PROTO_E__COUNT; c++)

@@ -149,6 +149,7 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	  "adapter holds recompile_budget specializations already")                                \
 	X(BODY_ERROR, "BODY_ERROR", "the body raised while being traced")                          \
 	X(GRAPH_BREAK, "GRAPH_BREAK", "the body cannot be captured as one graph")                  \
+	X(BAD_GRAPH, "BAD_GRAPH", "a captured graph is malformed or uses a refused op")            \
 	X(UNSUPPORTED_OP, "UNSUPPORTED_OP", "the body uses an op Inductor cannot compile")         \
 	X(CARRY_MISMATCH, "CARRY_MISMATCH",                                                        \
 	  "the body changed the carry's structure, shape or dtype")                                \

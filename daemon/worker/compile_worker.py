@@ -35,6 +35,11 @@ from typing import Any, Callable
 import msgpack
 import torch
 
+# the loader of captured graphs lives beside this file, however it was started
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import graph_loader  # noqa: E402
+from graph_loader import GraphBody, GraphError  # noqa: E402
+
 MIN_TORCH = (2, 14)
 PROTOCOL = 1
 
@@ -298,6 +303,7 @@ class Job:
     body_source: str
     body_file: str
     entry: str
+    body_graph: str = ""  # a captured step graph (graph_loader.py) instead of source
     strategy: str = "unroll"
     kind: str = "forward"  # or "vjp"
     dtype: str = "float64"
@@ -313,9 +319,10 @@ class Job:
         """The fields of a compile/check request; missing optional ones get defaults."""
         try:
             return cls(
-                body_source=str(req["body_source"]),
+                body_source=str(req.get("body_source", "")),
                 body_file=str(req.get("body_file") or "<adapter>"),
-                entry=str(req["entry"]),
+                entry=str(req.get("entry", "")),
+                body_graph=str(req.get("body_graph", "")),
                 strategy=str(req.get("strategy", "unroll")),
                 kind=str(req.get("kind", "forward")),
                 dtype=str(req.get("dtype", "float64")),
@@ -330,8 +337,29 @@ class Job:
             raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {exc!r}") from exc
 
 
+GRAPHS: dict[str, GraphBody] = {}  # graph text's digest -> loaded body (bounded below)
+
+
+def load_graph(text: str) -> GraphBody:
+    """A captured graph, loaded (checked, never executed as code) once per content."""
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    body = GRAPHS.get(digest)
+    if body is None:
+        try:
+            body = graph_loader.load(text)
+        except GraphError as exc:
+            raise JobError(exc.code, exc.message, exc.path) from None
+        if len(GRAPHS) >= 64:
+            GRAPHS.pop(next(iter(GRAPHS)))
+        GRAPHS[digest] = body
+    return body
+
+
 def load_body(job: Job) -> Callable[..., Any]:
-    """Imports the body's module under a name unique to its source."""
+    """Imports the body's module under a name unique to its source (or loads
+    a captured graph)."""
+    if job.body_graph:
+        return load_graph(job.body_graph)
     source, filename = job.body_source, job.body_file
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     name = f"torchloop_body_{digest}"
@@ -378,6 +406,8 @@ class Scan:
             out = self.body(carry, x)
         except JobError:
             raise
+        except GraphError as exc:  # a request that does not fit the captured graph
+            raise JobError(exc.code, exc.message, exc.path) from None
         except Exception as exc:
             if self.tracing:
                 raise  # the body ran eagerly at this step: a capture problem
@@ -460,7 +490,10 @@ class Scan:
 def rebound(fn: Callable[..., Any], values: dict[str, Any]) -> Callable[..., Any]:
     """fn over a copy of its module's globals where each name in values is
     that value instead; the module's other functions (the body's helpers)
-    are rebound to the same copy, so they see the values too."""
+    are rebound to the same copy, so they see the values too.  A captured
+    graph takes its constants' values directly."""
+    if isinstance(fn, GraphBody):
+        return fn.with_tensors(values)
     g = dict(fn.__globals__)
     g.update(values)
     home = fn.__globals__
@@ -480,7 +513,9 @@ def rebound(fn: Callable[..., Any], values: dict[str, Any]) -> Callable[..., Any
 def captured_tensors(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     """Module-level tensors the body's module refers to by name: the globals
     named in the code of any function defined in that module (the body's own
-    helpers included), in a stable order."""
+    helpers included), in a stable order.  A captured graph's are its constants."""
+    if isinstance(fn, GraphBody):
+        return fn.lifted_tensors()
     g = getattr(fn, "__globals__", {})
     mod = getattr(fn, "__module__", None)
     names: set[str] = set()
@@ -525,6 +560,8 @@ def classify(exc: BaseException, phase: str) -> JobError:
     for e in chain:
         if isinstance(e, JobError):
             return e
+        if isinstance(e, GraphError):
+            return JobError(e.code, e.message, e.path)
     text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
     resource = resource_failure(chain, text)
     if resource is not None:
@@ -1141,7 +1178,8 @@ def parity_check(so_path: str, cases: list[tuple[int, tuple[Any, ...], list[Any]
 
 
 def check_body(job: Job) -> dict[str, Any]:
-    """Register-time check: the source imports and defines a callable entry."""
+    """Register-time check: the source imports and defines a callable entry,
+    or the captured graph loads (every field checked, run over fake tensors)."""
     load_body(job)
     return {"ok": True}
 

@@ -6,12 +6,16 @@ build under test (TORCHLOOP_TEST_BUILD: build, or build-san for make sanitize).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -36,17 +40,17 @@ def _wait_ready(sock: str, proc: subprocess.Popen, log: Path, timeout: float = 1
     pytest.fail(f"torchloopd not ready within {timeout} s:\n{log.read_text()}")
 
 
-@pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The socket of a running daemon (stopped, and checked to exit 0, at the end)."""
+@contextlib.contextmanager
+def running_daemon(tmp: Path, *extra: str) -> Iterator[str]:
+    """A torchloopd on tmp/sock with the run's cache; stopped and checked to exit 0."""
     build = os.environ.get("TORCHLOOP_TEST_BUILD", "build")
     cache = os.environ.get("TORCHLOOP_TEST_CACHE", str(ROOT / "build" / "test-cache"))
-    tmp = tmp_path_factory.mktemp("daemon")
     sock, log = str(tmp / "sock"), tmp / "log"
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(ROOT / build / "torchloopd"), "--socket", sock, "--cache-dir", cache, "--no-probe"],
+            [str(ROOT / build / "torchloopd"), "--socket", sock, "--cache-dir", cache,
+             "--no-probe", *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_ready(sock, proc, log)
@@ -55,3 +59,23 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> str:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)
     assert rc == 0, f"torchloopd exit {rc}:\n{log.read_text()}"
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The socket of a running daemon (stopped, and checked to exit 0, at the end)."""
+    with running_daemon(tmp_path_factory.mktemp("daemon")) as sock:
+        yield sock
+
+
+@pytest.fixture(scope="session")
+def open_daemon() -> Iterator[str]:
+    """A daemon every uid can reach (socket 0666 in a 0755 directory), holding
+    at most 4 captured graphs per uid: for the non-admin tests."""
+    tmp = Path(tempfile.mkdtemp(prefix="torchloop-open-"))
+    tmp.chmod(0o755)
+    try:
+        with running_daemon(tmp, "--socket-mode", "0666", "--max-graphs-per-uid", "4") as sock:
+            yield sock
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

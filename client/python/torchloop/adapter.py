@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 import threading
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from .capture import Capturer
 from .client import Client
-from .errors import TorchloopError
+from .errors import TorchloopError, TorchloopValueError
 
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -117,19 +119,34 @@ def body_source(body: Callable[..., Any]) -> tuple[str, str]:
 
 
 class _Driver:
-    """What a loop_adapter's scan closes over: bounds, a client, registrations."""
+    """What a loop_adapter's scan closes over: bounds, a client, registrations.
+
+    capture=True (the default): every body is captured in this process
+    (capture.py) and its graph registered under its content's name; the
+    request's carry is (carry, live captured tensors), which the graph passes
+    through unchanged, so gradients reach those tensors.  capture=False: a
+    module-level body's module source is registered (admins only)."""
 
     def __init__(self, max_steps: int, max_elements: int, socket: str | None,
-                 name: str | None, dynamic: str | None = None) -> None:
+                 name: str | None, dynamic: str | None = None, capture: bool = True) -> None:
         self.max_steps, self.max_elements = max_steps, max_elements
         self.dynamic = dynamic
+        self.socket = socket
         self.client = Client(socket)
         self.name = name
+        self.capture = capture
+        self.capturer = Capturer()
         self.registered: dict[tuple[str, str], str] = {}
+        self.graphs: set[str] = set()  # captured graphs this driver registered
         # body function -> adapter name: reading a module's source per scan
         # (inspect.getsource) cost about 10 µs of a 30 µs small scan
         self.by_body: dict[Callable[..., Any], str] = {}
         self.lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A driver pickles as its settings: the unpickled one connects anew."""
+        return (_Driver, (self.max_steps, self.max_elements, self.socket, self.name,
+                          self.dynamic, self.capture))
 
     def adapter_for(self, body: Callable[..., Any]) -> str:
         try:  # a body seen before: its module's source is not read again
@@ -159,18 +176,51 @@ class _Driver:
                              dynamic=self.dynamic)
         return name
 
-    def call(self, op: str, body: Callable[..., Any], **fields: Any) -> dict:
-        """One op for body; registers again if the daemon forgot it (a restart)."""
-        name = self.adapter_for(body)
+    def _register_graph(self, name: str, text: str) -> None:
+        self.client.register_graph(name, text, max_steps=self.max_steps,
+                                   max_elements=self.max_elements, dynamic=self.dynamic)
+        with self.lock:
+            self.graphs.add(name)
+
+    def send(self, op: str, target: Target, **fields: Any) -> dict:
+        """One op; registers again if the daemon forgot the adapter (a restart,
+        or a captured graph evicted by the per-user cap)."""
+        if isinstance(target, tuple):
+            name, text = target
+            if name not in self.graphs:
+                self._register_graph(name, text)
+        else:
+            name = self.adapter_for(target)
         try:
             return self.client.call(op, adapter=name, **fields)
         except TorchloopError as exc:
             if exc.code != "NOT_FOUND":
                 raise
+            if isinstance(target, tuple):
+                self._register_graph(*target)
+                return self.client.call(op, adapter=name, **fields)
             with self.lock:
                 self.registered = {k: v for k, v in self.registered.items() if v != name}
                 self.by_body = {k: v for k, v in self.by_body.items() if v != name}
-            return self.client.call(op, adapter=self.adapter_for(body), **fields)
+            return self.client.call(op, adapter=self.adapter_for(target), **fields)
+
+    def prepare(self, body: Callable[..., Any], carry_def: Any, inputs_def: Any,
+                leaves: list[torch.Tensor], n_carry: int) -> tuple[Target, list[torch.Tensor]]:
+        """(what to run, live captured tensors) for this call's body and trees."""
+        if not self.capture:
+            return body, []
+        if not callable(body):
+            raise TypeError("body must be a callable body(carry, x) -> (new_carry, y)")
+        check_rows(inputs_def, leaves[n_carry:], self.max_steps)
+        carry = [t.detach() for t in leaves[:n_carry]]
+        rows = [t.detach()[0] for t in leaves[n_carry:]]
+        g, args, result = self.capturer.capture(
+            body, unflatten(carry_def, carry, [0]), unflatten(inputs_def, rows, [0]))
+        if not g.bound:
+            g.bind(args, carry, rows, result, leaves[0].dtype)
+        bounds = (self.max_steps, self.max_elements, self.dynamic)
+        target = g.document(args, carry + rows, n_carry, carry_def, inputs_def, bounds)
+        return target, [args[j] for j in g.live]
 
     def scan(self, body: Callable[..., Any], carry: Any, inputs: Any) -> tuple[Any, Any]:
         if torch.compiler.is_compiling():
@@ -180,30 +230,92 @@ class _Driver:
         carry_def = flatten(carry, "carry", leaves)
         n_carry = len(leaves)
         inputs_def = flatten(inputs, "inputs", leaves)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
-            call = _Call(self, body, carry_def, inputs_def, n_carry)
-            flat = _ScanFunction.apply(call, *leaves)
+        target, params = self.prepare(body, carry_def, inputs_def, leaves, n_carry)
+        call = _Call(self, target, carry_def, inputs_def, n_carry, len(params))
+        every = leaves + params
+        if torch.is_grad_enabled() and any(t.requires_grad for t in every):
+            flat = _ScanFunction.apply(call, *every)
             pos = [0]
             return unflatten(call.final_def, list(flat), pos), unflatten(call.outputs_def, list(flat), pos)
-        res = self.call("scan", body, carry=carry, inputs=inputs)
+        res = call.run("scan", tuple(every))
         return res["carry"], res["outputs"]
 
 
-class _Call:
-    """One differentiable scan: the trees' structure, filled in by forward."""
+Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
 
-    def __init__(self, driver: _Driver, body: Callable[..., Any], carry_def: Any,
-                 inputs_def: Any, n_carry: int) -> None:
-        self.driver, self.body = driver, body
+
+def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> None:
+    """The daemon's checks that capture needs first (it traces row 0)."""
+    if not xs:
+        raise TorchloopValueError(
+            "NO_INPUTS", "inputs has no tensor leaf: the scan length T comes from the inputs",
+            "inputs")
+    paths = leaf_paths(inputs_def, "inputs")
+    for path, t in zip(paths, xs):
+        if t.ndim == 0:
+            raise TorchloopValueError(
+                "BAD_RANK", f"{path} is 0-d; input leaves need a leading scan axis (ndim >= 1)",
+                path)
+        if t.shape[0] != xs[0].shape[0]:
+            raise TorchloopValueError(
+                "LENGTH_MISMATCH", f"{path} has leading length {t.shape[0]} but {paths[0]} has "
+                f"{xs[0].shape[0]}: input leaves share one T", path)
+        if not 1 <= t.shape[0] <= max_steps:
+            raise TorchloopValueError(
+                "TOO_MANY_STEPS", f"{path}: T={t.shape[0]} is outside [1, max_steps={max_steps}]",
+                path)
+
+
+def leaf_paths(tdef: Any, path: str) -> list[str]:
+    if tdef is None:
+        return []
+    if tdef == "T":
+        return [path]
+    if tdef[0] == "dict":
+        return [p for k, c in zip(tdef[1], tdef[2]) for p in leaf_paths(c, f'{path}["{k}"]')]
+    return [p for i, c in enumerate(tdef[1]) for p in leaf_paths(c, f"{path}[{i}]")]
+
+
+def _unwrap_path(exc: TorchloopError) -> TorchloopError:
+    """A daemon error about carry (carry, captured) said of the user's trees."""
+    def fix(text: str) -> str:
+        text = text.replace("carry[0]", "carry")
+        return re.sub(r"carry\[1\]\[(\d+)\]", r"the body's captured tensor #\1", text)
+
+    return type(exc)(exc.code, fix(exc.message), fix(exc.path))
+
+
+class _Call:
+    """One scan: what it runs, the trees' structure (results' filled in by run)."""
+
+    def __init__(self, driver: _Driver, target: Target, carry_def: Any, inputs_def: Any,
+                 n_carry: int, n_params: int) -> None:
+        self.driver, self.target = driver, target
         self.carry_def, self.inputs_def, self.n_carry = carry_def, inputs_def, n_carry
+        self.n_params = n_params
+        self.wrapped = isinstance(target, tuple)  # carry on the wire: (carry, captured)
         self.final_def: Any = None
         self.outputs_def: Any = None
         self.n_final = 0
 
     def trees(self, leaves: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         flat = [t.detach() for t in leaves]
-        return (unflatten(self.carry_def, flat, [0]),
-                unflatten(self.inputs_def, flat[self.n_carry:], [0]))
+        n_in = len(flat) - self.n_params
+        carry = unflatten(self.carry_def, flat, [0])
+        inputs = unflatten(self.inputs_def, flat[self.n_carry:n_in], [0])
+        return ((carry, tuple(flat[n_in:])) if self.wrapped else carry), inputs
+
+    def run(self, op: str, leaves: tuple[torch.Tensor, ...], **cots: Any) -> dict:
+        carry, inputs = self.trees(leaves)
+        try:
+            res = self.driver.send(op, self.target, carry=carry, inputs=inputs, **cots)
+        except TorchloopError as exc:
+            if not self.wrapped:
+                raise
+            raise _unwrap_path(exc) from None
+        if self.wrapped and "carry" in res:
+            res["carry"] = res["carry"][0]
+        return res
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -211,8 +323,7 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        carry, inputs = call.trees(leaves)
-        res = call.driver.call("scan", call.body, carry=carry, inputs=inputs)
+        res = call.run("scan", leaves)
         out: list[torch.Tensor] = []
         call.final_def = flatten(res["carry"], "carry", out)
         call.n_final = len(out)
@@ -236,21 +347,24 @@ class _ScanFunction(torch.autograd.Function):
     @once_differentiable
     def _vjp(ctx: Any, grads: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         call: _Call = ctx.call
-        carry, inputs = call.trees(ctx.saved_tensors)
         cots = [g.contiguous() if g is not None else None for g in grads]
         cot_carry = unflatten(call.final_def, cots, [0])
+        if call.wrapped:  # the captured tensors come back unchanged: no cotangent
+            cot_carry = (cot_carry, tuple(None for _ in range(call.n_params)))
         cot_outputs = unflatten(call.outputs_def, cots[call.n_final:], [0])
-        res = call.driver.call("grad", call.body, carry=carry, inputs=inputs,
-                               cot_carry=cot_carry, cot_outputs=cot_outputs)
+        res = call.run("grad", tuple(ctx.saved_tensors), cot_carry=cot_carry,
+                       cot_outputs=cot_outputs)
+        grad_carry, grad_params = res["grad_carry"] if call.wrapped else (res["grad_carry"], ())
         gleaves: list[torch.Tensor] = []
-        flatten(res["grad_carry"], "grad_carry", gleaves)
+        flatten(grad_carry, "grad_carry", gleaves)
         flatten(res["grad_inputs"], "grad_inputs", gleaves)
+        flatten(grad_params, "grad_carry", gleaves)  # the captured tensors come last
         return (None, *gleaves)
 
 
 def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_ELEMENTS,
-                 socket: str | None = None,
-                 name: str | None = None, dynamic: str | None = None) -> Any:
+                 socket: str | None = None, name: str | None = None,
+                 dynamic: str | None = None, capture: bool | None = None) -> Any:
     """A LoopAdapter whose scan runs in torchloopd (see the module docstring).
 
     dynamic="batch" compiles one graph per (structure, T, dtype) that serves
@@ -264,5 +378,10 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
     check_bounds(max_steps, max_elements)
     if dynamic not in (None, "none", "batch"):
         raise ValueError('dynamic must be "none" or "batch"')
-    driver = _Driver(max_steps, max_elements, socket, name, dynamic)
+    if capture is None:
+        capture = dynamic != "batch"
+    elif capture and dynamic == "batch":
+        raise ValueError('dynamic="batch" needs capture=False: a captured graph has the '
+                         "static shapes it was captured at")
+    driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture)
     return _adapter_class()(scan=driver.scan)

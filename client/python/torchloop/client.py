@@ -431,6 +431,19 @@ class Client:
                 fields[key] = value
         return self.call("register", **fields)
 
+    def register_graph(self, name: str, graph: str, *, max_steps: int | None = None,
+                       max_elements: int | None = None, recompile_budget: int | None = None,
+                       strategy: str | None = None, dynamic: str | None = None) -> dict:
+        """Registers a captured step graph (torchloop._graph's JSON text): any
+        user allowed on the socket may; name must be "g." + its content's hash."""
+        fields: dict[str, Any] = {"name": name, "body_graph": graph}
+        for key, value in (("max_steps", max_steps), ("max_elements", max_elements),
+                           ("recompile_budget", recompile_budget), ("strategy", strategy),
+                           ("dynamic", dynamic)):
+            if value is not None:
+                fields[key] = value
+        return self.call("register", **fields)
+
     def unregister(self, name: str) -> dict:
         return self.call("unregister", name=name)
 

@@ -1,0 +1,170 @@
+"""The wire form of a captured step graph ("torchloop.graph", version 1).
+
+A captured step is an exported, core-ATen FX graph of one step over flat
+tensors: inputs are the carry's tensor leaves, then one row of each input
+leaf, then the body's live captured tensors ("params"); outputs are the new
+carry's tensor leaves then the step output's.  This module writes it as
+JSON text that loads without executing Python (no pickle, no code): the
+daemon's compile worker reads it with daemon/worker/graph_loader.py, which
+checks every field, allows core ATen ops only and runs the graph over fake
+tensors before anything compiles.  docs/protocol.md ("Captured graphs")
+has the format.
+
+Values in `args`/`kwargs`: JSON null/bool/int/str/lists, floats (non-finite
+ones as {"f": "nan"|"inf"|"-inf"}), and one-key objects: {"n": i} the value
+of node i, {"i": j} graph input j, {"k": k} constant k, {"dtype": name},
+{"device": "cpu"}, {"layout": name}, {"memory_format": name}.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import operator
+from typing import Union
+
+import torch
+
+FORMAT, VERSION = "torchloop.graph", 1
+
+# what the loader accepts, by name (graph_loader.py keeps the same tables)
+DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+LAYOUTS = {torch.strided: "strided"}
+MEMORY_FORMATS = {torch.contiguous_format: "contiguous_format",
+                  torch.preserve_format: "preserve_format",
+                  torch.channels_last: "channels_last"}
+
+Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
+TreeDef = object  # adapter.flatten's structure: None, "T", ("tuple"|"list", [...]), ("dict", keys, [...])
+
+
+class CaptureError(TypeError):
+    """The captured graph cannot be shipped (an op or value the format lacks)."""
+
+
+def _tree(tdef: TreeDef) -> Json:
+    if tdef is None or tdef == "T":
+        return tdef  # type: ignore[return-value]
+    assert isinstance(tdef, tuple)
+    if tdef[0] == "dict":
+        return ["dict", list(tdef[1]), [_tree(c) for c in tdef[2]]]
+    return [tdef[0], [_tree(c) for c in tdef[1]]]
+
+
+def _meta(t: torch.Tensor) -> dict[str, Json]:
+    if t.dtype not in DTYPE_NAMES:
+        raise CaptureError(f"a tensor of dtype {t.dtype} cannot be shipped in a captured graph")
+    return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+
+
+def _constant(t: torch.Tensor) -> dict[str, Json]:
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {**_meta(t), "data": base64.b64encode(raw).decode("ascii")}
+
+
+class _Writer:
+    def __init__(self, refs: dict[torch.fx.Node, dict[str, int]]) -> None:
+        self.refs = refs
+
+    def value(self, v: object, where: str) -> Json:
+        if isinstance(v, torch.fx.Node):
+            if v not in self.refs:
+                raise CaptureError(f"{where}: refers to {v.name}, which is not shipped")
+            return self.refs[v]  # type: ignore[return-value]
+        if v is None or isinstance(v, (bool, int, str)):
+            return v  # type: ignore[return-value]
+        if isinstance(v, float):
+            if math.isnan(v):
+                return {"f": "nan"}
+            return {"f": "inf" if v > 0 else "-inf"} if math.isinf(v) else v
+        if isinstance(v, (list, tuple)):
+            return [self.value(x, where) for x in v]
+        if isinstance(v, torch.dtype):
+            if v not in DTYPE_NAMES:
+                raise CaptureError(f"{where}: dtype {v} is not supported")
+            return {"dtype": DTYPE_NAMES[v]}
+        if isinstance(v, torch.device):
+            if v.type != "cpu":
+                raise CaptureError(f"{where}: device {v} (torchloopd runs on the CPU)")
+            return {"device": "cpu"}
+        if isinstance(v, torch.layout) and v in LAYOUTS:
+            return {"layout": LAYOUTS[v]}
+        if isinstance(v, torch.memory_format) and v in MEMORY_FORMATS:
+            return {"memory_format": MEMORY_FORMATS[v]}
+        raise CaptureError(f"{where}: a value of type {type(v).__name__} ({v!r}) cannot be shipped")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # "aten.add.Tensor"
+    raise CaptureError(
+        f"the captured step calls {getattr(target, '__name__', target)!r}, which is not an "
+        "ATen operator: only core ATen graphs can be compiled by torchloopd"
+    )
+
+
+def write(ep: torch.export.ExportedProgram, n_carry: int, n_x: int, n_params: int,
+          carry_def: TreeDef, x_def: TreeDef, out_def: TreeDef) -> str:
+    """The JSON text of an exported step (user inputs: carry, x row, params)."""
+    sig = ep.graph_signature
+    user = 0
+    constants: list[dict[str, Json]] = []
+    inputs: list[dict[str, Json]] = []
+    refs: dict[torch.fx.Node, dict[str, int]] = {}
+    values = {**ep.state_dict, **ep.constants}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, sig.input_specs):
+        kind = spec.kind.name
+        if kind == "USER_INPUT":
+            refs[node] = {"i": user}
+            inputs.append(_meta(node.meta["val"]))
+            user += 1
+        elif kind in ("BUFFER", "CONSTANT_TENSOR", "PARAMETER"):
+            refs[node] = {"k": len(constants)}
+            constants.append(_constant(values[spec.target]))
+        else:
+            raise CaptureError(f"the exported step has an input of kind {kind}")
+    for spec in sig.output_specs:
+        if spec.kind.name != "USER_OUTPUT":
+            raise CaptureError(
+                "the body mutates a tensor in place (the carry, an input or a captured "
+                f"tensor: {spec.target or spec.arg}); torchloopd compiles pure steps only"
+            )
+    w = _Writer(refs)
+    nodes: list[dict[str, Json]] = []
+    outputs: list[Json] = []
+    for node in ep.graph.nodes:
+        if node.op == "call_function":
+            name = _op_name(node)
+            nodes.append({"op": name, "args": w.value(list(node.args), name),
+                          "kwargs": {k: w.value(v, name) for k, v in node.kwargs.items()}})
+            refs[node] = {"n": len(nodes) - 1}
+        elif node.op == "output":
+            outputs = [w.value(v, "output") for v in node.args[0]]
+        elif node.op != "placeholder":
+            raise CaptureError(f"the exported step has a {node.op} node ({node.name})")
+    doc = {
+        "format": FORMAT, "version": VERSION,
+        "n_carry": n_carry, "n_x": n_x, "n_params": n_params,
+        "inputs": inputs, "constants": constants, "nodes": nodes, "outputs": outputs,
+        "carry": _tree(carry_def), "x": _tree(x_def), "out": _tree(out_def),
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+
+
+def identity(text: str, *bounds: object) -> str:
+    """The adapter name of a captured graph: its content and the adapter's bounds."""
+    h = hashlib.sha256(text.encode())
+    h.update(repr(bounds).encode())
+    return "g." + h.hexdigest()[:40]

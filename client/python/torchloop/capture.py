@@ -1,0 +1,204 @@
+"""Capturing a body in the solver's process, as torch.compile does.
+
+Each body's code gets its own `torch.compile(step, backend=..., fullgraph=True,
+dynamic=False)` of `step(body, carry, x) = body(carry, x)`: dynamo traces ONE
+step where the body lives (closures, `self`, callbacks, imports, Array-API
+calls) and keeps the guards that decide when to trace again (a changed
+Python float, shape, dtype, or a different object; not a new closure over
+the same code and cells).  Its backend receives the FX graph of the step
+with every tensor the body reads as an input, and returns a recorder: on
+each call, dynamo's guards pass and the recorder receives the current
+tensors, in the graph's input order, without running anything.
+
+On a graph's first call the roles of its inputs are found by identity: a
+carry leaf, an input row, or a tensor the body captures.  Captured tensors
+of the scan's dtype are "live" (sent with every request, gradients reach
+them); others (integer index tensors, another float dtype) are baked into
+the graph as constants, and a change in their values makes a new graph.
+The step is then exported to core ATen over (carry leaves, x leaves, live
+tensors) and written as a `_graph` document, whose content names the
+daemon adapter.  Capture costs one step's trace, whatever T.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from types import FunctionType
+from typing import Callable, Optional
+
+import torch
+
+from . import _graph
+from ._graph import CaptureError, TreeDef
+
+Role = tuple[str, int]  # ("c"|"x"|"p"|"b", index): carry leaf, x leaf, live, baked
+
+
+def _step(body: Callable[..., object], carry: object, x: object) -> object:
+    # the marker makes a graph even for a body with no tensor op (dynamo calls
+    # no backend for an empty graph); the export drops it
+    return body(carry, x), torch.zeros(())
+
+
+class _Recorded(threading.local):
+    call: Optional[tuple["StepGraph", tuple[torch.Tensor, ...]]] = None
+
+
+RECORDED = _Recorded()
+
+
+def code_key(body: object) -> object:
+    """What one compiled step is made for: the body's code (a closure rebuilt
+    per run shares it), a partial's or a method's function's code."""
+    fn = getattr(body, "func", None) or getattr(body, "__func__", None) or body
+    return getattr(fn, "__code__", None) or type(fn)
+
+
+class StepGraph:
+    """One dynamo capture: the step's FX graph, then its roles and exports."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        n_out = len(out.args[0]) if isinstance(out.args[0], (tuple, list)) else 1
+        # what dynamo hands back as the step's result; scan() never reads it
+        self.fake = tuple(torch.empty(0) for _ in range(n_out))
+        self.roles: list[Role] = []  # per graph input
+        self.outs: list[Role] = []  # per result leaf: ("o", k) graph output k, or a Role
+        self.out_def: TreeDef = None
+        self.live: list[int] = []
+        self.baked: list[int] = []
+        self.bound = False
+        self.docs: dict[bytes, tuple[str, str]] = {}  # baked values' digest -> (name, text)
+        self.lock = threading.Lock()
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        RECORDED.call = (self, args)
+        return self.fake
+
+    def bind(self, args: tuple[torch.Tensor, ...], carry: list[torch.Tensor],
+             xrow: list[torch.Tensor], result: object, dtype: torch.dtype) -> None:
+        """The first call: every graph input's role and every result leaf's origin."""
+        from .adapter import flatten  # the package's tree walk (paths in messages)
+
+        ids: dict[int, Role] = {id(t): ("c", i) for i, t in enumerate(carry)}
+        ids.update({id(t): ("x", i) for i, t in enumerate(xrow)})
+        roles: list[Role] = []
+        live: list[int] = []
+        baked: list[int] = []
+        for j, a in enumerate(args):
+            role = ids.get(id(a))
+            if role is None:
+                pool = live if a.dtype == dtype and a.is_floating_point() else baked
+                pool.append(j)
+                role = ("p" if pool is live else "b", len(pool) - 1)
+                ids[id(a)] = role
+            roles.append(role)
+        body_out = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+        if not isinstance(body_out, tuple) or len(body_out) != 2:
+            raise TypeError("the body must return (new_carry, y); it returned "
+                            f"{type(body_out).__name__}")
+        leaves: list[torch.Tensor] = []
+        out_def = ("tuple", [flatten(body_out[0], "carry", leaves),
+                             flatten(body_out[1], "outputs", leaves)])
+        ids.update({id(t): ("o", k) for k, t in enumerate(self.fake)})
+        outs: list[Role] = []
+        for leaf in leaves:
+            if id(leaf) not in ids:
+                raise CaptureError("the body returned a tensor that is neither computed by "
+                                   "its graph nor one of its inputs")
+            outs.append(ids[id(leaf)])
+        self.roles, self.outs, self.out_def = roles, outs, out_def
+        self.live, self.baked = live, baked
+        self.bound = True
+
+    def document(self, args: tuple[torch.Tensor, ...], flat: list[torch.Tensor], n_carry: int,
+                 carry_def: TreeDef, x_def: TreeDef, bounds: tuple[object, ...]) -> tuple[str, str]:
+        """(adapter name, graph text) for these baked values; exported once each.
+        flat: this call's carry leaves and x rows (the export's examples)."""
+        baked = [args[j] for j in self.baked]
+        h = hashlib.sha256()
+        for t in baked:
+            h.update(repr((t.dtype, tuple(t.shape))).encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest = h.digest()
+        with self.lock:
+            doc = self.docs.get(digest)
+            if doc is None:
+                module = _Flat(self, [t.detach().clone() for t in baked], n_carry,
+                               len(flat) - n_carry)
+                example = tuple(t.detach() for t in flat) + tuple(args[j].detach() for j in self.live)
+                with torch.enable_grad():
+                    ep = torch.export.export(module, example, strict=False).run_decompositions()
+                text = _graph.write(ep, n_carry, len(flat) - n_carry, len(self.live),
+                                    carry_def, x_def, self.out_def)
+                doc = self.docs[digest] = (_graph.identity(text, *bounds), text)
+            return doc
+
+
+class _Flat(torch.nn.Module):
+    """The step over flat tensors: (carry leaves, x leaves, live) -> result leaves."""
+
+    def __init__(self, g: StepGraph, baked: list[torch.Tensor], n_carry: int, n_x: int) -> None:
+        super().__init__()
+        self.g, self.n_carry, self.n_x = g, n_carry, n_x
+        for k, t in enumerate(baked):
+            self.register_buffer(f"baked_{k}", t)
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        base = {"c": 0, "x": self.n_carry, "p": self.n_carry + self.n_x}
+
+        def value(role: Role) -> torch.Tensor:
+            kind, i = role
+            return getattr(self, f"baked_{i}") if kind == "b" else flat[base[kind] + i]
+
+        res = self.g.gm(*[value(r) for r in self.g.roles])
+        res = res if isinstance(res, (tuple, list)) else (res,)
+        # an input handed back unchanged becomes a copy: results never alias inputs
+        return tuple(res[i] if kind == "o" else value((kind, i)).clone()
+                     for kind, i in self.g.outs)
+
+
+@dataclass
+class Capturer:
+    """One adapter's captures: a compiled step per body code object."""
+
+    steps: dict[object, Callable[..., object]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    captures: int = 0  # dynamo traces (a guard failed, or a new body code)
+
+    def _backend(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> StepGraph:
+        self.captures += 1
+        return StepGraph(gm)
+
+    def compiled(self, body: object) -> Callable[..., object]:
+        key = code_key(body)
+        fn = self.steps.get(key)
+        if fn is None:
+            with self.lock:
+                fn = self.steps.get(key)
+                if fn is None:
+                    # a code object of its own: dynamo's recompile limit (8
+                    # variants) counts per body code, not per adapter
+                    unique = FunctionType(_step.__code__.replace(), _step.__globals__)
+                    fn = torch.compile(unique, backend=self._backend, fullgraph=True,
+                                       dynamic=False)
+                    self.steps[key] = fn
+        return fn
+
+    def capture(self, body: object, carry: object, xrow: object) -> tuple[StepGraph, tuple[torch.Tensor, ...], object]:
+        """Runs the guards (tracing when they fail); the graph and this call's tensors."""
+        RECORDED.call = None
+        with torch.no_grad():
+            result = self.compiled(body)(body, carry, xrow)
+        rec, RECORDED.call = RECORDED.call, None
+        if rec is None:
+            raise RuntimeError(
+                "torch.compile ran the body without a graph (its recompile limit, "
+                f"torch._dynamo.config.recompile_limit = {torch._dynamo.config.recompile_limit}, "
+                "was reached for this body, or compilation is disabled); torchloop needs the "
+                "captured graph"
+            )
+        return rec[0], rec[1], result

@@ -1,0 +1,428 @@
+"""Bodies captured in the solver's process (torchloop/capture.py), compiled
+by the daemon: every body form the reference adapter accepts -- closures,
+lambdas, partials, bound methods of modules with parameters, a step that
+imports a helper from its package, Array-API code, a solver's per-run
+closure over itself and a callback with carry (state, None) and a tuple of
+1-D inputs -- each against the eager loop and an in-process
+torch.compile(fullgraph=True, dynamic=False) of the same loop, forward and
+first-order backward (captured tensors included).  Guards: a new closure
+over the same objects is not captured again, a changed Python float is,
+new values of a captured tensor are neither captured nor compiled again.
+Identity: two processes that build the same closure share one compile.
+Who may register: uid 65534 registers and runs a graph and is refused
+source; forged graphs get BAD_GRAPH and the daemon serves the next request.
+
+Compiles: the six forms share one step graph (same math, same bounds), so
+one forward and one VJP graph; the solver two; the changed float two more
+plus their VJPs; the two processes one.  T = 3 everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import FunctionType
+from typing import Any, Callable
+
+import array_api_compat
+import pytest
+import torch
+
+import eager
+import torchloop
+from torchloop.errors import TorchloopError
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUNDS = dict(max_steps=8, max_elements=4096)
+T, N = 3, 4
+TOL = dict(rtol=1e-10, atol=1e-10)
+W0 = torch.randn(N, N, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+
+def f(c: torch.Tensor, x: torch.Tensor, k: float, W: torch.Tensor) -> tuple[Any, Any]:
+    return k * c + torch.tanh(W @ x), c * x
+
+
+def make(k: float, W: torch.Tensor) -> Callable[..., Any]:
+    def step(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
+        return k * c + torch.tanh(W @ x), c * x
+    return step
+
+
+class Cell(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = torch.nn.Parameter(W0.clone())
+        self.k = 0.3
+
+    def step(self, c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
+        return self.k * c + torch.tanh(self.W @ x), c * x
+
+
+def xp_step_over(W: torch.Tensor) -> Callable[..., Any]:
+    def xp_step(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
+        xp = array_api_compat.array_namespace(c, x)
+        return 0.3 * c + xp.tanh(W @ x), xp.multiply(c, x)
+    return xp_step
+
+
+def package_step(tmp: Path, W: torch.Tensor) -> Callable[..., Any]:
+    """A module-level step of a user package that imports a sibling helper."""
+    pkg = tmp / "mysolver"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "physics.py").write_text("import torch\n\ndef flux(W, x):\n    return torch.tanh(W @ x)\n")
+    (pkg / "core.py").write_text(textwrap.dedent("""\
+        from mysolver.physics import flux
+        K = 0.3
+        W = None
+
+        def step(c, x):
+            return K * c + flux(W, x), c * x
+        """))
+    sys.path.insert(0, str(tmp))
+    import mysolver.core  # type: ignore[import-not-found]
+
+    mysolver.core.W = W
+    return mysolver.core.step
+
+
+def reference() -> Callable[..., Any]:
+    """The reference adapter in process: torch.compile(fullgraph, static) of
+    the loop, a code object of its own (its own recompile budget)."""
+    code = eager.scan.__code__.replace()
+    fn = FunctionType(code, eager.scan.__globals__)
+    return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
+
+
+def run_three(scan: Callable[..., Any], body: Callable[..., Any], carry: Any, xs: Any,
+              params: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """Forward, then first-order backward of a weighted sum: results and the
+    gradients of every leaf (carry, inputs, captured tensors)."""
+    leaves = [t for t in eager.leaves(carry) + eager.leaves(xs) + params]
+    for t in leaves:
+        t.grad = None
+    final, ys = scan(body, carry, xs)
+    gen = torch.Generator().manual_seed(5)
+    loss = sum((t * torch.rand(t.shape, generator=gen, dtype=t.dtype)).sum()
+               for t in eager.leaves(final) + eager.leaves(ys))
+    loss.backward()
+    grads = [t.grad.clone() for t in leaves]
+    return (final, ys), grads
+
+
+def assert_same(a: tuple[Any, list[torch.Tensor]], b: tuple[Any, list[torch.Tensor]]) -> None:
+    for x, y in zip(eager.leaves(a[0]), eager.leaves(b[0]), strict=True):
+        torch.testing.assert_close(x.detach(), y.detach(), **TOL)
+    for x, y in zip(a[1], b[1], strict=True):
+        torch.testing.assert_close(x, y, **TOL)
+
+
+def check_against_references(adapter: Any, body: Callable[..., Any], carry: Any, xs: Any,
+                             params: list[torch.Tensor]) -> None:
+    ours = run_three(adapter.scan, body, carry, xs, params)
+    assert_same(ours, run_three(eager.scan, body, carry, xs, params))
+    assert_same(ours, run_three(reference(), body, carry, xs, params))
+
+
+@pytest.fixture(scope="module")
+def adapter(open_daemon: str) -> Any:
+    return torchloop.loop_adapter(**BOUNDS, socket=open_daemon)
+
+
+def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True),
+            torch.rand(T, N, generator=gen, dtype=torch.float64, requires_grad=True))
+
+
+def forms(tmp: Path) -> dict[str, tuple[Callable[..., Any], torch.Tensor]]:
+    """Each body form of issue 28's table, with the tensor it captures."""
+    W = {name: W0.clone().requires_grad_() for name in ("closure", "lambda", "partial", "package", "xp")}
+    cell = Cell()
+    return {
+        "closure": (make(0.3, W["closure"]), W["closure"]),
+        "lambda": ((lambda c, x: f(c, x, 0.3, W["lambda"])), W["lambda"]),
+        "partial": (functools.partial(f, k=0.3, W=W["partial"]), W["partial"]),
+        "bound method of an nn.Module": (cell.step, cell.W),
+        "package helper": (package_step(tmp, W["package"]), W["package"]),
+        "array api": (xp_step_over(W["xp"]), W["xp"]),
+    }
+
+
+def total_compiles(client: torchloop.Client) -> int:
+    return sum(client.describe(a["name"])["counters"]["compiles"] for a in client.list())
+
+
+def names_of(client: torchloop.Client) -> set[str]:
+    return {a["name"] for a in client.list() if a["name"].startswith("g.")}
+
+
+def test_every_body_form_matches_eager_and_torch_compile(adapter: Any, open_daemon: str,
+                                                         tmp_path: Path) -> None:
+    with torchloop.Client(open_daemon) as client:
+        before = names_of(client)
+        for i, (form, (body, W)) in enumerate(forms(tmp_path).items()):
+            carry, xs = inputs(i)
+            try:
+                check_against_references(adapter, body, carry, xs, [W])
+            except AssertionError as exc:
+                raise AssertionError(f"{form}: {exc}") from None
+        new = names_of(client) - before
+    # the same math under the same bounds is one captured graph, one adapter
+    assert len(new) <= 1, new
+
+
+class Solver:
+    """What Array-API solver libraries do: the step is built inside a method,
+    per run, over the solver object, the user's callback and the run's data."""
+
+    def __init__(self, rhs: Callable[..., Any], decay: float) -> None:
+        self.rhs, self.decay = rhs, decay
+
+    def run(self, scan: Callable[..., Any], y0: torch.Tensor, times: torch.Tensor,
+            dts: torch.Tensor, forcing: torch.Tensor) -> tuple[Any, Any]:
+        def step(carry: Any, x: Any) -> tuple[Any, Any]:
+            state, _ = carry
+            t, h = x
+            xp = array_api_compat.array_namespace(state)
+            k1 = self.rhs(t, state, forcing) - self.decay * state
+            mid = state + 0.5 * h * k1
+            k2 = self.rhs(t + 0.5 * h, mid, forcing) - self.decay * mid
+            new = state + h * k2
+            return (new, None), xp.sum(new * new)
+
+        return scan(step, (y0, None), (times, dts))
+
+
+def rhs(t: torch.Tensor, y: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor:
+    return torch.sin(t) * forcing - y * y
+
+
+def solver_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    y0 = torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True)
+    times = torch.linspace(0, 1, T, dtype=torch.float64)
+    dts = torch.full((T,), 0.1, dtype=torch.float64)
+    forcing = torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True)
+    return y0, times, dts, forcing
+
+
+def solver_scan(solver: Solver, y0: torch.Tensor, times: torch.Tensor, dts: torch.Tensor,
+                forcing: torch.Tensor) -> Callable[..., Any]:
+    return lambda scan, *_: solver.run(scan, y0, times, dts, forcing)
+
+
+def check_solver(adapter: Any, solver: Solver, seed: int) -> None:
+    y0, times, dts, forcing = solver_inputs(seed)
+
+    def via(scan: Callable[..., Any]) -> tuple[Any, list[torch.Tensor]]:
+        y0.grad = forcing.grad = None
+        (final, _), ys = solver.run(scan, y0, times, dts, forcing)
+        (final.sum() + 2.0 * ys.sum()).backward()
+        return ((final, ys), [y0.grad.clone(), forcing.grad.clone()])
+
+    ours = via(adapter.scan)
+    assert_same(ours, via(eager.scan))
+    assert_same(ours, via(reference()))
+
+
+def test_a_solver_closure_per_run_is_captured_once_and_a_changed_float_again(adapter: Any) -> None:
+    capturer = adapter.scan.__self__.capturer
+    solver = Solver(rhs, decay=0.25)
+    check_solver(adapter, solver, 1)
+    seen = capturer.captures
+    check_solver(adapter, solver, 2)  # a new closure over the same objects, new values
+    assert capturer.captures == seen, "a closure built anew per run was captured again"
+    solver.decay = 0.5  # a Python float the step reads: specialised, so captured again
+    check_solver(adapter, solver, 3)
+    assert capturer.captures == seen + 1
+
+
+def test_new_values_of_a_captured_tensor_neither_capture_nor_compile(adapter: Any,
+                                                                      open_daemon: str) -> None:
+    W = W0.clone()
+    body = make(0.3, W)
+    carry, xs = inputs(11)
+    adapter.scan(body, carry.detach(), xs.detach())  # the forms' graph: compiled already
+    capturer = adapter.scan.__self__.capturer
+    with torchloop.Client(open_daemon) as client:
+        compiles = total_compiles(client)
+        seen = capturer.captures
+        for scale in (2.0, -1.0):
+            with torch.no_grad():
+                W.copy_(W0 * scale)  # the solver updates its weights between runs
+            final, ys = adapter.scan(body, carry.detach(), xs.detach())
+            ref_final, ref_ys = eager.scan(make(0.3, W0 * scale), carry.detach(), xs.detach())
+            torch.testing.assert_close(final, ref_final, **TOL)
+            torch.testing.assert_close(ys, ref_ys, **TOL)
+        assert capturer.captures == seen
+        assert total_compiles(client) == compiles
+
+
+def test_a_graph_break_is_refused_with_torchs_reason(adapter: Any) -> None:
+    def breaks(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
+        if c.sum() > 0:  # data-dependent Python control flow
+            return c + x, c
+        return c - x, c
+
+    carry, xs = inputs(12)
+    with pytest.raises(Exception) as ours:
+        adapter.scan(breaks, carry.detach(), xs.detach())
+    with pytest.raises(Exception) as ref:
+        reference()(breaks, carry.detach(), xs.detach())
+    assert type(ours.value) is type(ref.value)
+    assert "data-dependent" in str(ours.value) or "generic_jump" in str(ours.value)
+
+
+def test_lambda_errors_name_the_problem_not_the_adapter_name(adapter: Any) -> None:
+    carry, xs = inputs(13)
+    with pytest.raises(TypeError, match="must return \\(new_carry, y\\)"):
+        adapter.scan(lambda c, x: c + x, carry.detach(), xs.detach())
+
+
+CHILD = textwrap.dedent("""\
+    import json, sys, torch, torchloop
+    sys.path.insert(0, sys.argv[2])
+    import test_capture as tc
+    sock, what = sys.argv[1], sys.argv[3]
+    out = {}
+    ad = torchloop.loop_adapter(**tc.BOUNDS, socket=sock)
+    carry, xs = tc.inputs(21)
+    body = tc.make(0.77 if what == "twin" else 0.3, tc.W0.clone())
+    if what == "nobody":
+        # the interpreter lives where uid 65534 cannot read (under /root): import
+        # and trace once as root, then become 65534 before anything connects
+        # (the daemon reads the peer's uid at connect)
+        import os, test_graph_loader
+        test_graph_loader.capture(body, carry.detach(), xs.detach()[0])
+        texts = json.load(open(sys.argv[4]))
+        os.setgid(65534)
+        os.setuid(65534)
+    final, ys = ad.scan(body, carry.detach(), xs.detach())
+    ref = tc.eager.scan(body, carry.detach(), xs.detach())
+    out["err"] = max((final - ref[0]).abs().max().item(), (ys - ref[1]).abs().max().item())
+    out["name"] = next(iter(ad.scan.__self__.graphs))
+    if what == "nobody":
+        c = torchloop.Client(sock)
+        def code(fn):
+            try:
+                fn()
+                return "OK"
+            except torchloop.TorchloopError as exc:
+                return exc.code
+        out["source"] = code(lambda: c.register("py.evil", "def body(c, x):\\n    return c, c\\n"))
+        out["health"] = c.health()["ready"]
+        out["forged"] = {k: code(lambda t=t: c.register_graph("g.forged" + str(len(k)), t, **tc.BOUNDS))
+                         for k, t in texts["forged"].items()}
+        out["not_g"] = code(lambda: c.register_graph("mine", texts["valid"][0], **tc.BOUNDS))
+        for i, t in enumerate(texts["valid"]):
+            out.setdefault("fill", []).append(code(lambda: c.register_graph("g.fill%d" % i, t, **tc.BOUNDS)))
+        out["replace"] = code(lambda: c.register_graph("g.fill0", texts["valid"][1], **tc.BOUNDS))
+        final, ys = ad.scan(body, carry.detach(), xs.detach())  # evicted: registered again
+        out["again"] = (final - ref[0]).abs().max().item()
+    print(json.dumps(out))
+    """)
+
+
+def child(sock: str, what: str, texts: str = "") -> dict[str, Any]:
+    env = dict(os.environ, HOME="/tmp", PYTHONPATH=str(Path(__file__).resolve().parent))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, sock, str(Path(__file__).resolve().parent), what, texts],
+        capture_output=True, text=True, env=env, timeout=600, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_two_processes_building_the_same_closure_share_one_compile(open_daemon: str) -> None:
+    a, b = child(open_daemon, "twin"), child(open_daemon, "twin")
+    assert a["name"] == b["name"] and a["err"] < 1e-12 and b["err"] < 1e-12
+    with torchloop.Client(open_daemon) as client:
+        counters = client.describe(a["name"])["counters"]
+    # built once (or loaded once from the run's disk cache), never twice
+    assert counters["compiles"] + counters["cache_hits"] == 1, counters
+    assert counters["runs"] == 2
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to uid 65534")
+def test_a_non_admin_registers_graphs_but_not_source(open_daemon: str, tmp_path: Path) -> None:
+    from test_graph_loader import FORGERIES, capture, forged
+
+    valid = [capture(make(0.1 * (i + 1), W0.clone()), torch.rand(N, dtype=torch.float64),
+                     torch.rand(N, dtype=torch.float64)) for i in range(4)]
+    texts = tmp_path / "texts.json"
+    texts.write_text(json.dumps({"valid": valid,
+                                 "forged": {h: forged(valid[0], h) for h in FORGERIES}}))
+    with torchloop.Client(open_daemon) as client:
+        evicted = client.stats()["graphs_evicted"]
+    out = child(open_daemon, "nobody", str(texts))
+    assert out["err"] < 1e-12, out
+    assert out["source"] == "PERMISSION_DENIED" and out["health"] is True
+    assert out["forged"] == {h: "BAD_GRAPH" for h in FORGERIES}
+    assert out["not_g"] == "PERMISSION_DENIED"
+    assert out["fill"] == ["OK"] * 4
+    assert out["replace"] == "PERMISSION_DENIED"
+    assert out["again"] < 1e-12
+    with torchloop.Client(open_daemon) as client:
+        stats = client.stats()
+        assert stats["graphs_evicted"] > evicted
+        owned = [a for a in stats["adapters"] if a["name"].startswith("g.fill")]
+        assert len(owned) <= 4
+
+
+def test_a_loop_adapter_pickles_and_works_in_a_spawned_process(adapter: Any) -> None:
+    import multiprocessing
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(adapter))
+    carry, xs = inputs(31)
+    body = make(0.3, W0.clone())
+    final, _ = clone.scan(body, carry.detach(), xs.detach())
+    torch.testing.assert_close(final, eager.scan(body, carry.detach(), xs.detach())[0], **TOL)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        err = pool.apply(spawned_scan, (adapter,))
+    assert err < 1e-12
+
+
+def spawned_scan(adapter: Any) -> float:
+    carry, xs = inputs(32)
+    body = make(0.3, W0.clone())
+    final, ys = adapter.scan(body, carry.detach(), xs.detach())
+    ref = eager.scan(body, carry.detach(), xs.detach())
+    return max((final - ref[0]).abs().max().item(), (ys - ref[1]).abs().max().item())
+
+
+def test_the_daemon_still_serves_after_every_refusal(adapter: Any, open_daemon: str) -> None:
+    with torchloop.Client(open_daemon) as client:
+        with pytest.raises(TorchloopError) as info:
+            client.register_graph("g.junk", "{not json", **BOUNDS)
+        assert info.value.code == "BAD_GRAPH"
+        assert client.health()["ready"]
+    carry, xs = inputs(33)
+    body = make(0.3, W0.clone())
+    final, _ = adapter.scan(body, carry.detach(), xs.detach())
+    torch.testing.assert_close(final, eager.scan(body, carry.detach(), xs.detach())[0], **TOL)
+
+
+@pytest.mark.parametrize("fields, code, path", [
+    (dict(body_graph="{}", body_source="def body(c, x):\n    return c, c\n"),
+     "INVALID_ARGUMENT", "body_source"),
+    (dict(body_graph="{\"format\": \"torchloop.graph\"\u0000}"), "INVALID_ARGUMENT", "body_graph"),
+    (dict(body_graph="x" * ((1 << 20) + 1)), "INVALID_ARGUMENT", "body_graph"),
+    (dict(body_graph=7), "INVALID_ARGUMENT", "body_graph"),
+    (dict(body_graph="[1, 2]"), "BAD_GRAPH", "graph"),
+])
+def test_bad_register_fields_get_their_code_and_the_daemon_serves_on(
+        open_daemon: str, fields: dict[str, Any], code: str, path: str) -> None:
+    with torchloop.Client(open_daemon) as client:
+        with pytest.raises(TorchloopError) as info:
+            client.call("register", name="g.bad", max_steps=8, **fields)
+        assert (info.value.code, info.value.path) == (code, path), info.value
+        assert "g.bad" not in {a["name"] for a in client.list()}
+        assert client.health()["ready"]
