@@ -147,6 +147,7 @@ bench: build
 	$(PY) tests/bench/batch.py $(BUILD) $(BUILD)/bench/batch.json
 	$(PY) tests/bench/outvariant.py $(BUILD)/bench/outvariant.json
 	$(PY) tests/bench/bigruns.py $(BUILD) $(BUILD)/bench/bigruns.json
+	$(PY) tests/bench/capture.py $(BUILD) $(BUILD)/bench/capture.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)
 	$(PY) tests/bench/report.py $(BUILD)/bench docs/performance.md
 	cp $(BUILD)/bench/*.png docs/

@@ -593,12 +593,13 @@ make build build/bench_c
 .venv/bin/python tests/bench/batch.py build build/bench/batch.json
 .venv/bin/python tests/bench/outvariant.py build/bench/outvariant.json
 .venv/bin/python tests/bench/bigruns.py build build/bench/bigruns.json
+.venv/bin/python tests/bench/capture.py build build/bench/capture.json
 .venv/bin/python tests/bench/bench.py build build/bench
 .venv/bin/python tests/bench/report.py build/bench docs/performance.md
 cp build/bench/*.png docs/
 ```
 
-Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/bench.json`. Timings
+Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/bench.json`. Timings
 are never asserted in tests; they live here.
 """
 
@@ -638,38 +639,59 @@ unlike the wall time the count does not move with the VM's load):
     return out
 
 
+def capture_section(c: dict) -> str:
+    if not c:
+        return "## Capture in the solver's process\n\n(capture.json missing: run `make bench`.)\n"
+    rows = [[r["form"], f"{r['capture_s']['1']:.2f}", f"{r['capture_s']['128']:.2f}",
+             f"{r['first_s']:.2f}", f"{r['second_s']:.2f}",
+             f"{r['second_s'] - r['capture_s']['1']:+.2f}",
+             f"{r['warm_us']:.1f}", f"{r['source_us']:.1f}", f"{r['overhead_us']:+.1f}"]
+            for r in c["rows"]]
+    return f"""## Capture in the solver's process
+
+`tests/bench/capture.py`: each body form of tests/helpers/bodyforms.py (six
+forms of one step, which capture the same graph, so only the first compiles;
+then a solver's per-run RK2 closure), each number from fresh processes
+against one daemon on an empty cache. Capture: what `loop_adapter(...).scan`
+spends before it sends anything, on a process's first call (dynamo's trace
+of one step, the export to core ATen, the graph's JSON; torch's lazy imports
+included), at T = 1 and T = 128. First call: a first process's first scan
+(N = 4, T = 1, the compile included where the graph is new); second: another
+process's first scan once it is compiled (target: at most capture + 0.05 s).
+Warm: p50 of scans through the captured path (dynamo's guard check on every
+call) and through `capture=False` with a module-level body of the same math,
+interleaved in one process, median of {c['rounds']} rounds (target: overhead
+at most 10 µs).
+
+{table(["form", "capture T=1 (s)", "capture T=128 (s)", "first call (s)",
+        "second process (s)", "second − capture (s)", "warm (µs)", "source path (µs)",
+        "overhead (µs)"], rows, "lrrrrrrrr")}
+"""
+
+
+def optional(bench_dir: str, name: str, default: object) -> object:
+    """A part's JSON, or default when that part did not run."""
+    path = os.path.join(bench_dir, name)
+    if not os.path.exists(path):
+        return default
+    with open(path) as f:
+        return json.load(f)
+
+
 def main() -> None:
     bench_dir, out_md = sys.argv[1], sys.argv[2]
     with open(os.path.join(bench_dir, "bench.json")) as f:
         b = json.load(f)
-    strategy = []
-    sp = os.path.join(bench_dir, "strategy.json")
-    if os.path.exists(sp):
-        with open(sp) as f:
-            strategy = json.load(f)
-    outv = []
-    op = os.path.join(bench_dir, "outvariant.json")
-    if os.path.exists(op):
-        with open(op) as f:
-            outv = json.load(f)
-    tier = {}
-    tp = os.path.join(bench_dir, "tier.json")
-    if os.path.exists(tp):
-        with open(tp) as f:
-            tier = json.load(f)
-    batch = []
-    bp = os.path.join(bench_dir, "batch.json")
-    if os.path.exists(bp):
-        with open(bp) as f:
-            batch = json.load(f)
-    big = {}
-    gp = os.path.join(bench_dir, "bigruns.json")
-    if os.path.exists(gp):
-        with open(gp) as f:
-            big = json.load(f)
+    strategy = optional(bench_dir, "strategy.json", [])
+    outv = optional(bench_dir, "outvariant.json", [])
+    tier = optional(bench_dir, "tier.json", {})
+    batch = optional(bench_dir, "batch.json", [])
+    big = optional(bench_dir, "bigruns.json", {})
+    cap = optional(bench_dir, "capture.json", {})
     doc = "\n".join([header(b), strategy_section(strategy), tier_section(tier),
                       batch_section(batch),
                      latency_section(b), bigruns_section(big), pyclient_section(b),
+                     capture_section(cap),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b), time_section(b)])
     with open(out_md, "w") as f:

@@ -247,7 +247,7 @@ ParameterizedTest(int *i, ops, register_validation_uses_the_reference_messages)
 	msgpack_pack_str_with_body(&pk, "op", 2);
 	msgpack_pack_str_with_body(&pk, "register", 8);
 	msgpack_pack_str_with_body(&pk, "body_source", 11);
-	msgpack_pack_str_with_body(&pk, "def body(c, x):\n    return c, c\n", 33);
+	msgpack_pack_str_with_body(&pk, "def body(c, x):\n    return c, c\n", 32);
 	if (rc->kind != 3) {
 		msgpack_pack_str_with_body(&pk, "name", 4);
 		msgpack_pack_str_with_body(&pk, "ok.name", 7);

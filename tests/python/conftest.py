@@ -21,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # bodyforms.py
 
 
 def _wait_ready(sock: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:

@@ -19,7 +19,6 @@ plus their VJPs; the two processes one.  T = 3 everywhere.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -29,69 +28,19 @@ from pathlib import Path
 from types import FunctionType
 from typing import Any, Callable
 
-import array_api_compat
 import pytest
 import torch
 
+import bodyforms  # tests/helpers (conftest.py puts it on the path)
 import eager
 import torchloop
+from bodyforms import N, W0, Solver, make, rhs
 from torchloop.errors import TorchloopError
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUNDS = dict(max_steps=8, max_elements=4096)
-T, N = 3, 4
+T = 3
 TOL = dict(rtol=1e-10, atol=1e-10)
-W0 = torch.randn(N, N, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-
-
-def f(c: torch.Tensor, x: torch.Tensor, k: float, W: torch.Tensor) -> tuple[Any, Any]:
-    return k * c + torch.tanh(W @ x), c * x
-
-
-def make(k: float, W: torch.Tensor) -> Callable[..., Any]:
-    def step(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
-        return k * c + torch.tanh(W @ x), c * x
-    return step
-
-
-class Cell(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.W = torch.nn.Parameter(W0.clone())
-        self.k = 0.3
-
-    def step(self, c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
-        return self.k * c + torch.tanh(self.W @ x), c * x
-
-
-def xp_step_over(W: torch.Tensor) -> Callable[..., Any]:
-    def xp_step(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
-        xp = array_api_compat.array_namespace(c, x)
-        return 0.3 * c + xp.tanh(W @ x), xp.multiply(c, x)
-    return xp_step
-
-
-def package_step(tmp: Path, W: torch.Tensor) -> Callable[..., Any]:
-    """A module-level step of a user package that imports a sibling helper."""
-    pkg = tmp / "mysolver"
-    pkg.mkdir(exist_ok=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "physics.py").write_text("import torch\n\ndef flux(W, x):\n    return torch.tanh(W @ x)\n")
-    (pkg / "core.py").write_text(textwrap.dedent("""\
-        from mysolver.physics import flux
-        K = 0.3
-        W = None
-
-        def step(c, x):
-            return K * c + flux(W, x), c * x
-        """))
-    sys.path.insert(0, str(tmp))
-    import mysolver.core  # type: ignore[import-not-found]
-
-    mysolver.core.W = W
-    return mysolver.core.step
-
-
 def reference() -> Callable[..., Any]:
     """The reference adapter in process: torch.compile(fullgraph, static) of
     the loop, a code object of its own (its own recompile budget)."""
@@ -136,23 +85,7 @@ def adapter(open_daemon: str) -> Any:
 
 
 def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True),
-            torch.rand(T, N, generator=gen, dtype=torch.float64, requires_grad=True))
-
-
-def forms(tmp: Path) -> dict[str, tuple[Callable[..., Any], torch.Tensor]]:
-    """Each body form of issue 28's table, with the tensor it captures."""
-    W = {name: W0.clone().requires_grad_() for name in ("closure", "lambda", "partial", "package", "xp")}
-    cell = Cell()
-    return {
-        "closure": (make(0.3, W["closure"]), W["closure"]),
-        "lambda": ((lambda c, x: f(c, x, 0.3, W["lambda"])), W["lambda"]),
-        "partial": (functools.partial(f, k=0.3, W=W["partial"]), W["partial"]),
-        "bound method of an nn.Module": (cell.step, cell.W),
-        "package helper": (package_step(tmp, W["package"]), W["package"]),
-        "array api": (xp_step_over(W["xp"]), W["xp"]),
-    }
+    return bodyforms.inputs(seed, T)
 
 
 def total_compiles(client: torchloop.Client) -> int:
@@ -167,55 +100,23 @@ def test_every_body_form_matches_eager_and_torch_compile(adapter: Any, open_daem
                                                          tmp_path: Path) -> None:
     with torchloop.Client(open_daemon) as client:
         before = names_of(client)
-        for i, (form, (body, W)) in enumerate(forms(tmp_path).items()):
+        for i, form in enumerate(bodyforms.FORMS):
+            body, W = bodyforms.form(form, tmp_path)
             carry, xs = inputs(i)
             try:
                 check_against_references(adapter, body, carry, xs, [W])
             except AssertionError as exc:
                 raise AssertionError(f"{form}: {exc}") from None
         new = names_of(client) - before
-    # the same math under the same bounds is one captured graph, one adapter
-    assert len(new) <= 1, new
-
-
-class Solver:
-    """What Array-API solver libraries do: the step is built inside a method,
-    per run, over the solver object, the user's callback and the run's data."""
-
-    def __init__(self, rhs: Callable[..., Any], decay: float) -> None:
-        self.rhs, self.decay = rhs, decay
-
-    def run(self, scan: Callable[..., Any], y0: torch.Tensor, times: torch.Tensor,
-            dts: torch.Tensor, forcing: torch.Tensor) -> tuple[Any, Any]:
-        def step(carry: Any, x: Any) -> tuple[Any, Any]:
-            state, _ = carry
-            t, h = x
-            xp = array_api_compat.array_namespace(state)
-            k1 = self.rhs(t, state, forcing) - self.decay * state
-            mid = state + 0.5 * h * k1
-            k2 = self.rhs(t + 0.5 * h, mid, forcing) - self.decay * mid
-            new = state + h * k2
-            return (new, None), xp.sum(new * new)
-
-        return scan(step, (y0, None), (times, dts))
-
-
-def rhs(t: torch.Tensor, y: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor:
-    return torch.sin(t) * forcing - y * y
+        # the same math under the same bounds is one captured graph, one adapter
+        assert len(new) <= 1, new
+        for name in new:
+            info = client.describe(name)
+            assert (info["body"], info["owner"], info["persisted"]) == ("graph", os.getuid(), False)
 
 
 def solver_inputs(seed: int) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    y0 = torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True)
-    times = torch.linspace(0, 1, T, dtype=torch.float64)
-    dts = torch.full((T,), 0.1, dtype=torch.float64)
-    forcing = torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True)
-    return y0, times, dts, forcing
-
-
-def solver_scan(solver: Solver, y0: torch.Tensor, times: torch.Tensor, dts: torch.Tensor,
-                forcing: torch.Tensor) -> Callable[..., Any]:
-    return lambda scan, *_: solver.run(scan, y0, times, dts, forcing)
+    return bodyforms.solver_inputs(seed, T)
 
 
 def check_solver(adapter: Any, solver: Solver, seed: int) -> None:
@@ -294,7 +195,8 @@ CHILD = textwrap.dedent("""\
     out = {}
     ad = torchloop.loop_adapter(**tc.BOUNDS, socket=sock)
     carry, xs = tc.inputs(21)
-    body = tc.make(0.77 if what == "twin" else 0.3, tc.W0.clone())
+    # a graph of each child's own (the nobody child's must be its uid's, to be evicted)
+    body = tc.make(0.77 if what == "twin" else 0.55, tc.W0.clone())
     if what == "nobody":
         # the interpreter lives where uid 65534 cannot read (under /root): import
         # and trace once as root, then become 65534 before anything connects
@@ -331,7 +233,9 @@ CHILD = textwrap.dedent("""\
 
 
 def child(sock: str, what: str, texts: str = "") -> dict[str, Any]:
-    env = dict(os.environ, HOME="/tmp", PYTHONPATH=str(Path(__file__).resolve().parent))
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, HOME="/tmp",
+               PYTHONPATH=os.pathsep.join([str(here), str(here.parent / "helpers")]))
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, sock, str(Path(__file__).resolve().parent), what, texts],
         capture_output=True, text=True, env=env, timeout=600, cwd="/")
@@ -371,8 +275,8 @@ def test_a_non_admin_registers_graphs_but_not_source(open_daemon: str, tmp_path:
     with torchloop.Client(open_daemon) as client:
         stats = client.stats()
         assert stats["graphs_evicted"] > evicted
-        owned = [a for a in stats["adapters"] if a["name"].startswith("g.fill")]
-        assert len(owned) <= 4
+        owned = [a for a in stats["adapters"] if a["owner"] == 65534]
+        assert len(owned) <= 4 and all(a["body"] == "graph" for a in owned), owned
 
 
 def test_a_loop_adapter_pickles_and_works_in_a_spawned_process(adapter: Any) -> None:
@@ -426,3 +330,33 @@ def test_bad_register_fields_get_their_code_and_the_daemon_serves_on(
         assert (info.value.code, info.value.path) == (code, path), info.value
         assert "g.bad" not in {a["name"] for a in client.list()}
         assert client.health()["ready"]
+
+
+def test_baked_captured_tensors_make_a_new_graph_when_their_values_change(adapter: Any) -> None:
+    """An int64 index tensor and a float32 tensor inside a float64 scan are
+    constants of the graph: new values are a new graph, with right results."""
+    idx = torch.tensor([3, 2, 1, 0])
+    shift = torch.rand(N, dtype=torch.float32)
+
+    def body(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
+        return c[idx] * 0.5 + x + shift.double(), c + 0.0
+
+    carry, xs = (t.detach() for t in inputs(41))
+    names = []
+    for perm in ([3, 2, 1, 0], [1, 0, 3, 2]):
+        idx.copy_(torch.tensor(perm))
+        final, ys = adapter.scan(body, carry, xs)
+        ref_final, ref_ys = eager.scan(body, carry, xs)
+        torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-15)
+        torch.testing.assert_close(ys, ref_ys, rtol=0, atol=1e-15)
+        names.append(sorted(adapter.scan.__self__.graphs))
+    assert len(names[1]) == len(names[0]) + 1
+
+
+def test_a_body_without_tensor_ops_and_one_that_mutates(adapter: Any) -> None:
+    carry, xs = (t.detach() for t in inputs(42))
+    final, ys = adapter.scan(lambda c, x: (x, c), carry, xs)  # the outputs are inputs
+    torch.testing.assert_close(final, xs[-1], rtol=0, atol=0)
+    torch.testing.assert_close(ys, torch.cat([carry[None], xs[:-1]]), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="mutates a tensor in place"):
+        adapter.scan(lambda c, x: (c.add_(x), c * 2.0), carry.clone(), xs)

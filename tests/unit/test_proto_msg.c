@@ -284,6 +284,10 @@ Test(msg, the_op_table_has_a_handler_under_each_wire_name)
 	cr_assert(OP_TABLE[PROTO_OP_HEALTH]->flags & OP_WHILE_STOPPING);
 	cr_assert(OP_TABLE[PROTO_OP_HELLO]->flags & OP_WHILE_STOPPING);
 	cr_assert_not(OP_TABLE[PROTO_OP_SCAN]->flags & OP_WHILE_STOPPING);
-	cr_assert(OP_TABLE[PROTO_OP_REGISTER]->flags & OP_ADMIN);
+	cr_assert(OP_TABLE[PROTO_OP_UNREGISTER]->flags & OP_ADMIN);
+	cr_assert(OP_TABLE[PROTO_OP_SHUTDOWN]->flags & OP_ADMIN);
+	/* register checks itself: source is admin-only, captured graphs are not
+	 * (tests/python/test_capture.py, tests/e2e/test_service.c) */
+	cr_assert_not(OP_TABLE[PROTO_OP_REGISTER]->flags & OP_ADMIN);
 	cr_assert_not(OP_TABLE[PROTO_OP_SCAN]->flags & OP_ADMIN);
 }

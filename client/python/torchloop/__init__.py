@@ -2,7 +2,7 @@
 
     import torchloop
     adapter = torchloop.loop_adapter(max_steps=64)
-    final, ys = adapter.scan(body, carry, inputs)   # body: a module-level function
+    final, ys = adapter.scan(body, carry, inputs)   # body: any callable torch.compile traces
 
 docs/python.md has the details; docs/protocol.md the wire format.
 """

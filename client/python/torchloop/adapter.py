@@ -4,13 +4,16 @@
     register_loop_adapter("array_api_compat.torch", adapter)
     final, ys = adapter.scan(body, carry, inputs)
 
-`scan` registers the body's module source and function name with the
-daemon once (under a name derived from their content and the bounds, or the
-`name` given), then runs the scan there.  Carry, inputs and results are
-trees of tuples, lists, dicts (string keys) and tensors or None; structure
-round-trips exactly.  When a leaf requires grad, the results are connected
-to the autograd graph: backward runs the daemon's grad op (first order; a
-double backward raises).
+`scan` captures one step of the body in this process (capture.py: any
+callable torch.compile(fullgraph=True, dynamic=False) accepts; dynamo's
+guards decide when to capture again), registers the graph with the daemon
+under a name derived from its content and the bounds, and runs the scan
+there.  With capture=False it registers a module-level body's source
+instead (admins only).  Carry, inputs and results are trees of tuples,
+lists, dicts (string keys) and tensors or None; structure round-trips
+exactly.  When a leaf (or a tensor the body captures) requires grad, the
+results are connected to the autograd graph: backward runs the daemon's
+grad op (first order; a double backward raises).
 """
 
 from __future__ import annotations
@@ -250,6 +253,9 @@ def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> None:
         raise TorchloopValueError(
             "NO_INPUTS", "inputs has no tensor leaf: the scan length T comes from the inputs",
             "inputs")
+    steps = xs[0].shape[0] if xs[0].ndim else 0
+    if all(t.ndim and t.shape[0] == steps for t in xs) and 1 <= steps <= max_steps:
+        return
     paths = leaf_paths(inputs_def, "inputs")
     for path, t in zip(paths, xs):
         if t.ndim == 0:

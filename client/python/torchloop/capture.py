@@ -33,6 +33,7 @@ import torch
 from . import _graph
 from ._graph import CaptureError, TreeDef
 
+MAX_VARIANTS = 16  # exported graphs kept per capture (one per set of baked values)
 Role = tuple[str, int]  # ("c"|"x"|"p"|"b", index): carry leaf, x leaf, live, baked
 
 
@@ -119,11 +120,17 @@ class StepGraph:
         """(adapter name, graph text) for these baked values; exported once each.
         flat: this call's carry leaves and x rows (the export's examples)."""
         baked = [args[j] for j in self.baked]
-        h = hashlib.sha256()
-        for t in baked:
-            h.update(repr((t.dtype, tuple(t.shape))).encode())
-            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        digest = h.digest()
+        digest = b""
+        if baked:  # their values are part of the graph: checked on every call
+            h = hashlib.sha256()
+            for t in baked:
+                h.update(repr((t.dtype, tuple(t.shape))).encode())
+                h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                         if t.numel() else b"")
+            digest = h.digest()
+        doc = self.docs.get(digest)
+        if doc is not None:
+            return doc
         with self.lock:
             doc = self.docs.get(digest)
             if doc is None:
@@ -134,6 +141,8 @@ class StepGraph:
                     ep = torch.export.export(module, example, strict=False).run_decompositions()
                 text = _graph.write(ep, n_carry, len(flat) - n_carry, len(self.live),
                                     carry_def, x_def, self.out_def)
+                if len(self.docs) >= MAX_VARIANTS:  # the oldest baked values go
+                    self.docs.pop(next(iter(self.docs)))
                 doc = self.docs[digest] = (_graph.identity(text, *bounds), text)
             return doc
 

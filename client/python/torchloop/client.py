@@ -422,27 +422,19 @@ class Client:
                  body_file: str | None = None, max_steps: int | None = None,
                  max_elements: int | None = None, recompile_budget: int | None = None,
                  strategy: str | None = None, dynamic: str | None = None) -> dict:
-        fields: dict[str, Any] = {"name": name, "body_source": source, "entry": entry}
-        for key, value in (("body_file", body_file), ("max_steps", max_steps),
-                           ("max_elements", max_elements),
-                           ("recompile_budget", recompile_budget), ("strategy", strategy),
-                           ("dynamic", dynamic)):
-            if value is not None:
-                fields[key] = value
-        return self.call("register", **fields)
+        return self.call("register", **_given(
+            name=name, body_source=source, entry=entry, body_file=body_file,
+            max_steps=max_steps, max_elements=max_elements,
+            recompile_budget=recompile_budget, strategy=strategy, dynamic=dynamic))
 
     def register_graph(self, name: str, graph: str, *, max_steps: int | None = None,
                        max_elements: int | None = None, recompile_budget: int | None = None,
                        strategy: str | None = None, dynamic: str | None = None) -> dict:
         """Registers a captured step graph (torchloop._graph's JSON text): any
         user allowed on the socket may; name must be "g." + its content's hash."""
-        fields: dict[str, Any] = {"name": name, "body_graph": graph}
-        for key, value in (("max_steps", max_steps), ("max_elements", max_elements),
-                           ("recompile_budget", recompile_budget), ("strategy", strategy),
-                           ("dynamic", dynamic)):
-            if value is not None:
-                fields[key] = value
-        return self.call("register", **fields)
+        return self.call("register", **_given(
+            name=name, body_graph=graph, max_steps=max_steps, max_elements=max_elements,
+            recompile_budget=recompile_budget, strategy=strategy, dynamic=dynamic))
 
     def unregister(self, name: str) -> dict:
         return self.call("unregister", name=name)
@@ -473,3 +465,8 @@ class Client:
         if res is None or res is False:
             res = self._general("grad", fields, res is False)
         return res
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields that have a value (the daemon's defaults for the others)."""
+    return {k: v for k, v in fields.items() if v is not None}
