@@ -143,6 +143,12 @@ def test_a_solver_closure_per_run_is_captured_once_and_a_changed_float_again(ada
     solver.decay = 0.5  # a Python float the step reads: specialised, so captured again
     check_solver(adapter, solver, 3)
     assert capturer.captures == seen + 1
+    # back to 0.25: both graphs are dynamo's now; its guards (checked by the
+    # fast path, without dynamo's wrapper) pick the first one again
+    fast = capturer.fast_calls
+    solver.decay = 0.25
+    check_solver(adapter, solver, 4)
+    assert capturer.captures == seen + 1 and capturer.fast_calls > fast
 
 
 def test_new_values_of_a_captured_tensor_neither_capture_nor_compile(adapter: Any,
