@@ -28,12 +28,13 @@ from graph_loader import GraphError  # noqa: E402
 
 W = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 IDX = torch.tensor([3, 0, 1, 2])
+TWO = torch.tensor(2)  # 0-d
 
 
 def step(c, x):
-    """A closure-free step with a baked (integer) constant and a live one."""
+    """A closure-free step with baked (integer, one 0-d) constants and a live one."""
     s, _ = c
-    return (0.3 * s[IDX] + torch.tanh(W @ x), None), {"y": s * x, "n": None}
+    return (0.3 * s[IDX] + torch.tanh(W @ x) * TWO, None), {"y": s * x, "n": None}
 
 
 def capture(body, carry, x_row) -> str:
@@ -69,9 +70,11 @@ def test_the_document_names_only_core_aten_and_carries_the_baked_constant(doc_te
     doc = json.loads(doc_text)
     assert doc["n_carry"] == 1 and doc["n_x"] == 1 and doc["n_params"] == 1
     assert all(n["op"].startswith("aten.") or n["op"] == "getitem" for n in doc["nodes"])
-    (const,) = doc["constants"]
-    assert const["dtype"] == "int64" and const["shape"] == [4]
-    assert torch.frombuffer(bytearray(base64.b64decode(const["data"])), dtype=torch.int64).tolist() == [3, 0, 1, 2]
+    consts = {tuple(k["shape"]): k for k in doc["constants"]}
+    assert sorted(consts) == [(), (4,)] and all(k["dtype"] == "int64" for k in consts.values())
+    values = {shape: torch.frombuffer(bytearray(base64.b64decode(k["data"])), dtype=torch.int64).tolist()
+              for shape, k in consts.items()}
+    assert values == {(4,): [3, 0, 1, 2], (): [2]}
 
 
 def forged(doc_text: str, how: str) -> str:

@@ -64,10 +64,14 @@ def _meta(t: torch.Tensor) -> dict[str, Json]:
     return {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
 
 
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's elements as bytes, C order (0-d and empty ones included)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
 def _constant(t: torch.Tensor) -> dict[str, Json]:
-    t = t.detach().contiguous().cpu()
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {**_meta(t), "data": base64.b64encode(raw).decode("ascii")}
+    return {**_meta(t), "data": base64.b64encode(raw_bytes(t)).decode("ascii")}
 
 
 class _Writer:

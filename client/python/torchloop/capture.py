@@ -128,8 +128,7 @@ class StepGraph:
             h = hashlib.sha256()
             for t in baked:
                 h.update(repr((t.dtype, tuple(t.shape))).encode())
-                h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                         if t.numel() else b"")
+                h.update(_graph.raw_bytes(t))
             digest = h.digest()
         doc = self.docs.get(digest)
         if doc is not None:
