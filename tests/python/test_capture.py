@@ -363,3 +363,25 @@ def test_a_body_without_tensor_ops_and_one_that_mutates(adapter: Any) -> None:
     torch.testing.assert_close(ys, torch.cat([carry[None], xs[:-1]]), rtol=0, atol=0)
     with pytest.raises(TypeError, match="mutates a tensor in place"):
         adapter.scan(lambda c, x: (c.add_(x), c * 2.0), carry.clone(), xs)
+
+
+def test_a_graph_compiled_with_the_scan_op_lifts_its_constants(open_daemon: str) -> None:
+    """strategy = scan (the quick tier's lowering): the graph's baked
+    constants are lifted into the scan op's inputs, the live tensor rides in
+    the carry; against the eager loop of the same step."""
+    from test_graph_loader import IDX, TWO, W, capture, step
+
+    c0, xs = torch.rand(N, dtype=torch.float64), torch.rand(T, N, dtype=torch.float64)
+    text = capture(step, (c0, None), xs[0])
+    name = torchloop._graph.identity(text, "scan-op test")
+    with torchloop.Client(open_daemon) as client:
+        client.register_graph(name, text, strategy="scan", **BOUNDS)
+        res = client.scan(name, ((c0, None), (W,)), xs)
+        (final, params), ys = res
+        assert IDX.tolist() == [3, 0, 1, 2] and TWO.item() == 2
+        (ref_final, _), ref_ys = eager.scan(step, (c0, None), xs)
+        torch.testing.assert_close(final[0], ref_final, **TOL)
+        torch.testing.assert_close(ys["y"], ref_ys["y"], **TOL)
+        torch.testing.assert_close(params[0], W, rtol=0, atol=0)
+        (sp,) = client.describe(name)["specializations"]
+        assert sp["lowered"] == "scan", sp
