@@ -440,33 +440,18 @@ int daemon_block_signals(struct daemon *d)
  * of the tests has no loader beside it). */
 static int worker_digest(struct daemon *d)
 {
-	static const char *const files[] = {NULL, "graph_loader.py"};
-	char path[PATH_MAX], hex[2][65];
+	char loader[PATH_MAX];
+	const char *files[] = {d->cfg.worker, loader};
 	const char *slash = strrchr(d->cfg.worker, '/');
 	int dir = slash ? (int)(slash - d->cfg.worker + 1) : 0;
-	struct sha256 s;
-	uint8_t md[32];
-	uint64_t size;
 
-	for (int i = 0; i < 2; i++) {
-		if (files[i] == NULL)
-			snprintf(path, sizeof path, "%s", d->cfg.worker);
-		else if (snprintf(path, sizeof path, "%.*s%s", dir, d->cfg.worker, files[i]) >=
-		         (int)sizeof path)
-			return -1;
-		if (sha256_file(path, hex[i], &size) == 0)
-			continue;
-		if (files[i] != NULL && errno == ENOENT) {
-			memset(hex[i], 0, sizeof hex[i]);
-			continue;
-		}
-		log_error("compile worker file %s: cannot read it", path);
+	if (snprintf(loader, sizeof loader, "%.*sgraph_loader.py", dir, d->cfg.worker) >=
+	        (int)sizeof loader ||
+	    access(d->cfg.worker, R_OK) != 0 || sha256_files(files, 2, d->worker_sha) != 0) {
+		log_error("compile worker %s: cannot read it (or the graph_loader.py beside it)",
+		          d->cfg.worker);
 		return -1;
 	}
-	sha256_init(&s);
-	sha256_update(&s, hex, sizeof hex);
-	sha256_final(&s, md);
-	sha256_hex(md, d->worker_sha);
 	return 0;
 }
 

@@ -21,5 +21,9 @@ void sha256_hex(const uint8_t digest[32], char out[65]);
 /* Hashes what is left to read of fd (the caller closes it); 0 or -1. */
 int sha256_fd(int fd, char hex[65], uint64_t *size);
 int sha256_file(const char *path, char hex[65], uint64_t *size);
+/* One digest over several files' digests, in order; a file that does not
+ * exist counts as absent (its absence is part of the digest). -1 with errno
+ * when one cannot be read. */
+int sha256_files(const char *const *paths, int n, char hex[65]);
 
 #endif
