@@ -196,7 +196,7 @@ def _graph_call_only(code: object) -> bool:
         if ins.opname == "LOAD_ATTR" and str(ins.argval).startswith("record_") and \
                 str(ins.argval) not in _HOOKS:
             return False
-        calls += ins.opname == "CALL"
+        calls += ins.opname.startswith("CALL")  # CALL_KW, CALL_FUNCTION_EX... count too
     return graphs == 1 and calls <= 1 + len(_HOOKS)
 
 
