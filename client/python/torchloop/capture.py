@@ -191,7 +191,7 @@ def _graph_call_only(code: object) -> bool:
         if ins.opname == "LOAD_GLOBAL":
             name = str(ins.argval)
             graphs += name.startswith("__compiled_fn")
-            if not name.startswith(("__compiled_fn", "__import_torch_dot__dynamo")):
+            if not name.startswith(("__compiled_fn", "__import_")):  # the graph, modules
                 return False
         if ins.opname == "LOAD_ATTR" and str(ins.argval).startswith("record_") and \
                 str(ins.argval) not in _HOOKS:
@@ -231,13 +231,17 @@ class _Fast:
             name = str(ins.argval)
             if ins.opname != "LOAD_GLOBAL":
                 continue
+            value = self.inner.__globals__.get(name)  # type: ignore[union-attr]
             if name.startswith("__compiled_fn"):
-                wrapped = self.inner.__globals__.get(name)  # type: ignore[union-attr]
-                scope[name] = getattr(wrapped, "__wrapped__", None)
+                scope[name] = getattr(value, "__wrapped__", None)
                 if not isinstance(scope[name], StepGraph):
                     return None
-            else:
+            elif name == "__import_torch_dot__dynamo_dot_utils":
                 scope[name] = _NO_HOOKS
+            elif isinstance(value, types.ModuleType):  # a module the body reads from
+                scope[name] = value
+            else:
+                return None
         return FunctionType(code, scope)
 
     def __call__(self, body: object, carry: object, x: object) -> object | None:
@@ -286,8 +290,10 @@ class Capturer:
         try:
             result = fast(body, carry, xrow)
             if result is None:
+                captures = self.captures
                 result = fn(body, carry, xrow)
-                fast.refresh()
+                if self.captures != captures:  # dynamo has a new entry
+                    fast.refresh()
             else:
                 self.fast_calls += 1
         finally:
