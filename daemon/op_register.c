@@ -3,8 +3,8 @@
  * is Python source + entry (admin only: the compile worker imports it, as
  * the daemon's user) or a captured step graph, body_graph (any peer: the
  * worker loads it as data, daemon/worker/graph_loader.py).  A non-admin's
- * graph is named "g." + its content hash by the client, may not replace
- * another definition, and counts against --max-graphs-per-uid (the uid's
+ * graph must be named "g." + the hash of its text and definition (so it
+ * cannot take or replace another's), and counts against --max-graphs-per-uid (the uid's
  * least recently used graph adapter is dropped to make room).  The same
  * name with a different definition replaces the adapter.  A new definition
  * is checked in the compile worker first (a "check" job, queued ahead of
@@ -19,6 +19,7 @@
 #include "daemon.h"
 
 #include "log.h"
+#include "sha256.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -106,10 +107,31 @@ static int get_body(struct request *req, struct adapter_def *def, struct proto_e
 	return 0;
 }
 
-/* Source runs code: admins only.  A graph is data: anyone, in "g." names. */
+/* What a non-admin's graph must be named: "g." + 40 hex digits of SHA-256
+ * over its text and definition (torchloop/_graph.py's identity()), so no one
+ * can take the name another user's graph will have. */
+static void graph_name(const struct adapter_def *def, char out[3 + 40 + 1])
+{
+	struct sha256 s;
+	uint8_t md[32];
+	char hex[65], fields[256];
+	int n = snprintf(fields, sizeof fields, "\n%lld\n%lld\n%lld\n%s\n%s",
+	                 (long long)def->max_steps, (long long)def->max_elements,
+	                 (long long)def->budget, def->strategy, def->dynamic);
+
+	sha256_init(&s);
+	sha256_update(&s, def->source, strlen(def->source));
+	sha256_update(&s, fields, (size_t)n);
+	sha256_final(&s, md);
+	sha256_hex(md, hex);
+	snprintf(out, 3 + 40 + 1, "g.%.40s", hex);
+}
+
+/* Source runs code: admins only.  A graph is data: anyone, under the name
+ * its content gives it. */
 static int permitted(struct request *req, const struct adapter_def *def, struct proto_err *err)
 {
-	struct adapter *old;
+	char want[3 + 40 + 1];
 
 	if (request_is_admin(req))
 		return 0;
@@ -119,17 +141,12 @@ static int permitted(struct request *req, const struct adapter_def *def, struct 
 		                  "and the admin group (peer uid %d): it runs Python in the daemon; "
 		                  "captured graphs (body_graph) are open to every user",
 		                  (int)req->conn->uid);
-	if (strncmp(def->name, "g.", 2) != 0)
+	graph_name(def, want);
+	if (strcmp(def->name, want) != 0)
 		return proto_fail(err, PROTO_E_PERMISSION_DENIED, "name",
-		                  "a captured graph registered by uid %d must be named g.<its "
-		                  "content hash>",
-		                  (int)req->conn->uid);
-	old = adapter_find(&req->d->graphs.reg, def->name, strlen(def->name));
-	if (old && !adapter_same_def(old, def))
-		return proto_fail(err, PROTO_E_PERMISSION_DENIED, "name",
-		                  "%s is registered with another definition; only an admin may "
-		                  "replace it",
-		                  def->name);
+		                  "a captured graph registered by uid %d must be named %s (g. + the "
+		                  "hash of its text and definition)",
+		                  (int)req->conn->uid, want);
 	return 0;
 }
 

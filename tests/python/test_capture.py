@@ -39,6 +39,7 @@ from torchloop.errors import TorchloopError
 
 ROOT = Path(__file__).resolve().parents[2]
 BOUNDS = dict(max_steps=8, max_elements=4096)
+DEFINITION = dict(BOUNDS, recompile_budget=8, strategy="unroll", dynamic="none")
 T = 3
 TOL = dict(rtol=1e-10, atol=1e-10)
 def reference() -> Callable[..., Any]:
@@ -223,12 +224,17 @@ CHILD = textwrap.dedent("""\
                 return exc.code
         out["source"] = code(lambda: c.register("py.evil", "def body(c, x):\\n    return c, c\\n"))
         out["health"] = c.health()["ready"]
-        out["forged"] = {k: code(lambda t=t: c.register_graph("g.forged" + str(len(k)), t, **tc.BOUNDS))
+        D = tc.DEFINITION
+        named = lambda t: torchloop._graph.identity(t, **D)
+        out["forged"] = {k: code(lambda t=t: c.register_graph(named(t), t, **D))
                          for k, t in texts["forged"].items()}
-        out["not_g"] = code(lambda: c.register_graph("mine", texts["valid"][0], **tc.BOUNDS))
-        for i, t in enumerate(texts["valid"]):
-            out.setdefault("fill", []).append(code(lambda: c.register_graph("g.fill%d" % i, t, **tc.BOUNDS)))
-        out["replace"] = code(lambda: c.register_graph("g.fill0", texts["valid"][1], **tc.BOUNDS))
+        out["not_g"] = code(lambda: c.register_graph("mine", texts["valid"][0], **D))
+        for t in texts["valid"]:
+            out.setdefault("fill", []).append(code(lambda: c.register_graph(named(t), t, **D)))
+        # another graph under a valid graph's name (squatting), or other bounds under it
+        out["squat"] = code(lambda: c.register_graph(named(texts["valid"][0]), texts["valid"][1], **D))
+        out["bounds"] = code(lambda: c.register_graph(named(texts["valid"][0]), texts["valid"][0],
+                                                      **dict(D, max_steps=7)))
         final, ys = ad.scan(body, carry.detach(), xs.detach())  # evicted: registered again
         out["again"] = (final - ref[0]).abs().max().item()
     print(json.dumps(out))
@@ -273,7 +279,7 @@ def test_a_non_admin_registers_graphs_but_not_source(open_daemon: str, tmp_path:
     assert out["forged"] == {h: "BAD_GRAPH" for h in FORGERIES}
     assert out["not_g"] == "PERMISSION_DENIED"
     assert out["fill"] == ["OK"] * 4
-    assert out["replace"] == "PERMISSION_DENIED"
+    assert out["squat"] == out["bounds"] == "PERMISSION_DENIED"
     assert out["again"] < 1e-12
     with torchloop.Client(open_daemon) as client:
         stats = client.stats()
@@ -373,7 +379,7 @@ def test_a_graph_compiled_with_the_scan_op_lifts_its_constants(open_daemon: str)
 
     c0, xs = torch.rand(N, dtype=torch.float64), torch.rand(T, N, dtype=torch.float64)
     text = capture(step, (c0, None), xs[0])
-    name = torchloop._graph.identity(text, "scan-op test")
+    name = "g.scan-op.test"  # an admin may name a graph anything
     with torchloop.Client(open_daemon) as client:
         client.register_graph(name, text, strategy="scan", **BOUNDS)
         res = client.scan(name, ((c0, None), (W,)), xs)

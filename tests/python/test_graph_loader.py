@@ -27,6 +27,9 @@ import graph_loader  # noqa: E402
 from graph_loader import GraphError  # noqa: E402
 
 W = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+# a graph adapter's whole definition (its name hashes it; test_capture.py's BOUNDS)
+DEFINITION = dict(max_steps=8, max_elements=4096, recompile_budget=8, strategy="unroll",
+                  dynamic="none")
 IDX = torch.tensor([3, 0, 1, 2])
 TWO = torch.tensor(2)  # 0-d
 
@@ -48,7 +51,7 @@ def capture(body, carry, x_row) -> str:
     xdef = flatten(x_row, "inputs", leaves)
     g, args, result = Capturer().capture(body, carry, x_row)
     g.bind(args, leaves[:n], leaves[n:], result, torch.float64)
-    return g.document(args, leaves, n, cdef, xdef, (8, 64, None))[1]
+    return g.document(args, leaves, n, cdef, xdef, DEFINITION)[1]
 
 
 @pytest.fixture(scope="module")

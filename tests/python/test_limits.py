@@ -30,6 +30,7 @@ def test_bounds_and_defaults_match_the_header() -> None:
     assert adapter.DEFAULT_STEPS == c_value(d["PROTO_DEFAULT_STEPS"])
     assert adapter.MAX_ELEMENTS == c_value(d["PROTO_MAX_ELEMENTS"])
     assert adapter.DEFAULT_ELEMENTS == c_value(d["PROTO_DEFAULT_ELEMENTS"])
+    assert adapter.DEFAULT_BUDGET == c_value(d["PROTO_DEFAULT_BUDGET"])
 
 
 def test_protocol_frame_limit_and_version_match_the_header() -> None:

@@ -170,8 +170,11 @@ def write(ep: torch.export.ExportedProgram, n_carry: int, n_x: int, n_params: in
     return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
-def identity(text: str, *bounds: object) -> str:
-    """The adapter name of a captured graph: its content and the adapter's bounds."""
+def identity(text: str, max_steps: int, max_elements: int, recompile_budget: int,
+             strategy: str, dynamic: str) -> str:
+    """The adapter name of a captured graph: "g." + SHA-256 of its text and
+    definition, as the daemon computes it (op_register.c's graph_name): the
+    only name a non-admin may register it under."""
     h = hashlib.sha256(text.encode())
-    h.update(repr(bounds).encode())
+    h.update(f"\n{max_steps}\n{max_elements}\n{recompile_budget}\n{strategy}\n{dynamic}".encode())
     return "g." + h.hexdigest()[:40]

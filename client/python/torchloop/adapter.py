@@ -91,6 +91,7 @@ def unflatten(tdef: Any, leaves: list[Any], pos: list[int]) -> Any:
 
 MAX_STEPS, DEFAULT_STEPS = 128, 128
 MAX_ELEMENTS, DEFAULT_ELEMENTS = 1_048_576, 65_536
+DEFAULT_BUDGET = 8  # PROTO_DEFAULT_BUDGET
 
 
 def check_bounds(max_steps: object, max_elements: object) -> None:
@@ -139,6 +140,11 @@ class _Driver:
         self.name = name
         self.capture = capture
         self.capturer = Capturer()
+        # every field of a graph adapter's definition, sent explicitly: its
+        # name hashes them (_graph.identity), as the daemon checks
+        self.graph_def: dict[str, Any] = dict(
+            max_steps=max_steps, max_elements=max_elements, recompile_budget=DEFAULT_BUDGET,
+            strategy="unroll", dynamic=dynamic or "none")
         self.registered: dict[tuple[str, str], str] = {}
         self.graphs: set[str] = set()  # captured graphs this driver registered
         # body function -> adapter name: reading a module's source per scan
@@ -180,8 +186,7 @@ class _Driver:
         return name
 
     def _register_graph(self, name: str, text: str) -> None:
-        self.client.register_graph(name, text, max_steps=self.max_steps,
-                                   max_elements=self.max_elements, dynamic=self.dynamic)
+        self.client.register_graph(name, text, **self.graph_def)
         with self.lock:
             self.graphs.add(name)
 
@@ -221,8 +226,7 @@ class _Driver:
             body, unflatten(carry_def, carry, [0]), unflatten(inputs_def, rows, [0]))
         if not g.bound:
             g.bind(args, carry, rows, result, leaves[0].dtype)
-        bounds = (self.max_steps, self.max_elements, self.dynamic)
-        target = g.document(args, carry + rows, n_carry, carry_def, inputs_def, bounds)
+        target = g.document(args, carry + rows, n_carry, carry_def, inputs_def, self.graph_def)
         return target, [args[j] for j in g.live]
 
     def scan(self, body: Callable[..., Any], carry: Any, inputs: Any) -> tuple[Any, Any]:

@@ -29,7 +29,7 @@ import threading
 import types
 from dataclasses import dataclass, field
 from types import FunctionType
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -119,7 +119,7 @@ class StepGraph:
         self.bound = True
 
     def document(self, args: tuple[torch.Tensor, ...], flat: list[torch.Tensor], n_carry: int,
-                 carry_def: TreeDef, x_def: TreeDef, bounds: tuple[object, ...]) -> tuple[str, str]:
+                 carry_def: TreeDef, x_def: TreeDef, definition: dict[str, Any]) -> tuple[str, str]:
         """(adapter name, graph text) for these baked values; exported once each.
         flat: this call's carry leaves and x rows (the export's examples)."""
         baked = [args[j] for j in self.baked]
@@ -145,7 +145,7 @@ class StepGraph:
                                     carry_def, x_def, self.out_def)
                 if len(self.docs) >= MAX_VARIANTS:  # the oldest baked values go
                     self.docs.pop(next(iter(self.docs)))
-                doc = self.docs[digest] = (_graph.identity(text, *bounds), text)
+                doc = self.docs[digest] = (_graph.identity(text, **definition), text)
             return doc
 
 
