@@ -309,7 +309,7 @@ static int send_job(struct compiler *c, struct compile_job *j)
 		writer_key_str(&wr->w, "entry", j->entry);
 		return send_msg(c, wr);
 	}
-	msg_begin_request(&wr->w, j->id, "compile", 11);
+	msg_begin_request(&wr->w, j->id, "compile", j->sample ? 12 : 11);
 	writer_key_str(&wr->w, j->graph ? "body_graph" : "body_source", j->body_source);
 	writer_key_str(&wr->w, "body_file", j->body_file);
 	writer_key_str(&wr->w, "entry", j->entry);
@@ -323,6 +323,10 @@ static int send_job(struct compiler *c, struct compile_job *j)
 	shapes_write(&wr->w, j->carry);
 	writer_str(&wr->w, "inputs");
 	shapes_write(&wr->w, j->inputs);
+	if (j->sample) {
+		writer_str(&wr->w, "sample");
+		writer_raw(&wr->w, j->sample, j->sample_len); /* copied: the job may end first */
+	}
 	return send_msg(c, wr);
 }
 

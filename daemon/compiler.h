@@ -59,6 +59,10 @@ struct compile_job {
 	enum proto_dtype dtype;
 	int64_t steps;
 	int64_t max_batch; /* dynamic = batch: the largest batch size (shapes mark it -1); else 0 */
+	/* the requesting scan's own inputs (signature_sample) for the parity
+	 * check, or NULL: random ones */
+	const uint8_t *sample;
+	size_t sample_len;
 	char output[1024];
 	compile_done_cb done;
 	void *data;

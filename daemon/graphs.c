@@ -59,6 +59,10 @@ struct load_job {
 	struct proto_err err;
 	struct compile_result res; /* after a compile: owned copy of the y spec */
 	struct compile_job job;
+	/* the first request's own inputs (signature_sample), for the parity check
+	 * of this job's compile and of its upgrade; NULL: random inputs */
+	uint8_t *sample;
+	size_t sample_len;
 };
 
 struct prewarm_rec;
@@ -642,6 +646,8 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.dtype = sp->dtype;
 	j->job.steps = sp->steps;
 	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
+	j->job.sample = j->sample;
+	j->job.sample_len = j->sample_len;
 	j->job.done = compile_done;
 	j->job.data = j;
 	cache_tmp_path(j->g->cache, j->key, j->job.output, sizeof j->job.output);
@@ -661,6 +667,7 @@ static void free_job(struct load_job *j)
 {
 	engine_unload(j->graph);
 	free(j->res.y_spec);
+	free(j->sample);
 	graphs_unref(j->sp);
 	free(j);
 }
@@ -741,7 +748,7 @@ static void after_upgrade(struct load_job *j)
 }
 
 /* Loop: builds (or loads) sp's unrolled graph behind its quick tier's. */
-static void start_upgrade(struct graphs *g, struct specialization *sp)
+static void start_upgrade(struct graphs *g, struct specialization *sp, struct load_job *quick)
 {
 	struct load_job *j = calloc(1, sizeof *j);
 
@@ -752,6 +759,9 @@ static void start_upgrade(struct graphs *g, struct specialization *sp)
 		return;
 	}
 	j->upgrade = true;
+	j->sample = quick->sample; /* checked on the same inputs as the quick graph */
+	j->sample_len = quick->sample_len;
+	quick->sample = NULL;
 	sp->upgrading = true;
 	start_lookup(g, sp, j);
 }
@@ -835,7 +845,7 @@ static void after_load(uv_work_t *w, int status)
 		if (j->prewarm)
 			j->prewarmed(j->g);
 		if (upgrade)
-			start_upgrade(j->g, sp);
+			start_upgrade(j->g, sp, j);
 	}
 	free_job(j);
 }
@@ -861,12 +871,14 @@ static void note_worker_crash(struct adapter *a, struct proto_err *err)
  * A quick tier's compile failed in a way the unrolled loop may not: the body
  * and its carry were fine in the eager dry run (BODY_ERROR and
  * CARRY_MISMATCH come before any lowering, and say the same of both), and
- * the daemon is not stopping.
+ * the daemon is not stopping.  A MISCOMPILE is a verdict already: the worker
+ * rebuilt the graph once before giving it (build_placed), and no third build
+ * is tried.
  */
 static bool lowering_failed(const struct proto_err *e)
 {
 	return e->code != PROTO_E_BODY_ERROR && e->code != PROTO_E_CARRY_MISMATCH &&
-	       e->code != PROTO_E_SHUTTING_DOWN;
+	       e->code != PROTO_E_SHUTTING_DOWN && e->code != PROTO_E_MISCOMPILE;
 }
 
 static void compile_done(struct compile_job *cj, const struct compile_result *res,
@@ -880,6 +892,8 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 		cache_remove_job(cj->output);
 		if (e.flags & PROTO_ERR_JOB_CRASH)
 			note_worker_crash(sp->adapter, &e);
+		if (e.code == PROTO_E_MISCOMPILE && j->sample == NULL)
+			e.flags |= PROTO_ERR_TRANSIENT; /* random inputs: not a verdict on real ones */
 		if (j->upgrade) {
 			upgrade_over(j, &e);
 			return;
@@ -1058,6 +1072,8 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 		return;
 	}
 	add_waiter(sp, w);
+	if (!sp->batch) /* a symbolic-batch graph is checked at its probe sizes */
+		j->sample = signature_sample(args->carry, args->inputs, &j->sample_len);
 	start_lookup(g, sp, j);
 }
 

@@ -186,3 +186,48 @@ int signature_fill(const struct tree_node *spec, const struct engine_tensor *fla
 			return -1;
 	return 0;
 }
+
+static bool leaves_have_data(const struct tree_node *n, uint32_t *count)
+{
+	if (n->kind == TREE_TENSOR) {
+		++*count;
+		return n->tensor.data != NULL || n->tensor.nbytes == 0;
+	}
+	for (uint32_t i = 0; i < n->count; i++)
+		if (!leaves_have_data(&n->items[i], count))
+			return false;
+	return true;
+}
+
+static int pack_leaves(msgpack_packer *pk, const struct tree_node *n)
+{
+	int rc = 0;
+
+	if (n->kind == TREE_TENSOR) {
+		rc |= msgpack_pack_bin(pk, (size_t)n->tensor.nbytes);
+		rc |= msgpack_pack_bin_body(pk, n->tensor.data, (size_t)n->tensor.nbytes);
+	}
+	for (uint32_t i = 0; i < n->count; i++)
+		rc |= pack_leaves(pk, &n->items[i]);
+	return rc;
+}
+
+uint8_t *signature_sample(const struct tree_node *carry, const struct tree_node *inputs,
+                          size_t *len)
+{
+	msgpack_sbuffer sb;
+	msgpack_packer pk;
+	uint32_t count = 0;
+
+	if (!leaves_have_data(carry, &count) || !leaves_have_data(inputs, &count))
+		return NULL;
+	msgpack_sbuffer_init(&sb);
+	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+	if ((msgpack_pack_array(&pk, count) | pack_leaves(&pk, carry) | pack_leaves(&pk, inputs)) !=
+	    0) {
+		msgpack_sbuffer_destroy(&sb);
+		return NULL;
+	}
+	*len = sb.size;
+	return (uint8_t *)sb.data;
+}

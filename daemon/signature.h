@@ -50,4 +50,13 @@ void signature_flatten(const struct tree_node *n, struct engine_tensor *out, siz
 int signature_fill(const struct tree_node *spec, const struct engine_tensor *flat, size_t n_flat,
                    size_t *pos, msgpack_zone *zone, struct tree_node *out);
 
+/*
+ * A request's own inputs, kept for the parity check of the compile it
+ * starts: a msgpack array of one bin per tensor leaf of carry then inputs
+ * (depth-first), copied into a malloc'ed buffer (*len bytes).  NULL when a
+ * leaf has no data (a `compile` request's shapes) or out of memory.
+ */
+uint8_t *signature_sample(const struct tree_node *carry, const struct tree_node *inputs,
+                          size_t *len);
+
 #endif

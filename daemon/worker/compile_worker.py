@@ -21,6 +21,7 @@ import ctypes
 import errno
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import signal
@@ -313,6 +314,9 @@ class Job:
     carry: Spec = None
     inputs: Spec = None
     strict: bool = False
+    # the requesting scan's own inputs (one buffer per carry then input leaf)
+    # for the dry run and the parity check; None: random ones
+    sample: list[bytes] | None = None
 
     @classmethod
     def parse(cls, req: dict[str, Any]) -> Job:
@@ -332,9 +336,18 @@ class Job:
                 carry=req.get("carry"),
                 inputs=req.get("inputs"),
                 strict=bool(req.get("strict", False)),
+                sample=parse_sample(req.get("sample")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {exc!r}") from exc
+
+
+def parse_sample(sample: object) -> list[bytes] | None:
+    if sample is None:
+        return None
+    if not isinstance(sample, list) or not all(isinstance(b, bytes) for b in sample):
+        raise TypeError("sample is not a list of byte strings")
+    return sample
 
 
 GRAPHS: dict[str, GraphBody] = {}  # graph text's digest -> loaded body (bounded below)
@@ -929,11 +942,30 @@ def aoti_options(out_path: str, batched: bool = False) -> dict[str, Any]:
     return options
 
 
-def example_inputs(scan: Scan) -> list[Any]:
+def example_inputs(scan: Scan, sample: list[bytes] | None = None) -> list[Any]:
+    """The dry run's (and parity check's) inputs: the requesting scan's own
+    when the daemon sent them, else uniform in [0, 1)."""
     dtype = getattr(torch, scan.dtype)
-    gen = torch.Generator().manual_seed(0)
     shapes = spec_leaves(scan.carry_spec) + spec_leaves(scan.inputs_spec)
+    if sample is not None:
+        return sample_inputs(sample, shapes, dtype)
+    gen = torch.Generator().manual_seed(0)
     return [torch.rand(s, dtype=dtype, generator=gen) for s in shapes]
+
+
+def sample_inputs(sample: list[bytes], shapes: list[list[int]], dtype: Any) -> list[Any]:
+    if len(sample) != len(shapes):
+        raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {len(sample)} "
+                       f"sample leaves for {len(shapes)} tensors")
+    out = []
+    size = torch.empty((), dtype=dtype).element_size()
+    for b, shape in zip(sample, shapes):
+        if len(b) != math.prod(shape) * size:
+            raise JobError("COMPILE_FAILED", "malformed job from the daemon: a sample leaf "
+                           f"of {len(b)} bytes for shape {shape}")
+        t = torch.frombuffer(bytearray(b), dtype=dtype) if b else torch.empty(0, dtype=dtype)
+        out.append(t.reshape(shape))
+    return out
 
 
 def vjp_module(scan: Scan, n_in: int) -> Callable[..., Any]:
@@ -1139,15 +1171,41 @@ def parity_reference(scan: Scan, args: list[Any], outs: tuple[Any, ...],
     return list(vjp_module(dry, len(args))(*args, *cotangents(outs)))
 
 
+def parity_mismatch(got: Any, want: Any, rtol: float,
+                    skip_nonfinite: bool) -> tuple[float, int, float] | None:
+    """(max |got - want|, its flat index, max |want|) when got disagrees with
+    want beyond rtol (norm-wise), else None.  Elements that are equal (the
+    same infinity included) or NaN on both sides agree; with skip_nonfinite
+    (random inputs, which may overflow where the user's never do) an element
+    whose eager value is not finite is not checked at all."""
+    g = got.detach().to(torch.float64).reshape(-1)
+    w = want.detach().to(torch.float64).reshape(-1)
+    if w.numel() == 0:
+        return None
+    finite = torch.isfinite(w)
+    agree = (g == w) | (torch.isnan(g) & torch.isnan(w))
+    if skip_nonfinite:
+        agree |= ~finite
+    inf = float("inf")
+    diff = torch.where(agree, torch.zeros_like(g), (g - w).abs().nan_to_num(nan=inf, posinf=inf))
+    scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
+    err = float(diff.max())
+    if err <= rtol * max(scale, 1e-30):
+        return None
+    return err, int(diff.argmax()), scale
+
+
 def parity_check(so_path: str, cases: list[tuple[int, tuple[Any, ...], list[Any]]],
-                 dtype: str, n_carry: int, n_y: int) -> None:
+                 dtype: str, n_carry: int, n_y: int, random: bool) -> None:
     """Runs the new artifact on each case's inputs (its results land in fresh
     buffers) and refuses it with MISCOMPILE if any output disagrees with the
-    eager reference beyond PARITY_RTOL. A case is (batch size or 0, the
-    graph's data inputs, the eager results); a symbolic-batch graph is checked
-    at its probe size and at batch size 1."""
+    eager reference beyond PARITY_RTOL (parity_mismatch). A case is (batch
+    size or 0, the graph's data inputs, the eager results); a symbolic-batch
+    graph is checked at its probe size and at batch size 1.  random: the
+    inputs are random ones, not the requesting scan's."""
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
     artifacts_loaded[0] += 1
+    on = "random inputs (uniform in [0, 1))" if random else "the request's own inputs"
     for batch, inputs, want in cases:
         bufs = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in want]
         got = runner.run([t.clone() for t in inputs] + bufs)
@@ -1155,25 +1213,21 @@ def parity_check(so_path: str, cases: list[tuple[int, tuple[Any, ...], list[Any]
         names = (["carry"] * n_carry + ["outputs"] * n_y + ["grad_carry"] * n_carry +
                  ["grad_inputs"] * (len(want) - 2 * n_carry - n_y))
         for i, (g, w) in enumerate(zip(got, want)):
-            g = g.detach().to(torch.float64)
-            w = w.detach().to(torch.float64)
             if g.shape != w.shape:
                 raise JobError("MISCOMPILE", f"output {i} ({names[i]}) has shape "
                                f"{list(g.shape)}{where}, the eager scan {list(w.shape)}")
-            both_nan = torch.isnan(g) & torch.isnan(w)
-            diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
-            scale = float(w.abs().nan_to_num(0.0).max()) if w.numel() else 0.0
-            err = float(diff.nan_to_num(float("inf")).max()) if w.numel() else 0.0
-            if err > PARITY_RTOL[dtype] * max(scale, 1e-30):
-                at = int(diff.nan_to_num(float("inf")).argmax())
-                raise JobError(
-                    "MISCOMPILE",
-                    f"the compiled graph disagrees with the eager scan on output {i} "
-                    f"({names[i]}){where}: max |compiled - eager| = {err:.3g} at flat index "
-                    f"{at} (compiled {float(g.reshape(-1)[at]):.17g}, eager "
-                    f"{float(w.reshape(-1)[at]):.17g}) against max |eager| = {scale:.3g}; "
-                    f"tolerance {PARITY_RTOL[dtype]:g} relative. Nothing was cached.",
-                    names[i])
+            bad = parity_mismatch(g, w, PARITY_RTOL[dtype], random)
+            if bad is None:
+                continue
+            err, at, scale = bad
+            raise JobError(
+                "MISCOMPILE",
+                f"the compiled graph disagrees with the eager scan on output {i} "
+                f"({names[i]}){where}, run on {on}: max |compiled - eager| = {err:.3g} at "
+                f"flat index {at} (compiled {float(g.reshape(-1)[at]):.17g}, eager "
+                f"{float(w.reshape(-1)[at]):.17g}) against max |eager| = {scale:.3g}; "
+                f"tolerance {PARITY_RTOL[dtype]:g} relative. Nothing was cached.",
+                names[i])
     del runner
 
 
@@ -1184,12 +1238,13 @@ def check_body(job: Job) -> dict[str, Any]:
     return {"ok": True}
 
 
-def dry_run(scan: Scan, kind: str) -> tuple[list[Any], tuple[Any, ...], list[Any]]:
-    """Eager scan at the scan's specs on random inputs: (inputs, outputs, the
-    parity check's case inputs and reference). Body exceptions and carry
-    changes get a step number and a leaf path before the tracer's messages
-    can hide them."""
-    args = example_inputs(scan)
+def dry_run(scan: Scan, kind: str,
+            sample: list[bytes] | None = None) -> tuple[list[Any], tuple[Any, ...], list[Any]]:
+    """Eager scan at the scan's specs on the request's inputs (sample) or
+    random ones: (inputs, outputs, the parity check's case inputs and
+    reference). Body exceptions and carry changes get a step number and a
+    leaf path before the tracer's messages can hide them."""
+    args = example_inputs(scan, sample)
     with torch.no_grad():
         dry = replace(scan, strategy="unroll")
         outs = dry.forward(*args)
@@ -1236,7 +1291,8 @@ def compile_job(job: Job) -> dict[str, Any]:
                 exc.message += f" (dynamic = batch: the body ran at batch size {batch})"
             raise
 
-    args, outs, case = traced_at(b1, lambda: dry_run(scan, kind))
+    sample = None if batched else job.sample
+    args, outs, case = traced_at(b1, lambda: dry_run(scan, kind, sample))
     n_in = len(args)
     cases = [(b1, *case)]
     y_spec, dyn = scan.y_spec, None
@@ -1263,7 +1319,8 @@ def compile_job(job: Job) -> dict[str, Any]:
         so = build_artifact(module, example, os.path.join(job_dir, name), batched, placer)
         check_artifact(so, job_dir)
         phase("inductor")
-        parity_check(so, cases, scan.dtype, scan.n_carry, len(outs) - scan.n_carry)
+        parity_check(so, cases, scan.dtype, scan.n_carry, len(outs) - scan.n_carry,
+                     sample is None)
         phase("parity")
         return so
 

@@ -495,12 +495,27 @@ Test(compile_path, an_artifact_that_disagrees_with_the_eager_scan_is_refused)
 	cr_assert_str_eq(err.code, "MISCOMPILE", "%s: %s", err.code, err.message);
 	cr_assert_str_eq(err.path, "carry");
 	cr_assert(strstr(err.message, "disagrees with the eager scan") &&
+	              strstr(err.message, "run on the request's own inputs") &&
 	              strstr(err.message, "max |compiled - eager| = 0.5"),
 	          "%s", err.message);
 	/* remembered: asked again, answered without a compile */
 	cr_assert_eq(tl_scan(c, "t3.wrong", t.carry, t.inputs, &r, &err), -1);
 	cr_assert_str_eq(err.code, "MISCOMPILE");
 	cr_assert_eq(hd_counter(c, "t3.wrong", "compiles"), 1);
+	{ /* a verdict on random inputs (a data-less compile) is not remembered */
+		struct trees t4;
+		build(&t4, CUMSUM, TL_FLOAT64, 4);
+		for (int k = 0; k < 2; k++) {
+			cr_assert_eq(tl_compile(c, "t3.wrong", t4.carry, t4.inputs, TL_FLOAT64, 0, &r,
+			                        &err),
+			             -1, "accepted");
+			cr_assert_str_eq(err.code, "MISCOMPILE", "%s: %s", err.code, err.message);
+			cr_assert(strstr(err.message, "run on random inputs"), "%s", err.message);
+		}
+		cr_assert_eq(hd_counter(c, "t3.wrong", "compiles"), 3, "compiled again each time");
+		free_trees(&t4);
+	}
+	cr_assert(strstr(err.message, "max |compiled - eager| = 0.5"), "%s", err.message);
 	{ /* the key's lock file may remain; no artifact */
 		DIR *dp;
 		struct dirent *e;

@@ -1,0 +1,94 @@
+"""The compile worker's parity check (daemon/worker/compile_worker.py:
+parity_mismatch, parity_check) cannot refuse a correct graph.
+
+The comparison is tested by hand-written values; end to end, a body whose
+values overflow on the worker's random inputs in [0, 1) but not on the
+user's (c * exp(100 dt), dt = 1e-3: the eager loop gives finite numbers)
+compiles, runs and matches eager, float32 and float64.  The deliberately
+miscompiled graph that must still be refused is tests/e2e/test_compile_path.c
+(an_artifact_that_disagrees_with_the_eager_scan_is_refused).
+
+Compiles: two (T = 16, one per dtype).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchloop
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "daemon" / "worker"))
+import compile_worker as w  # noqa: E402
+
+INF, NAN = float("inf"), float("nan")
+F64 = torch.float64
+
+
+def mismatch(got: list[float], want: list[float], random: bool = False):
+    return w.parity_mismatch(torch.tensor(got, dtype=F64), torch.tensor(want, dtype=F64),
+                             1e-6, random)
+
+
+def test_the_same_infinity_or_nan_on_both_sides_agrees():
+    assert mismatch([INF, -INF, NAN, 1.0], [INF, -INF, NAN, 1.0]) is None
+
+
+def test_a_finite_difference_beyond_the_tolerance_is_refused_with_where_and_how_much():
+    err, at, scale = mismatch([1.0, 2.5, 3.0], [1.0, 2.0, 3.0])
+    assert (err, at, scale) == (0.5, 1, 3.0)
+
+
+def test_infinities_do_not_set_the_scale():
+    # max |eager| over the finite elements is 1, not inf: 1e-3 is off by 1e-3 relative
+    err, at, scale = mismatch([INF, 1.001], [INF, 1.0])
+    assert at == 1 and scale == 1.0 and err == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("got,want", [([INF], [1.0]), ([NAN], [1.0]), ([1.0], [INF]),
+                                      ([-INF], [INF]), ([INF], [NAN])])
+def test_on_the_users_inputs_every_non_finite_disagreement_is_refused(got, want):
+    err, at, _ = mismatch(got, want)
+    assert err == INF and at == 0
+
+
+@pytest.mark.parametrize("got,want", [([1.0, 2.0], [INF, 2.0]), ([INF, 2.0], [NAN, 2.0])])
+def test_on_random_inputs_an_element_eager_cannot_compute_is_skipped(got, want):
+    assert mismatch(got, want, random=True) is None
+
+
+def test_on_random_inputs_a_finite_eager_element_is_still_checked():
+    err, at, _ = mismatch([INF, 5.0], [INF, 2.0], random=True)
+    assert (err, at) == (3.0, 1)
+
+
+def overflowing(c: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    c = c * torch.exp(100 * dt)
+    return c, c
+
+
+def eager_loop(c: torch.Tensor, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ys = []
+    for t in range(xs.shape[0]):
+        c, y = overflowing(c, xs[t])
+        ys.append(y)
+    return c, torch.stack(ys)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_a_body_that_overflows_on_random_inputs_compiles_and_matches_eager(daemon, dtype, tol):
+    adapter = torchloop.loop_adapter(max_steps=16, max_elements=64, socket=daemon)
+    c0 = torch.tensor([1.0, -2.0, 0.5], dtype=dtype)
+    dts = torch.full((16,), 1e-3, dtype=dtype)
+    final, ys = adapter.scan(overflowing, c0, dts)
+    want_final, want_ys = eager_loop(c0, dts)
+    assert torch.isfinite(want_ys).all()
+    torch.testing.assert_close(final, want_final, rtol=tol, atol=0)
+    torch.testing.assert_close(ys, want_ys, rtol=tol, atol=0)
+    # on the worker's random inputs the same loop is infinite: what used to fail
+    rand = torch.rand(16, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    assert not torch.isfinite(eager_loop(c0, rand)[0]).all()
