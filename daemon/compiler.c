@@ -1,58 +1,67 @@
 /*
- * compiler.c - see compiler.h.  Owns the worker's uv_process_t, its two
- * pipes, the job timer, the restart (backoff) timer and the orphan-reaping
- * timer; all are freed in their close callbacks, and the struct itself once
- * the last of them has closed after compiler_stop.
+ * compiler.c - see compiler.h.  The lanes, their queues and worker slots,
+ * and the pool-wide timers: restart (backoff) of the first worker, orphan
+ * reaping, idle retirement.  The struct is freed once compiler_stop has run
+ * and every timer and worker process has closed.
  *
- * A worker process is "detached" (c->wp no longer points at it) the moment
- * it is killed for a timeout: nothing is sent to it any more, its replies
- * are dropped, and only its exit callback still runs, which then starts the
- * next worker.  This is what keeps a queued job from going to a worker that
+ * A worker is "detached" (its slot no longer points at it) the moment it is
+ * killed for a timeout, a broken frame, a recycle or retirement: nothing is
+ * sent to it any more, its replies are dropped, and only its exit callback
+ * still runs.  This is what keeps a queued job from going to a worker that
  * is being killed (and its timer from killing the fresh one).
  */
 #include "compiler.h"
 
-#include "frame.h"
 #include "log.h"
-#include "proctree.h"
-#include "uvframe.h"
 #include "msg.h"
-#include "signature.h"
+#include "proctree.h"
+#include "shapes.h"
+#include "wproc.h"
 #include "writer.h"
 
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #define BACKOFF_FIRST_MS 250
 #define BACKOFF_MAX_MS   30000
 #define REAP_POLL_MS     100
 #define REAP_MAX         64
+#define IDLE_POLL_MS     5000
+#define LANE_SLOTS       16
+#define LIVE_MAX         64
+#define BACKGROUND_NICE  10
 
-extern char **environ;
+const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES] = {"setup", "eager", "export", "inductor",
+                                                         "parity"};
+const char *const COMPILER_LANE_NAMES[COMPILER_LANES] = {"check", "foreground", "background"};
 
-struct write_req {
-	uv_write_t req;
-	struct writer w;
+struct compiler;
+
+struct slot {
+	struct compiler *c;
+	unsigned lane, index;
+	struct wproc *p; /* its live worker, or NULL */
+	bool hello, paused;
+	struct compile_job *current;
+	uv_timer_t timer;      /* the job's timeout */
+	uint64_t left_ms;      /* of the timeout, while paused */
+	uint64_t idle_since;   /* loop time of its last job's end */
+	pid_t retired;         /* a worker retired for idleness: its exit is no restart */
 };
 
-/* One worker process and its pipes; freed when all three have closed. */
-struct wproc {
-	uv_process_t proc;
-	uv_pipe_t in, out;
-	struct frame_reader reader;
-	struct compiler *c;
-	int open;
-	bool hello_done;
-	bool killed; /* killed on purpose (timeout, stop): its exit is expected */
+struct lane {
+	struct compile_job *head, *tail;
+	unsigned max;
+	uint64_t jobs, preempted;
+	struct slot slots[LANE_SLOTS];
 };
 
 struct compiler {
 	uv_loop_t *loop;
-	struct wproc *wp; /* the live worker, or NULL */
-	uv_timer_t timer, restart, reaper;
+	struct lane lanes[COMPILER_LANES];
+	uv_timer_t restart, reaper, idle;
+	struct wproc_opts wopts;
 	char python[1024], script[1024];
 	double timeout;
 	compiler_ready_cb ready;
@@ -60,17 +69,19 @@ struct compiler {
 	struct worker_info info;
 	bool stopping;
 	int open_handles;
-	struct compile_job *head, *tail, *current;
 	uint64_t next_id, restarts, orphans_killed, recycled;
 	unsigned start_failures; /* workers in a row that died before their hello */
 	char last_exit[160];     /* how the last of them ended, for error messages */
-	pid_t orphans[REAP_MAX];
-	size_t n_orphans;
-	char **env;
+	pid_t orphans[REAP_MAX], live[LIVE_MAX];
+	size_t n_orphans, n_live;
 };
 
-static void spawn_worker(struct compiler *c);
 static void pump(struct compiler *c);
+static void spawn(struct slot *s);
+
+#define PRIMARY(c) (&(c)->lanes[LANE_FOREGROUND].slots[0])
+
+/* ---- accessors ----------------------------------------------------------- */
 
 void *compiler_data(const struct compiler *c)
 {
@@ -82,7 +93,7 @@ const struct worker_info *compiler_info(const struct compiler *c)
 }
 bool compiler_alive(const struct compiler *c)
 {
-	return c->wp != NULL && c->wp->hello_done;
+	return PRIMARY(c)->p != NULL && PRIMARY(c)->hello;
 }
 uint64_t compiler_restarts(const struct compiler *c)
 {
@@ -90,7 +101,7 @@ uint64_t compiler_restarts(const struct compiler *c)
 }
 pid_t compiler_pid(const struct compiler *c)
 {
-	return c->wp ? c->wp->proc.pid : 0;
+	return PRIMARY(c)->p ? wproc_pid(PRIMARY(c)->p) : 0;
 }
 unsigned compiler_start_failures(const struct compiler *c)
 {
@@ -100,10 +111,6 @@ uint64_t compiler_orphans_killed(const struct compiler *c)
 {
 	return c->orphans_killed;
 }
-
-const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES] = {"setup", "eager", "export", "inductor",
-                                                         "parity"};
-
 uint64_t compiler_recycled(const struct compiler *c)
 {
 	return c->recycled;
@@ -116,112 +123,79 @@ const char *compiler_state(const struct compiler *c)
 	return c->start_failures > 0 ? "backoff" : "starting";
 }
 
+void compiler_lane_stats(const struct compiler *c, enum compiler_lane lane, struct lane_stats *out)
+{
+	const struct lane *l = &c->lanes[lane];
+
+	memset(out, 0, sizeof *out);
+	out->max = l->max;
+	out->jobs = l->jobs;
+	out->preempted = l->preempted;
+	for (const struct compile_job *j = l->head; j; j = j->next)
+		out->queued++;
+	for (unsigned i = 0; i < l->max; i++) {
+		out->workers += l->slots[i].p != NULL;
+		out->busy += l->slots[i].current != NULL;
+		out->paused |= l->slots[i].paused;
+	}
+}
+
 unsigned compiler_queue_length(const struct compiler *c)
 {
-	unsigned n = c->current != NULL;
+	unsigned n = 0;
+	struct lane_stats st;
 
-	for (struct compile_job *j = c->head; j; j = j->next)
-		n++;
+	for (int k = 0; k < COMPILER_LANES; k++) {
+		compiler_lane_stats(c, (enum compiler_lane)k, &st);
+		n += st.queued + st.busy;
+	}
 	return n;
 }
 
-/*
- * The worker's environment: an allow-list of what Python, torch, Inductor,
- * OpenMP and the C++ toolchain read, never the rest of ours (secrets,
- * NOTIFY_SOCKET, LISTEN_*, ...); then env_extra, which overrides.
- */
-static bool env_allowed(const char *kv)
+unsigned compiler_default_workers(void)
 {
-	static const char *const exact[] = {"PATH",
-	                                    "HOME",
-	                                    "USER",
-	                                    "LOGNAME",
-	                                    "LANG",
-	                                    "LANGUAGE",
-	                                    "TZ",
-	                                    "TMPDIR",
-	                                    "CC",
-	                                    "CXX",
-	                                    "ATEN_CPU_CAPABILITY",
-	                                    "CUDA_VISIBLE_DEVICES"};
-	static const char *const prefix[] = {"LC_",   "TORCH", "PYTORCH_",  "OMP_",    "KMP_",
-	                                     "GOMP_", "MKL_",  "OPENBLAS_", "ONEDNN_", "DNNL_"};
-	size_t n = strcspn(kv, "=");
+	uint64_t mem = uv_get_constrained_memory();
+	uint64_t total = uv_get_total_memory();
+	unsigned n = uv_available_parallelism();
+	uint64_t by_mem;
 
-	for (size_t i = 0; i < sizeof exact / sizeof exact[0]; i++)
-		if (strlen(exact[i]) == n && strncmp(kv, exact[i], n) == 0)
-			return true;
-	for (size_t i = 0; i < sizeof prefix / sizeof prefix[0]; i++)
-		if (strncmp(kv, prefix[i], strlen(prefix[i])) == 0)
-			return true;
-	return false;
+	if (mem == 0 || mem > total)
+		mem = total;
+	by_mem = mem / (3ULL << 29); /* 1.5 GiB */
+	if (by_mem < n)
+		n = (unsigned)by_mem;
+	return n < 1 ? 1 : n > LANE_SLOTS ? LANE_SLOTS : n;
 }
 
-static bool overridden(const char *kv, const char *const *extra)
+/* ---- finishing jobs ------------------------------------------------------ */
+
+static void fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why)
 {
-	size_t n = strcspn(kv, "=");
-
-	for (; extra && *extra; extra++)
-		if (strncmp(kv, *extra, n) == 0 && (*extra)[n] == '=')
-			return true;
-	return false;
-}
-
-static char **worker_env(const char *const *extra)
-{
-	static char pid_var[32];
-	size_t n = 0, k = 0, n_extra = 0;
-	char **env;
-
-	while (environ[n])
-		n++;
-	while (extra && extra[n_extra])
-		n_extra++;
-	env = calloc(n + n_extra + 5, sizeof *env);
-	if (env == NULL)
-		return NULL;
-	for (size_t i = 0; i < n; i++)
-		if (env_allowed(environ[i]) && !overridden(environ[i], extra))
-			env[k++] = environ[i];
-	for (size_t i = 0; i < n_extra; i++)
-		env[k++] = (char *)extra[i];
-	snprintf(pid_var, sizeof pid_var, "TORCHLOOPD_PID=%ld", (long)getpid());
-	env[k++] = pid_var;
-	env[k++] = "PYTHONDONTWRITEBYTECODE=1";
-	env[k++] = "PYTHONNOUSERSITE=1";
-	return env;
-}
-
-static void finish(struct compiler *c, struct compile_job *job, const struct compile_result *res,
-                   const struct proto_err *err)
-{
-	(void)c;
-	job->done(job, res, err);
-}
-
-static void fail_current(struct compiler *c, enum proto_code code, unsigned flags, const char *why)
-{
-	struct compile_job *job = c->current;
+	struct compile_job *job = s->current;
 	struct proto_err err;
 
 	if (job == NULL)
 		return;
-	c->current = NULL;
-	uv_timer_stop(&c->timer);
+	s->current = NULL;
+	s->c->lanes[job->lane].jobs++;
+	uv_timer_stop(&s->timer);
 	proto_fail(&err, code, NULL, "%s", why);
 	err.flags = flags;
-	finish(c, job, NULL, &err);
+	job->done(job, NULL, &err);
 }
 
-/* Fails every queued job (not the one in flight) with err. */
-static void fail_queue(struct compiler *c, const struct proto_err *err)
+/* Fails every queued job of every lane (not those in flight) with err. */
+static void fail_queues(struct compiler *c, const struct proto_err *err)
 {
-	while (c->head) {
-		struct compile_job *j = c->head;
-		c->head = j->next;
-		if (c->head == NULL)
-			c->tail = NULL;
-		j->done(j, NULL, err);
+	for (int k = 0; k < COMPILER_LANES; k++) {
+		struct lane *l = &c->lanes[k];
+		while (l->head) {
+			struct compile_job *j = l->head;
+			l->head = j->next;
+			if (l->head == NULL)
+				l->tail = NULL;
+			j->done(j, NULL, err);
+		}
 	}
 }
 
@@ -238,148 +212,194 @@ static void start_failure_err(const struct compiler *c, struct proto_err *err)
 static void compiler_release(struct compiler *c)
 {
 	if (--c->open_handles == 0 && c->stopping) {
-		free(c->env);
+		free(c->wopts.env);
 		free(c);
 	}
 }
 
-static void timer_closed(uv_handle_t *h)
+static void handle_closed(uv_handle_t *h)
+{
+	struct slot *s = h->data;
+	compiler_release(s->c);
+}
+
+static void pool_timer_closed(uv_handle_t *h)
 {
 	compiler_release(h->data);
 }
 
-static void wproc_closed(uv_handle_t *h)
+static void worker_closed(void *data)
 {
-	struct wproc *wp = h->data;
-	struct compiler *c = wp->c;
-
-	if (--wp->open > 0)
-		return;
-	frame_reader_free(&wp->reader);
-	free(wp);
-	compiler_release(c);
+	compiler_release(data);
 }
 
-static void on_write(uv_write_t *req, int status)
+/* ---- sending ------------------------------------------------------------- */
+
+static int send_job(struct slot *s, struct compile_job *j)
 {
-	struct write_req *wr = (struct write_req *)req;
+	struct writer *w = wproc_begin();
 
-	if (status != 0)
-		log_warn("compile worker: write failed: %s", uv_strerror(status));
-	writer_destroy(&wr->w);
-	free(wr);
-}
-
-/* Sends one framed message that the caller built in wr->w. */
-static int send_msg(struct compiler *c, struct write_req *wr)
-{
-	uv_buf_t bufs[64];
-	struct iovec iov[64];
-	struct proto_err err;
-	int n = writer_finish(&wr->w, iov, 64, PROTO_FRAME_MAX, &err);
-
-	if (n < 0) {
-		writer_destroy(&wr->w);
-		free(wr);
+	if (w == NULL)
 		return -1;
-	}
-	for (int i = 0; i < n; i++)
-		bufs[i] = uv_buf_init(iov[i].iov_base, (unsigned)iov[i].iov_len);
-	if (c->wp == NULL ||
-	    uv_write(&wr->req, (uv_stream_t *)&c->wp->in, bufs, (unsigned)n, on_write) != 0) {
-		writer_destroy(&wr->w);
-		free(wr);
-		return -1;
-	}
-	return 0;
-}
-
-static int send_job(struct compiler *c, struct compile_job *j)
-{
-	struct write_req *wr = malloc(sizeof *wr);
-
-	if (wr == NULL || writer_init(&wr->w) != 0) {
-		free(wr);
-		return -1;
-	}
 	if (j->check_only) {
-		msg_begin_request(&wr->w, j->id, "check", 3);
-		writer_key_str(&wr->w, j->graph ? "body_graph" : "body_source", j->body_source);
-		writer_key_str(&wr->w, "body_file", j->body_file);
-		writer_key_str(&wr->w, "entry", j->entry);
-		return send_msg(c, wr);
+		msg_begin_request(w, j->id, "check", 3);
+		writer_key_str(w, j->graph ? "body_graph" : "body_source", j->body_source);
+		writer_key_str(w, "body_file", j->body_file);
+		writer_key_str(w, "entry", j->entry);
+		return wproc_send(s->p, w);
 	}
-	msg_begin_request(&wr->w, j->id, "compile", j->sample ? 12 : 11);
-	writer_key_str(&wr->w, j->graph ? "body_graph" : "body_source", j->body_source);
-	writer_key_str(&wr->w, "body_file", j->body_file);
-	writer_key_str(&wr->w, "entry", j->entry);
-	writer_key_str(&wr->w, "strategy", j->strategy);
-	writer_key_str(&wr->w, "kind", j->kind);
-	writer_key_str(&wr->w, "dtype", proto_dtype_name(j->dtype));
-	writer_key_i64(&wr->w, "steps", j->steps);
-	writer_key_i64(&wr->w, "max_batch", j->max_batch);
-	writer_key_str(&wr->w, "output", j->output);
-	writer_str(&wr->w, "carry");
-	shapes_write(&wr->w, j->carry);
-	writer_str(&wr->w, "inputs");
-	shapes_write(&wr->w, j->inputs);
+	msg_begin_request(w, j->id, "compile", j->sample ? 13 : 12);
+	writer_key_str(w, j->graph ? "body_graph" : "body_source", j->body_source);
+	writer_key_str(w, "body_file", j->body_file);
+	writer_key_str(w, "entry", j->entry);
+	writer_key_str(w, "strategy", j->strategy);
+	writer_key_str(w, "kind", j->kind);
+	writer_key_str(w, "dtype", proto_dtype_name(j->dtype));
+	writer_key_i64(w, "steps", j->steps);
+	writer_key_i64(w, "max_batch", j->max_batch);
+	writer_key_str(w, "output", j->output);
+	writer_key_str(w, "lane", COMPILER_LANE_NAMES[s->lane]);
+	writer_str(w, "carry");
+	shapes_write(w, j->carry);
+	writer_str(w, "inputs");
+	shapes_write(w, j->inputs);
 	if (j->sample) {
-		writer_str(&wr->w, "sample");
-		writer_raw(&wr->w, j->sample, j->sample_len); /* copied: the job may end first */
+		writer_str(w, "sample");
+		writer_raw(w, j->sample, j->sample_len); /* copied: the job may end first */
 	}
-	return send_msg(c, wr);
+	return wproc_send(s->p, w);
 }
 
-/* Kills the worker's whole tree and detaches it: nothing more goes to it. */
-static void kill_worker(struct compiler *c, struct wproc *wp)
+/* ---- killing, pausing ---------------------------------------------------- */
+
+/* Kills the slot's worker's whole tree and detaches it: nothing more goes to it. */
+static void kill_slot(struct slot *s)
 {
+	struct wproc *p = s->p;
 	size_t extra;
 
-	wp->killed = true;
-	if (c->wp == wp)
-		c->wp = NULL;
-	extra = proctree_kill(wp->proc.pid);
-	c->orphans_killed += extra;
+	if (p == NULL)
+		return;
+	s->p = NULL;
+	s->hello = s->paused = false;
+	extra = wproc_kill(p);
+	s->c->orphans_killed += extra;
 	if (extra)
 		log_warn("compile worker %d: killed %zu descendant process(es) with it",
-		         wp->proc.pid, extra);
+		         wproc_pid(p), extra);
 }
 
 static void on_timeout(uv_timer_t *t)
 {
-	struct compiler *c = t->data;
+	struct slot *s = t->data;
 
-	log_warn("compile worker: job %llu exceeded %.0f s; killing the worker",
-	         (unsigned long long)(c->current ? c->current->id : 0), c->timeout);
-	if (c->wp)
-		kill_worker(c, c->wp);
-	fail_current(c, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
+	log_warn("compile worker (%s): job %llu exceeded %.0f s; killing the worker",
+	         COMPILER_LANE_NAMES[s->lane],
+	         (unsigned long long)(s->current ? s->current->id : 0), s->c->timeout);
+	kill_slot(s);
+	fail_current(s, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
 	             "the compile exceeded its timeout; the worker was restarted");
+}
+
+static void start_timer(struct slot *s, uint64_t ms)
+{
+	uv_timer_start(&s->timer, on_timeout, ms, 0);
+}
+
+/*
+ * The background lane runs only while no check or foreground job does: it
+ * is stopped (its tree SIGSTOPped, its job's timeout frozen) and continued.
+ */
+static void preempt(struct compiler *c)
+{
+	bool waited_for = false;
+	struct lane *bg = &c->lanes[LANE_BACKGROUND];
+
+	for (int k = LANE_CHECK; k <= LANE_FOREGROUND; k++)
+		for (unsigned i = 0; i < c->lanes[k].max; i++)
+			waited_for |= c->lanes[k].slots[i].current != NULL;
+	for (unsigned i = 0; i < bg->max; i++) {
+		struct slot *s = &bg->slots[i];
+		if (s->p == NULL || s->paused == waited_for)
+			continue;
+		s->paused = waited_for;
+		wproc_pause(s->p, waited_for);
+		if (waited_for) {
+			bg->preempted++;
+			s->left_ms = s->current ? uv_timer_get_due_in(&s->timer) : 0;
+			uv_timer_stop(&s->timer);
+		} else if (s->current) {
+			start_timer(s, s->left_ms);
+		}
+	}
+}
+
+/* ---- dispatch ------------------------------------------------------------ */
+
+static struct slot *idle_slot(struct lane *l)
+{
+	for (unsigned i = 0; i < l->max; i++)
+		if (l->slots[i].p && l->slots[i].hello && l->slots[i].current == NULL)
+			return &l->slots[i];
+	return NULL;
+}
+
+/* Starts one more worker in l when its queue has more jobs than workers coming. */
+static void grow(struct compiler *c, struct lane *l)
+{
+	unsigned starting = 0, queued = 0;
+	struct slot *free_slot = NULL;
+
+	if (c->stopping || c->start_failures > 0)
+		return; /* backoff: only the restart timer starts a worker */
+	for (const struct compile_job *j = l->head; j; j = j->next)
+		queued++;
+	for (unsigned i = 0; i < l->max; i++) {
+		starting += l->slots[i].p && !l->slots[i].hello;
+		if (l->slots[i].p == NULL && free_slot == NULL)
+			free_slot = &l->slots[i];
+	}
+	if (free_slot && queued > starting)
+		spawn(free_slot);
+}
+
+static void dispatch(struct slot *s, struct compile_job *j)
+{
+	s->current = j;
+	if (send_job(s, j) != 0) {
+		fail_current(s, PROTO_E_INTERNAL, PROTO_ERR_TRANSIENT,
+		             "cannot send the job to the compile worker");
+		return;
+	}
+	start_timer(s, (uint64_t)(s->c->timeout * 1000));
 }
 
 static void pump(struct compiler *c)
 {
-	struct compile_job *j;
-
-	if (c->current || !c->head || !compiler_alive(c) || c->stopping)
-		return;
-	j = c->head;
-	c->head = j->next;
-	if (c->head == NULL)
-		c->tail = NULL;
-	c->current = j;
-	if (send_job(c, j) != 0) {
-		fail_current(c, PROTO_E_INTERNAL, PROTO_ERR_TRANSIENT,
-		             "cannot send the job to the compile worker");
-		pump(c);
-		return;
+	for (int k = 0; k < COMPILER_LANES && !c->stopping; k++) {
+		struct lane *l = &c->lanes[k];
+		while (l->head) {
+			struct slot *s = idle_slot(l);
+			struct compile_job *j = l->head;
+			if (s == NULL && k == LANE_CHECK) /* an idle compile worker checks too */
+				s = idle_slot(&c->lanes[LANE_FOREGROUND]);
+			if (s == NULL) {
+				grow(c, l);
+				break;
+			}
+			l->head = j->next;
+			if (l->head == NULL)
+				l->tail = NULL;
+			dispatch(s, j);
+		}
 	}
-	uv_timer_start(&c->timer, on_timeout, (uint64_t)(c->timeout * 1000), 0);
+	preempt(c);
 }
 
 void compiler_submit(struct compiler *c, struct compile_job *job)
 {
 	struct proto_err err;
+	struct lane *l;
 
 	if (c->stopping) {
 		proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
@@ -394,67 +414,54 @@ void compiler_submit(struct compiler *c, struct compile_job *job)
 	}
 	job->id = ++c->next_id;
 	job->next = NULL;
-	if (job->check_only) { /* milliseconds: ahead of the compiles */
-		job->next = c->head;
-		c->head = job;
-		if (c->tail == NULL)
-			c->tail = job;
-	} else if (!job->background) {
-		/* ahead of the queued background jobs, behind everything else */
-		struct compile_job **pp = &c->head;
-		while (*pp && !(*pp)->background)
-			pp = &(*pp)->next;
-		job->next = *pp;
-		*pp = job;
-		if (job->next == NULL)
-			c->tail = job;
-	} else {
-		if (c->tail)
-			c->tail->next = job;
-		else
-			c->head = job;
-		c->tail = job;
-	}
+	job->lane = job->check_only ? LANE_CHECK : job->background ? LANE_BACKGROUND : LANE_FOREGROUND;
+	l = &c->lanes[job->lane];
+	if (l->tail)
+		l->tail->next = job;
+	else
+		l->head = job;
+	l->tail = job;
 	pump(c);
 }
 
-static void read_hello(struct compiler *c, struct wproc *wp, const struct msg *m)
+/* ---- replies ------------------------------------------------------------- */
+
+static void read_hello(struct slot *s, const struct msg *m)
 {
+	struct compiler *c = s->c;
 	const msgpack_object *r = msg_field(m, "result");
-	const char *s;
+	struct worker_info *wi = &c->info;
+	const char *str;
 	uint32_t n;
 	bool ok = false;
 	struct proto_err err;
 
-	if (msg_get_str(r, "torch", &s, &n, NULL) == 0)
-		snprintf(c->info.torch, sizeof c->info.torch, "%.*s", (int)n, s);
-	if (msg_get_str(r, "torch_git", &s, &n, NULL) == 0)
-		snprintf(c->info.torch_git, sizeof c->info.torch_git, "%.*s", (int)n, s);
-	if (msg_get_str(r, "isa", &s, &n, NULL) == 0)
-		snprintf(c->info.isa, sizeof c->info.isa, "%.*s", (int)n, s);
-	msg_get_bool(r, "cxx11_abi", &c->info.cxx11_abi, NULL);
+	if (msg_get_str(r, "torch", &str, &n, NULL) == 0)
+		snprintf(wi->torch, sizeof wi->torch, "%.*s", (int)n, str);
+	if (msg_get_str(r, "torch_git", &str, &n, NULL) == 0)
+		snprintf(wi->torch_git, sizeof wi->torch_git, "%.*s", (int)n, str);
+	if (msg_get_str(r, "isa", &str, &n, NULL) == 0)
+		snprintf(wi->isa, sizeof wi->isa, "%.*s", (int)n, str);
+	msg_get_bool(r, "cxx11_abi", &wi->cxx11_abi, NULL);
 	msg_get_bool(r, "torch_ok", &ok, NULL);
-	c->info.torch_ok = ok;
-	wp->hello_done = true;
+	wi->torch_ok = ok;
+	s->hello = true;
+	s->idle_since = uv_now(c->loop);
 	c->start_failures = 0;
 	if (c->ready) {
 		compiler_ready_cb ready = c->ready;
 		c->ready = NULL;
-		if (!ok) {
-			proto_fail(&err, PROTO_E_INTERNAL, NULL,
-			           "Compiled loops require Torch >= 2.14 (found %s)",
-			           c->info.torch);
-			ready(c, &err);
-		} else {
-			ready(c, NULL);
-		}
+		proto_fail(&err, PROTO_E_INTERNAL, NULL,
+		           "Compiled loops require Torch >= 2.14 (found %s)", wi->torch);
+		ready(c, ok ? NULL : &err);
 	}
-	pump(c);
 }
 
 static int read_result(const struct msg *m, struct compile_result *res, struct proto_err *err)
 {
 	const msgpack_object *r = msg_field(m, "result"), *y = msg_obj_field(r, "y");
+	const msgpack_object *cs = msg_obj_field(r, "compile_seconds");
+	const msgpack_object *ph = msg_obj_field(r, "phases");
 	const char *s;
 	uint32_t n;
 	int64_t v;
@@ -469,16 +476,12 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 		res->n_inputs = (uint32_t)v;
 	if (msg_get_i64(r, "n_outputs", &v, NULL) == 0)
 		res->n_outputs = (uint32_t)v;
-	{
-		const msgpack_object *cs = msg_obj_field(r, "compile_seconds");
-		const msgpack_object *ph = msg_obj_field(r, "phases");
-		if (cs && cs->type == MSGPACK_OBJECT_FLOAT64)
-			res->compile_seconds = cs->via.f64;
-		for (int i = 0; ph && ph->type == MSGPACK_OBJECT_MAP && i < COMPILE_PHASES; i++) {
-			const msgpack_object *p = msg_obj_field(ph, COMPILE_PHASE_NAMES[i]);
-			if (p && p->type == MSGPACK_OBJECT_FLOAT64)
-				res->phases[i] = p->via.f64;
-		}
+	if (cs && cs->type == MSGPACK_OBJECT_FLOAT64)
+		res->compile_seconds = cs->via.f64;
+	for (int i = 0; ph && ph->type == MSGPACK_OBJECT_MAP && i < COMPILE_PHASES; i++) {
+		const msgpack_object *p = msg_obj_field(ph, COMPILE_PHASE_NAMES[i]);
+		if (p && p->type == MSGPACK_OBJECT_FLOAT64)
+			res->phases[i] = p->via.f64;
 	}
 	if (msg_get_str(r, "lowered", &s, &n, NULL) == 0 && n < sizeof res->lowered)
 		memcpy(res->lowered, s, n);
@@ -498,97 +501,76 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
  * detached and killed like a timed-out one, and the next job starts a fresh
  * worker.  Not a crash: no backoff, no job fails.
  */
-static void recycle(struct compiler *c, struct wproc *wp, const struct msg *m)
+static void recycle(struct slot *s, const struct msg *m)
 {
 	bool yes = false;
 
-	if (msg_get_bool(&m->up.data, "recycle", &yes, NULL) != 0 || !yes || c->wp != wp)
+	if (msg_get_bool(&m->up.data, "recycle", &yes, NULL) != 0 || !yes)
 		return;
-	log_info("compile worker %d: replaced after %s", wp->proc.pid,
+	log_info("compile worker %d: replaced after %s", wproc_pid(s->p),
 	         "loading its share of artifacts (they cannot be unloaded)");
-	c->recycled++;
-	kill_worker(c, wp);
+	s->c->recycled++;
+	kill_slot(s);
 }
 
-static void on_reply(struct compiler *c, struct wproc *wp, const uint8_t *body, uint32_t len)
+static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
 {
-	struct msg m;
 	struct proto_err err;
 	struct compile_result res;
-	struct compile_job *job = c->current;
 
-	if (msg_parse(&m, body, len, MSG_REPLY, &err) != 0) {
-		log_error("compile worker: bad reply: %s", err.message);
-	} else if (!wp->hello_done) {
-		read_hello(c, wp, &m);
-	} else if (job == NULL || !m.has_id || m.id != job->id) {
-		log_warn("compile worker: reply for an unknown job");
+	memset(&res, 0, sizeof res);
+	if (m->is_error) {
+		msg_reply_error(m, &err);
+		job->done(job, NULL, &err);
+	} else if (job->check_only) {
+		job->done(job, &res, NULL);
+	} else if (read_result(m, &res, &err) != 0) {
+		job->done(job, NULL, &err);
 	} else {
-		c->current = NULL;
-		uv_timer_stop(&c->timer);
-		if (m.is_error) {
-			msg_reply_error(&m, &err);
-			finish(c, job, NULL, &err);
-		} else if (job->check_only) {
-			memset(&res, 0, sizeof res);
-			finish(c, job, &res, NULL);
-		} else if (read_result(&m, &res, &err) != 0) {
-			finish(c, job, NULL, &err);
-		} else {
-			finish(c, job, &res, NULL);
-			free(res.y_spec);
-		}
-		recycle(c, wp, &m);
-		pump(c);
+		job->done(job, &res, NULL);
+		free(res.y_spec);
 	}
-	msg_destroy(&m);
+	(void)s;
 }
 
-static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+static void on_reply(struct wproc *p, const struct msg *m)
 {
-	struct wproc *wp = h->data;
+	struct slot *s = wproc_data(p);
+	struct compile_job *job = s->current;
 
-	(void)suggested;
-	uvframe_alloc(&wp->reader, buf);
-}
-
-static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
-{
-	struct wproc *wp = s->data;
-	struct proto_err err;
-	enum frame_status st;
-
-	(void)buf;
-	if (nread == 0)
+	if (s->p != p)
+		return; /* detached */
+	if (!s->hello) {
+		read_hello(s, m);
+	} else if (job == NULL || !m->has_id || m->id != job->id) {
+		log_warn("compile worker: reply for an unknown job");
 		return;
-	if (nread < 0) {
-		uv_read_stop(s);
-		return; /* EOF: the exit callback does the rest */
+	} else {
+		s->current = NULL;
+		s->idle_since = uv_now(s->c->loop);
+		s->c->lanes[job->lane].jobs++;
+		uv_timer_stop(&s->timer);
+		finish(s, job, m);
+		if (s->p == p)
+			recycle(s, m);
 	}
-	st = frame_reader_commit(&wp->reader, (size_t)nread, &err);
-	if (st == FRAME_ERROR) {
-		log_error("compile worker: %s; killing it", err.message);
-		uv_read_stop(s);
-		if (wp == wp->c->wp)
-			fail_current(wp->c, PROTO_E_WORKER_CRASHED,
-			             PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
-			             "the compile worker broke the framing; it was restarted");
-		kill_worker(wp->c, wp);
-	} else if (st == FRAME_READY) {
-		uint32_t len;
-		uint8_t *body = frame_reader_take(&wp->reader, &len);
-		if (wp == wp->c->wp)
-			on_reply(wp->c, wp, body, len);
-		frame_free(body);
-	}
+	pump(s->c);
 }
 
-static void close_wproc(struct wproc *wp)
+static void on_broken(struct wproc *p, const char *why)
 {
-	uv_close((uv_handle_t *)&wp->in, wproc_closed);
-	uv_close((uv_handle_t *)&wp->out, wproc_closed);
-	uv_close((uv_handle_t *)&wp->proc, wproc_closed);
+	struct slot *s = wproc_data(p);
+
+	(void)why;
+	if (s->p != p)
+		return;
+	kill_slot(s);
+	fail_current(s, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
+	             "the compile worker broke the framing; it was restarted");
+	pump(s->c);
 }
+
+/* ---- exits, restarts, orphans ------------------------------------------- */
 
 static void on_reap(uv_timer_t *t)
 {
@@ -603,11 +585,11 @@ static void on_reap(uv_timer_t *t)
 		uv_timer_stop(t);
 }
 
-/* Kills what the dead worker left behind (re-parented to us), then reaps it. */
+/* Kills what dead workers left behind (re-parented to us), then reaps it. */
 static void kill_orphans(struct compiler *c)
 {
 	pid_t found[REAP_MAX];
-	size_t n = proctree_adopted(c->wp ? c->wp->proc.pid : 0, found, REAP_MAX);
+	size_t n = proctree_adopted(c->live, c->n_live, found, REAP_MAX);
 
 	for (size_t i = 0; i < n; i++) {
 		c->orphans_killed += 1 + proctree_kill(found[i]);
@@ -621,15 +603,24 @@ static void kill_orphans(struct compiler *c)
 	}
 }
 
+static void forget_pid(struct compiler *c, pid_t pid)
+{
+	for (size_t i = 0; i < c->n_live; i++)
+		if (c->live[i] == pid) {
+			c->live[i] = c->live[--c->n_live];
+			return;
+		}
+}
+
 static void on_restart(uv_timer_t *t)
 {
 	struct compiler *c = t->data;
 
-	if (!c->stopping && c->wp == NULL)
-		spawn_worker(c);
+	if (!c->stopping && PRIMARY(c)->p == NULL)
+		spawn(PRIMARY(c));
 }
 
-/* The next worker: at once after a worker that had said hello, else backoff. */
+/* The first worker again: at once after one that had said hello, else backoff. */
 static void schedule_restart(struct compiler *c)
 {
 	uint64_t ms = 0;
@@ -642,46 +633,16 @@ static void schedule_restart(struct compiler *c)
 		log_warn("compile worker: %u start failure(s) in a row; next try in %.2f s",
 		         c->start_failures, (double)ms / 1000);
 	}
-	c->restarts++;
 	uv_timer_start(&c->restart, on_restart, ms, 0);
 }
 
-static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
+/* A worker died before its hello: the first start's error, or backoff. */
+static void start_failed(struct compiler *c, struct slot *s)
 {
-	struct wproc *wp = p->data;
-	struct compiler *c = wp->c;
-	bool live = c->wp == wp;
+	struct proto_err err;
 
-	if (sig)
-		snprintf(c->last_exit, sizeof c->last_exit, "was killed by signal %d", sig);
-	else
-		snprintf(c->last_exit, sizeof c->last_exit, "exited with status %lld",
-		         (long long)status);
-	if (c->stopping)
-		log_info("compile worker %d stopped", p->pid); /* compiler_stop killed it */
-	else
-		log_warn("compile worker %d %s%s", p->pid, c->last_exit,
-		         wp->killed ? " (killed)" : "");
-	if (live)
-		c->wp = NULL;
-	if (!wp->killed)
-		proctree_kill(p->pid); /* its group and any setsid'd children */
-	close_wproc(wp);
-	kill_orphans(c);
-	if (live && !wp->hello_done) {
-		c->start_failures++;
-		if (c->ready == NULL) {
-			struct proto_err err;
-			start_failure_err(c, &err);
-			fail_current(c, err.code, err.flags, err.message);
-			fail_queue(c, &err);
-		}
-	} else if (live) {
-		fail_current(c, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
-		             "the compile worker died during the compile; it was restarted");
-	}
-	if (c->ready && live && !wp->hello_done) {
-		struct proto_err err;
+	c->start_failures++;
+	if (c->ready) {
 		compiler_ready_cb ready = c->ready;
 		c->ready = NULL;
 		proto_fail(&err, PROTO_E_INTERNAL, NULL,
@@ -691,82 +652,115 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int sig)
 		ready(c, &err);
 		return;
 	}
-	if (!c->stopping && c->wp == NULL)
-		schedule_restart(c);
+	start_failure_err(c, &err);
+	fail_current(s, err.code, err.flags, err.message);
+	if (!compiler_alive(c))
+		fail_queues(c, &err);
 }
 
-static void send_hello(struct compiler *c)
+static void on_exited(struct wproc *p, const char *how)
 {
-	struct write_req *wr = malloc(sizeof *wr);
+	struct slot *s = wproc_data(p);
+	struct compiler *c = s->c;
+	bool live = s->p == p, retired = s->retired == wproc_pid(p), starting = c->ready != NULL;
 
-	if (wr == NULL || writer_init(&wr->w) != 0) {
-		free(wr);
-		return;
+	snprintf(c->last_exit, sizeof c->last_exit, "%s", how);
+	forget_pid(c, wproc_pid(p));
+	if (c->stopping || retired)
+		log_info("compile worker %d stopped", wproc_pid(p));
+	else
+		log_warn("compile worker %d %s%s", wproc_pid(p), how,
+		         wproc_killed(p) ? " (killed)" : "");
+	if (live) {
+		bool said_hello = s->hello;
+		s->p = NULL;
+		s->hello = s->paused = false;
+		if (!said_hello)
+			start_failed(c, s);
+		else
+			fail_current(s, PROTO_E_WORKER_CRASHED,
+			             PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
+			             "the compile worker died during the compile; it was restarted");
 	}
-	msg_begin_request(&wr->w, 0, "hello", 0);
-	send_msg(c, wr);
+	kill_orphans(c);
+	if (c->stopping || starting)
+		return; /* at start, the owner hears of it (ready) and decides */
+	if (!retired)
+		c->restarts++;
+	if (s == PRIMARY(c) && s->p == NULL)
+		schedule_restart(c);
+	else
+		pump(c);
 }
 
-static void spawn_worker(struct compiler *c)
+/* ---- starting, idling, stopping ------------------------------------------ */
+
+static const struct wproc_ops WPROC_OPS = {on_reply, on_broken, on_exited, worker_closed};
+
+static void spawn(struct slot *s)
 {
-	char *args[] = {c->python, "-u", c->script, NULL};
-	uv_stdio_container_t stdio[3];
-	uv_process_options_t o = {0};
-	struct wproc *wp = calloc(1, sizeof *wp);
+	struct compiler *c = s->c;
+	struct wproc_opts o = c->wopts;
+	struct proto_err err;
 	int rc;
 
-	if (wp == NULL)
-		return;
-	wp->c = c;
-	frame_reader_init(&wp->reader, PROTO_FRAME_MAX);
-	uv_pipe_init(c->loop, &wp->in, 0);
-	uv_pipe_init(c->loop, &wp->out, 0);
-	wp->in.data = wp->out.data = wp->proc.data = wp;
-	wp->open = 3;
-	c->open_handles++;
-	stdio[0] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_READABLE_PIPE,
-	                                  .data.stream = (uv_stream_t *)&wp->in};
-	stdio[1] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_WRITABLE_PIPE,
-	                                  .data.stream = (uv_stream_t *)&wp->out};
-	stdio[2] = (uv_stdio_container_t){.flags = UV_INHERIT_FD, .data.fd = 2};
-	o.file = c->python;
-	o.args = args;
-	o.env = c->env;
-	o.stdio = stdio;
-	o.stdio_count = 3;
-	o.exit_cb = on_exit_cb;
-	o.flags = UV_PROCESS_DETACHED; /* own session and process group */
-	rc = uv_spawn(c->loop, &wp->proc, &o);
-	if (rc != 0) {
-		struct proto_err err;
-		log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
-		close_wproc(wp);
-		snprintf(c->last_exit, sizeof c->last_exit, "could not be spawned: %s",
-		         uv_strerror(rc));
-		c->start_failures++;
-		proto_fail(&err, PROTO_E_INTERNAL, NULL, "cannot start the compile worker %s: %s",
-		           c->python, uv_strerror(rc));
-		if (c->ready) {
-			compiler_ready_cb ready = c->ready;
-			c->ready = NULL;
-			ready(c, &err);
-			return;
-		}
-		start_failure_err(c, &err);
-		fail_queue(c, &err);
-		schedule_restart(c);
+	o.nice = s->lane == LANE_BACKGROUND ? BACKGROUND_NICE : 0;
+	s->hello = s->paused = false;
+	s->p = wproc_spawn(c->loop, &o, &WPROC_OPS, s, &rc);
+	if (s->p != NULL) {
+		struct writer *w = wproc_begin();
+		c->open_handles++; /* released by worker_closed */
+		if (c->n_live < LIVE_MAX)
+			c->live[c->n_live++] = wproc_pid(s->p);
+		if (w)
+			msg_begin_request(w, 0, "hello", 0);
+		if (w == NULL || wproc_send(s->p, w) != 0)
+			log_warn("compile worker: cannot send hello");
+		log_info("compile worker started (pid %d, %s lane)", wproc_pid(s->p),
+		         COMPILER_LANE_NAMES[s->lane]);
 		return;
 	}
-	c->wp = wp;
-	uv_read_start((uv_stream_t *)&wp->out, on_alloc, on_read);
-	send_hello(c);
-	log_info("compile worker started (pid %d)", wp->proc.pid);
+	log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
+	snprintf(c->last_exit, sizeof c->last_exit, "could not be spawned: %s", uv_strerror(rc));
+	if (c->ready) {
+		compiler_ready_cb ready = c->ready;
+		c->ready = NULL;
+		proto_fail(&err, PROTO_E_INTERNAL, NULL, "cannot start the compile worker %s: %s",
+		           c->python, uv_strerror(rc));
+		ready(c, &err);
+		return;
+	}
+	c->start_failures++;
+	start_failure_err(c, &err);
+	if (!compiler_alive(c))
+		fail_queues(c, &err);
+	if (s == PRIMARY(c))
+		schedule_restart(c);
 }
 
-static void init_timer(struct compiler *c, uv_timer_t *t)
+/* Retires workers (not the first) idle for COMPILER_IDLE_S: each is ~1 GB. */
+static void on_idle(uv_timer_t *t)
+{
+	struct compiler *c = t->data;
+	uint64_t now = uv_now(c->loop);
+
+	for (int k = 0; k < COMPILER_LANES; k++)
+		for (unsigned i = 0; i < c->lanes[k].max; i++) {
+			struct slot *s = &c->lanes[k].slots[i];
+			if (s == PRIMARY(c) || s->p == NULL || !s->hello || s->current ||
+			    now - s->idle_since < COMPILER_IDLE_S * 1000ULL)
+				continue;
+			log_info("compile worker %d (%s lane): idle for %d s, retired",
+			         wproc_pid(s->p), COMPILER_LANE_NAMES[k], COMPILER_IDLE_S);
+			s->retired = wproc_pid(s->p);
+			kill_slot(s);
+		}
+}
+
+static void init_timer(struct compiler *c, uv_timer_t *t, void *data)
 {
 	uv_timer_init(c->loop, t);
-	t->data = c;
+	t->data = data;
 	c->open_handles++;
 }
 
@@ -774,6 +768,7 @@ struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opt
                                 compiler_ready_cb ready, void *data)
 {
 	struct compiler *c = calloc(1, sizeof *c);
+	unsigned max[COMPILER_LANES] = {1, opts->foreground_workers, 1};
 
 	if (c == NULL)
 		return NULL;
@@ -781,8 +776,8 @@ struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opt
 	c->timeout = opts->timeout_seconds;
 	c->ready = ready;
 	c->data = data;
-	c->env = worker_env(opts->env_extra);
-	if (c->env == NULL) {
+	c->wopts.env = wproc_env(opts->env_extra);
+	if (c->wopts.env == NULL) {
 		free(c);
 		return NULL;
 	}
@@ -791,10 +786,26 @@ struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opt
 		         "behind may survive it");
 	snprintf(c->python, sizeof c->python, "%s", opts->python);
 	snprintf(c->script, sizeof c->script, "%s", opts->script);
-	init_timer(c, &c->timer);
-	init_timer(c, &c->restart);
-	init_timer(c, &c->reaper);
-	spawn_worker(c);
+	c->wopts.python = c->python;
+	c->wopts.script = c->script;
+	if (max[LANE_FOREGROUND] == 0)
+		max[LANE_FOREGROUND] = compiler_default_workers();
+	if (max[LANE_FOREGROUND] > LANE_SLOTS)
+		max[LANE_FOREGROUND] = LANE_SLOTS;
+	for (int k = 0; k < COMPILER_LANES; k++) {
+		c->lanes[k].max = max[k];
+		for (unsigned i = 0; i < max[k]; i++) {
+			struct slot *s = &c->lanes[k].slots[i];
+			*s = (struct slot){.c = c, .lane = (unsigned)k, .index = i};
+			init_timer(c, &s->timer, s);
+		}
+	}
+	init_timer(c, &c->restart, c);
+	init_timer(c, &c->reaper, c);
+	init_timer(c, &c->idle, c);
+	uv_timer_start(&c->idle, on_idle, IDLE_POLL_MS, IDLE_POLL_MS);
+	uv_unref((uv_handle_t *)&c->idle);
+	spawn(PRIMARY(c));
 	return c;
 }
 
@@ -806,17 +817,22 @@ void compiler_stop(struct compiler *c)
 	c->ready = NULL;
 	proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
 	err.flags = PROTO_ERR_TRANSIENT;
-	if (c->current) {
-		struct compile_job *j = c->current;
-		c->current = NULL;
-		j->done(j, NULL, &err);
-	}
-	fail_queue(c, &err);
-	uv_timer_stop(&c->timer);
+	for (int k = 0; k < COMPILER_LANES; k++)
+		for (unsigned i = 0; i < c->lanes[k].max; i++) {
+			struct slot *s = &c->lanes[k].slots[i];
+			if (s->current) {
+				struct compile_job *j = s->current;
+				s->current = NULL;
+				j->done(j, NULL, &err);
+			}
+			uv_timer_stop(&s->timer);
+			uv_close((uv_handle_t *)&s->timer, handle_closed);
+			kill_slot(s); /* the exit callback closes the rest */
+		}
+	fail_queues(c, &err);
 	uv_timer_stop(&c->restart);
-	uv_close((uv_handle_t *)&c->timer, timer_closed);
-	uv_close((uv_handle_t *)&c->restart, timer_closed);
-	uv_close((uv_handle_t *)&c->reaper, timer_closed);
-	if (c->wp)
-		kill_worker(c, c->wp); /* the exit callback closes the rest */
+	uv_timer_stop(&c->idle);
+	uv_close((uv_handle_t *)&c->restart, pool_timer_closed);
+	uv_close((uv_handle_t *)&c->reaper, pool_timer_closed);
+	uv_close((uv_handle_t *)&c->idle, pool_timer_closed);
 }

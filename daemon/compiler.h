@@ -1,22 +1,33 @@
 /*
- * compiler.h - supervision of the Python compile worker.
+ * compiler.h - the compile service: Python compile workers in three lanes.
  *
- * One long-lived worker process (uv_spawn, its own process group, stdin and
- * stdout pipes carrying proto frames, stderr shared with the daemon's log).
- * Jobs queue FIFO (register-time checks go first: they take milliseconds;
- * background jobs, a quick tier's upgrades, go behind every other job --
- * nobody waits on them); one is in flight at a time, never preempted.
- * Each job has a timeout that kills the worker's whole process tree
- * (proctree.c); a crash or timeout fails the job in flight (WORKER_CRASHED /
- * COMPILE_TIMEOUT) and a new worker starts for the next one.  A worker that dies before it says
- * hello is restarted with exponential backoff (0.25 s doubling to 30 s); while it cannot start,
- * queued and new jobs fail at once with WORKER_CRASHED and compiler_alive()
- * is false (health: not ready).  Loop thread only.
+ *   check       register-time checks (a body's import, a captured graph's
+ *               validation): milliseconds to seconds.  One worker of its
+ *               own, started on demand; an idle foreground worker takes a
+ *               check first, so a registration never queues behind a compile.
+ *   foreground  compiles a request waits for (first scans, grads, `compile`):
+ *               --compile-workers of them (0: one per core, at most one per
+ *               1.5 GiB of memory), the first started with the daemon, the
+ *               others on demand.
+ *   background  compiles nobody waits for (a quick tier's upgrade): one
+ *               worker at nice +10, stopped (SIGSTOP to its whole process
+ *               tree, its timeout paused) while any check or foreground job
+ *               runs, continued when none does.
  *
- * The worker gets an allow-listed environment (compiler.c: PATH, HOME,
- * locale, TORCH*, OMP* and friends), never a client socket (everything is
- * close-on-exec), and dies with the daemon (PR_SET_PDEATHSIG, set by the
- * worker itself against TORCHLOOPD_PID).
+ * Each lane is FIFO; a job goes to an idle worker of its lane.  A worker
+ * other than the first that stays idle for COMPILER_IDLE_S is retired (one
+ * is ~1 GB).  Each job has a timeout that kills its worker's whole process
+ * tree (proctree.c); a crash or timeout fails that job (WORKER_CRASHED /
+ * COMPILE_TIMEOUT) and a new worker starts for the next one.  A worker that
+ * dies before it says hello is restarted with exponential backoff (0.25 s
+ * doubling to 30 s); while the first worker cannot start, queued and new jobs
+ * fail at once with WORKER_CRASHED and compiler_alive() is false (health: not
+ * ready).  Loop thread only.
+ *
+ * Workers get an allow-listed environment (compiler.c: PATH, HOME, locale,
+ * TORCH*, OMP* and friends), never a client socket (everything is
+ * close-on-exec), and die with the daemon (PR_SET_PDEATHSIG, set by the
+ * worker itself against TORCHLOOPD_PID).  One process: wproc.c.
  */
 #ifndef TORCHLOOP_COMPILER_H
 #define TORCHLOOP_COMPILER_H
@@ -69,6 +80,21 @@ struct compile_job {
 	/* private */
 	uint64_t id;
 	struct compile_job *next;
+	unsigned lane;
+};
+
+enum compiler_lane { LANE_CHECK, LANE_FOREGROUND, LANE_BACKGROUND, COMPILER_LANES };
+extern const char *const COMPILER_LANE_NAMES[COMPILER_LANES];
+#define COMPILER_IDLE_S 60
+
+struct lane_stats {
+	unsigned workers;  /* running (started or starting) */
+	unsigned busy;     /* running a job */
+	unsigned queued;   /* waiting for a worker */
+	unsigned max;      /* workers it may have */
+	bool paused;       /* background: stopped while foreground work runs */
+	uint64_t jobs;     /* finished, either way */
+	uint64_t preempted; /* background: times it was stopped */
 };
 
 struct worker_info {
@@ -90,6 +116,7 @@ typedef void (*compiler_ready_cb)(struct compiler *c, const struct proto_err *er
 struct compiler_opts {
 	const char *python, *script;
 	double timeout_seconds;
+	unsigned foreground_workers; /* 0: compiler_default_workers() */
 	/* extra NAME=value entries for the worker (target ISA), NULL-terminated */
 	const char *const *env_extra;
 };
@@ -99,7 +126,11 @@ struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opt
 void *compiler_data(const struct compiler *c);
 const struct worker_info *compiler_info(const struct compiler *c);
 bool compiler_alive(const struct compiler *c);
+/* Jobs queued or running, every lane. */
 unsigned compiler_queue_length(const struct compiler *c);
+void compiler_lane_stats(const struct compiler *c, enum compiler_lane lane, struct lane_stats *out);
+/* One per core, at most one per 1.5 GiB of (cgroup-constrained) memory, 1..16. */
+unsigned compiler_default_workers(void);
 uint64_t compiler_restarts(const struct compiler *c);
 /* "ok", "starting" or "backoff" (the worker keeps dying before its hello). */
 const char *compiler_state(const struct compiler *c);
@@ -109,9 +140,11 @@ unsigned compiler_start_failures(const struct compiler *c);
 uint64_t compiler_orphans_killed(const struct compiler *c);
 /* Workers replaced after loading RECYCLE_AFTER artifacts (compile_worker.py). */
 uint64_t compiler_recycled(const struct compiler *c);
+/* The first foreground worker's pid (0 when none). */
 pid_t compiler_pid(const struct compiler *c);
 
-/* Queues a job; its done callback always runs exactly once (on the loop). */
+/* Queues a job in its lane (check_only, background, else foreground); its
+ * done callback always runs exactly once (on the loop). */
 void compiler_submit(struct compiler *c, struct compile_job *job);
 /* Kills the worker and fails every job (SHUTTING_DOWN); frees after close. */
 void compiler_stop(struct compiler *c);

@@ -28,6 +28,8 @@
 	X("frame-timeout", frame_timeout, 1, 30, 3600,                                             \
 	  "seconds a partly received frame may go without a byte before the connection closes")    \
 	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take")       \
+	X("compile-workers", compile_workers, 0, 0, 16,                                            \
+	  "compile workers for requests that wait (0: one per core, at most one per 1.5 GiB)")     \
 	X("drain-timeout", drain_timeout, 0, 30, 3600,                                             \
 	  "seconds to finish in-flight requests on SIGTERM")                                       \
 	X("threads", threads, 0, 0, 128, "thread-pool size for graph runs (0: one per core)")      \

@@ -479,7 +479,7 @@ int daemon_graphs_start_worker(struct daemon *d,
                                void (*up)(struct daemon *d, const struct proto_err *err))
 {
 	struct compiler_opts o = {d->cfg.python, d->cfg.worker, (double)d->cfg.compile_timeout,
-	                          target_env(d->cfg.target_isa)};
+	                          (unsigned)d->cfg.compile_workers, target_env(d->cfg.target_isa)};
 
 	d->worker_up = up;
 	d->compiler = compiler_start(d->loop, &o, worker_ready, d);

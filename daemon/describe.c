@@ -97,3 +97,24 @@ void describe_lowering(struct writer *w, const struct specialization *sp)
 	/* the cache object serving now: the quick tier's while tier is quick */
 	writer_key_str(w, "graph_key", sp->graph_key[0] ? sp->graph_key : sp->key);
 }
+
+void describe_lanes(struct writer *w, const struct compiler *c, bool full)
+{
+	struct lane_stats st;
+
+	msgpack_pack_map(&w->pk, COMPILER_LANES);
+	for (int k = 0; k < COMPILER_LANES; k++) {
+		compiler_lane_stats(c, (enum compiler_lane)k, &st);
+		writer_str(w, COMPILER_LANE_NAMES[k]);
+		msgpack_pack_map(&w->pk, full ? 7 : 3);
+		writer_key_u64(w, "workers", st.workers);
+		writer_key_u64(w, "busy", st.busy);
+		writer_key_u64(w, "queued", st.queued);
+		if (!full)
+			continue;
+		writer_key_u64(w, "max", st.max);
+		writer_key_bool(w, "paused", st.paused);
+		writer_key_u64(w, "jobs", st.jobs);
+		writer_key_u64(w, "preempted", st.preempted);
+	}
+}

@@ -20,4 +20,9 @@ void describe_counters(struct writer *w, const struct adapter *a);
 /* The specializations held: one array. */
 void describe_specs(struct writer *w, const struct adapter *a);
 
+/* The compile service's lanes (compiler.h): a map of lane name -> its
+ * workers, busy, queued, max, paused, jobs, preempted (with full; else the
+ * first three). */
+void describe_lanes(struct writer *w, const struct compiler *c, bool full);
+
 #endif

@@ -3,13 +3,13 @@
  * start-up done, preloaded adapters' graphs loaded, the thread pool taking
  * work); "worker_state" and "pool" say which part is not.
  */
-#include "daemon.h"
+#include "describe.h"
 
 static void op_health(struct request *req)
 {
 	struct daemon *d = req->d;
 	bool worker = compiler_alive(d->compiler);
-	struct outmsg *out = request_begin_result(req, 10);
+	struct outmsg *out = request_begin_result(req, 11);
 
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -20,6 +20,8 @@ static void op_health(struct request *req)
 	                d->ready && worker && !d->shutting_down && !d->pool_stalled);
 	writer_key_bool(&out->w, "worker", worker);
 	writer_key_str(&out->w, "worker_state", compiler_state(d->compiler));
+	writer_str(&out->w, "lanes");
+	describe_lanes(&out->w, d->compiler, false);
 	writer_key_str(&out->w, "pool", d->pool_stalled ? "stalled" : "ok");
 	writer_key_f64(&out->w, "pool_wait", daemon_pool_wait(d));
 	writer_key_bool(&out->w, "stopping", d->shutting_down);

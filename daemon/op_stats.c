@@ -5,7 +5,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 28);
+	struct outmsg *out = request_begin_result(req, 29);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -26,6 +26,8 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "worker_start_failures", compiler_start_failures(d->compiler));
 	writer_key_u64(&out->w, "worker_orphans_killed", compiler_orphans_killed(d->compiler));
 	writer_key_u64(&out->w, "worker_recycled", compiler_recycled(d->compiler));
+	writer_str(&out->w, "lanes");
+	describe_lanes(&out->w, d->compiler, true);
 	writer_key_u64(&out->w, "pool_stalls", d->stats.pool_stalls);
 	writer_key_u64(&out->w, "idle_closed", d->stats.idle_closed);
 	writer_key_u64(&out->w, "stalled_closed", d->stats.stalled_frames_closed);

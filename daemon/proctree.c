@@ -91,18 +91,23 @@ static size_t descendants(const struct ptab *t, pid_t *set, size_t n, size_t max
 
 size_t proctree_kill(pid_t root)
 {
+	return proctree_signal(root, SIGKILL);
+}
+
+size_t proctree_signal(pid_t root, int sig)
+{
 	static struct ptab t;
 	pid_t set[PROCTREE_MAX];
 	size_t n = 1, killed = 0;
 
 	set[0] = root;
-	kill(-root, SIGKILL); /* its process group, which catches most of it at once */
+	kill(-root, sig); /* its process group, which catches most of it at once */
 	for (int pass = 0; pass < 4; pass++) {
 		size_t before = n;
 		snapshot(&t);
 		n = descendants(&t, set, n, PROCTREE_MAX);
 		for (size_t i = 0; i < n; i++)
-			if (kill(set[i], SIGKILL) == 0 && i >= before)
+			if (kill(set[i], sig) == 0 && i >= before)
 				killed++;
 		if (n == before && pass > 0)
 			break;
@@ -110,7 +115,7 @@ size_t proctree_kill(pid_t root)
 	return killed;
 }
 
-size_t proctree_adopted(pid_t keep, pid_t *out, size_t max)
+size_t proctree_adopted(const pid_t *keep, size_t n_keep, pid_t *out, size_t max)
 {
 	static struct ptab t;
 	pid_t self = getpid();
@@ -118,7 +123,7 @@ size_t proctree_adopted(pid_t keep, pid_t *out, size_t max)
 
 	snapshot(&t);
 	for (size_t k = 0; k < t.n && n < max; k++)
-		if (t.ppid[k] == self && t.pid[k] != keep)
+		if (t.ppid[k] == self && !listed(keep, n_keep, t.pid[k]))
 			out[n++] = t.pid[k];
 	return n;
 }

@@ -1,0 +1,201 @@
+/*
+ * test_lanes.c - the compile service's lanes (daemon/compiler.h): a first
+ * scan never waits behind a background compile, a registration never waits
+ * behind a compile, the background upgrade is stopped while foreground work
+ * runs and finishes afterwards.
+ *
+ * The worker is tests/helpers/gated_worker.py: a background compile waits
+ * for a file this test creates, so with one queue for every compile the new
+ * adapter's scan would never be answered.  Compiles, in a private cache: A's
+ * quick graph and its upgrade (ema, T = 6, --quick-tier-steps 4), B's graph
+ * (T = 3, a body that sleeps 1 s per step, so that its compile takes seconds
+ * on any machine), C's import check.
+ */
+#include "harness.h"
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+TestSuite(lanes, .timeout = 900);
+
+#define EMA "examples/bodies/ema.py"
+#define SLEEPY_SRC                                                                                 \
+	"import time\n\n\ndef body(c, x):\n    time.sleep(1.0)\n    return c + x, c\n"
+#define CUMSUM_SRC "def body(c, x):\n    return c + x, c\n"
+
+static double now_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* lanes.<lane>.<key> of stats */
+static uint64_t lane_stat(struct tl_client *c, const char *lane, const char *key)
+{
+	json_t *j = h_call_json(c, "stats", NULL);
+	json_t *v = json_object_get(json_object_get(json_object_get(j, "lanes"), lane), key);
+	uint64_t n;
+
+	cr_assert(json_is_integer(v), "stats has no lanes.%s.%s", lane, key);
+	n = (uint64_t)json_integer_value(v);
+	json_decref(j);
+	return n;
+}
+
+static void await_lane(struct tl_client *c, const char *lane, const char *key, uint64_t min)
+{
+	for (int i = 0; i < 2400 && lane_stat(c, lane, key) < min; i++)
+		usleep(50 * 1000);
+	cr_assert_geq(lane_stat(c, lane, key), min, "lanes.%s.%s", lane, key);
+}
+
+/* The adapter's only specialization, as describe shows it (caller decrefs). */
+static json_t *the_spec(struct tl_client *c, const char *adapter)
+{
+	json_t *desc = h_call_json(c, "describe", adapter);
+	json_t *sp = json_incref(json_array_get(json_object_get(desc, "specializations"), 0));
+
+	cr_assert_not_null(sp, "%s has a specialization", adapter);
+	json_decref(desc);
+	return sp;
+}
+
+static bool upgrading(struct tl_client *c, const char *adapter)
+{
+	json_t *sp = the_spec(c, adapter);
+	bool yes = json_is_true(json_object_get(sp, "upgrading"));
+
+	json_decref(sp);
+	return yes;
+}
+
+/* B's scan, in a thread with its own connection: when its reply came. */
+struct timed_scan {
+	const char *sock;
+	struct tl_builder *b;
+	struct tl_tree *carry, *inputs;
+	struct tl_reply *r;
+	struct tl_error err;
+	int rc;
+	double started, done;
+	pthread_t th;
+};
+
+static void *timed_scan(void *arg)
+{
+	struct timed_scan *s = arg;
+	struct tl_client *c;
+
+	s->started = now_s();
+	s->rc = tl_connect(s->sock, 5000, &c, &s->err);
+	if (s->rc == 0) {
+		s->rc = tl_scan(c, "lanes.b", s->carry, s->inputs, &s->r, &s->err);
+		tl_close(c);
+	}
+	s->done = now_s();
+	return NULL;
+}
+
+/* c + x, c by hand: final = c0 + sum x, outputs[t] = c0 + x[0] + ... + x[t-1]. */
+static void check_cumsum(const struct tl_reply *r, const double *c0, const double *x, int T, int n)
+{
+	const double *fin = tl_tree_data(tl_reply_tree(r, "carry"));
+	const double *ys = tl_tree_data(tl_reply_tree(r, "outputs"));
+
+	for (int i = 0; i < n; i++) {
+		double acc = c0[i];
+		for (int t = 0; t < T; t++) {
+			cr_assert_float_eq(ys[t * n + i], acc, 1e-12, "outputs[%d][%d]", t, i);
+			acc += x[t * n + i];
+		}
+		cr_assert_float_eq(fin[i], acc, 1e-12, "carry[%d]", i);
+	}
+}
+
+Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_behind_a_compile)
+{
+	char cache[512], worker[600], gate[600];
+	const char *args[] = {"--no-probe", "--quick-tier-steps", "4", "--worker", worker, NULL};
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	int64_t cs[] = {3, 2}, xs[] = {6, 3, 2}, bc[] = {4}, bx[] = {3, 4};
+	double c0[4] = {1, -2, 0.5, 3}, x[12];
+	struct tl_tree *carry = h_rand_tensor(b, &bb, 2, cs, 1);
+	struct tl_tree *inputs = h_rand_tensor(b, &bb, 3, xs, 2);
+	struct timed_scan s = {0};
+	struct tl_error err;
+	struct tl_client *c;
+	struct hd d;
+	double registered, compile_b;
+	json_t *sp;
+
+	h_tmpdir(cache, sizeof cache, "lanes");
+	snprintf(worker, sizeof worker, "%s/tests/helpers/gated_worker.py", h_root());
+	snprintf(gate, sizeof gate, "%s/gate", cache);
+	setenv("TORCHLOOP_TEST_GATE", gate, 1);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+
+	/* A: served by the quick tier; its upgrade runs in the background, held */
+	hd_register(c, "lanes.a", EMA, "body", 8, 4096, 2);
+	h_assert_scan_matches_reference(c, "lanes.a", EMA, "body", carry, inputs, b, "lanes_a");
+	await_lane(c, "background", "busy", 1);
+
+	/* B: a new adapter's first scan, in its own thread */
+	cr_assert_eq(tl_register(c, &(struct tl_adapter_def){"lanes.b", SLEEPY_SRC, NULL, "body",
+	                                                     NULL, 8, 64, 2, NULL},
+	                         &err),
+	             0, "%s", err.message);
+	h_fill(x, TL_FLOAT64, 12, 3);
+	s = (struct timed_scan){.sock = d.sock, .b = b};
+	s.carry = tl_tensor(b, TL_FLOAT64, 1, bc, c0);
+	s.inputs = tl_tensor(b, TL_FLOAT64, 2, bx, x);
+	pthread_create(&s.th, NULL, timed_scan, &s);
+	await_lane(c, "foreground", "busy", 1); /* B's compile is under way */
+	await_lane(c, "background", "preempted", 1);
+
+	/* C: a registration while B compiles and A's upgrade waits */
+	cr_assert_eq(tl_register(c, &(struct tl_adapter_def){"lanes.c", CUMSUM_SRC, NULL, "body",
+	                                                     NULL, 8, 64, 2, NULL},
+	                         &err),
+	             0, "%s", err.message);
+	registered = now_s();
+	cr_assert_eq(lane_stat(c, "check", "workers"), 1, "C was checked by a worker of its own");
+
+	pthread_join(s.th, NULL);
+	cr_assert_eq(s.rc, 0, "%s: %s", s.err.code, s.err.message);
+	check_cumsum(s.r, c0, x, 3, 4);
+	tl_reply_free(s.r);
+	cr_assert_lt(registered, s.done, "C's registration waited for B's compile");
+	sp = the_spec(c, "lanes.b");
+	compile_b = json_number_value(json_object_get(sp, "compile_seconds"));
+	json_decref(sp);
+	cr_assert_gt(compile_b, 3.0, "B's body sleeps 1 s per step of its dry run");
+	cr_assert_lt(s.done - s.started, 1.5 * compile_b,
+	             "B's first reply took %.1f s for a %.1f s compile", s.done - s.started,
+	             compile_b);
+	cr_assert(upgrading(c, "lanes.a"), "A's upgrade is still held at the gate");
+
+	/* the upgrade goes on once the gate opens, and serves A */
+	fclose(fopen(gate, "w"));
+	for (int i = 0; i < 2400 && upgrading(c, "lanes.a"); i++)
+		usleep(250 * 1000);
+	sp = the_spec(c, "lanes.a");
+	cr_assert_str_eq(json_string_value(json_object_get(sp, "tier")), "final");
+	json_decref(sp);
+	h_assert_scan_matches_reference(c, "lanes.a", EMA, "body", carry, inputs, b, "lanes_a2");
+	cr_assert_eq(lane_stat(c, "background", "jobs"), 1);
+	unsetenv("TORCHLOOP_TEST_GATE");
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
