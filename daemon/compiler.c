@@ -1,8 +1,7 @@
 /*
- * compiler.c - see compiler.h.  The lanes, their queues and worker slots,
- * and the pool-wide timers: restart (backoff) of the first worker, orphan
- * reaping, idle retirement.  The struct is freed once compiler_stop has run
- * and every timer and worker process has closed.
+ * compiler.c - see compiler.h.  The lanes: their queues, dispatch to the
+ * workers' slots, the background lane's pauses, job timeouts and the
+ * workers' replies.  Starting and stopping workers: compiler_workers.c.
  *
  * A worker is "detached" (its slot no longer points at it) the moment it is
  * killed for a timeout, a broken frame, a recycle or retirement: nothing is
@@ -10,76 +9,21 @@
  * still runs.  This is what keeps a queued job from going to a worker that
  * is being killed (and its timer from killing the fresh one).
  */
-#include "compiler.h"
+#include "compiler_pool.h"
 
 #include "log.h"
 #include "msg.h"
 #include "proctree.h"
 #include "shapes.h"
-#include "wproc.h"
 #include "writer.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define BACKOFF_FIRST_MS 250
-#define BACKOFF_MAX_MS   30000
-#define REAP_POLL_MS     100
-#define REAP_MAX         64
-#define IDLE_POLL_MS     5000
-#define LANE_SLOTS       16
-#define LIVE_MAX         64
-#define BACKGROUND_NICE  10
-
 const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES] = {"setup", "eager", "export", "inductor",
                                                          "parity"};
 const char *const COMPILER_LANE_NAMES[COMPILER_LANES] = {"check", "foreground", "background"};
-
-struct compiler;
-
-struct slot {
-	struct compiler *c;
-	unsigned lane, index;
-	struct wproc *p; /* its live worker, or NULL */
-	bool hello, paused;
-	struct compile_job *current;
-	uv_timer_t timer;      /* the job's timeout */
-	uint64_t left_ms;      /* of the timeout, while paused */
-	uint64_t idle_since;   /* loop time of its last job's end */
-	pid_t retired;         /* a worker retired for idleness: its exit is no restart */
-};
-
-struct lane {
-	struct compile_job *head, *tail;
-	unsigned max;
-	uint64_t jobs, preempted;
-	struct slot slots[LANE_SLOTS];
-};
-
-struct compiler {
-	uv_loop_t *loop;
-	struct lane lanes[COMPILER_LANES];
-	uv_timer_t restart, reaper, idle;
-	struct wproc_opts wopts;
-	char python[1024], script[1024];
-	double timeout;
-	compiler_ready_cb ready;
-	void *data;
-	struct worker_info info;
-	bool stopping;
-	int open_handles;
-	uint64_t next_id, restarts, orphans_killed, recycled;
-	unsigned start_failures; /* workers in a row that died before their hello */
-	char last_exit[160];     /* how the last of them ended, for error messages */
-	pid_t orphans[REAP_MAX], live[LIVE_MAX];
-	size_t n_orphans, n_live;
-};
-
-static void pump(struct compiler *c);
-static void spawn(struct slot *s);
-
-#define PRIMARY(c) (&(c)->lanes[LANE_FOREGROUND].slots[0])
 
 /* ---- accessors ----------------------------------------------------------- */
 
@@ -131,6 +75,7 @@ void compiler_lane_stats(const struct compiler *c, enum compiler_lane lane, stru
 	out->max = l->max;
 	out->jobs = l->jobs;
 	out->preempted = l->preempted;
+	out->promoted = l->promoted;
 	for (const struct compile_job *j = l->head; j; j = j->next)
 		out->queued++;
 	for (unsigned i = 0; i < l->max; i++) {
@@ -169,7 +114,7 @@ unsigned compiler_default_workers(void)
 
 /* ---- finishing jobs ------------------------------------------------------ */
 
-static void fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why)
+void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why)
 {
 	struct compile_job *job = s->current;
 	struct proto_err err;
@@ -177,6 +122,7 @@ static void fail_current(struct slot *s, enum proto_code code, unsigned flags, c
 	if (job == NULL)
 		return;
 	s->current = NULL;
+	s->promoted = false;
 	s->c->lanes[job->lane].jobs++;
 	uv_timer_stop(&s->timer);
 	proto_fail(&err, code, NULL, "%s", why);
@@ -185,7 +131,7 @@ static void fail_current(struct slot *s, enum proto_code code, unsigned flags, c
 }
 
 /* Fails every queued job of every lane (not those in flight) with err. */
-static void fail_queues(struct compiler *c, const struct proto_err *err)
+void pool_fail_queues(struct compiler *c, const struct proto_err *err)
 {
 	for (int k = 0; k < COMPILER_LANES; k++) {
 		struct lane *l = &c->lanes[k];
@@ -200,37 +146,13 @@ static void fail_queues(struct compiler *c, const struct proto_err *err)
 }
 
 /* While workers keep dying before their hello: why, and when the next try is. */
-static void start_failure_err(const struct compiler *c, struct proto_err *err)
+void pool_start_failure_err(const struct compiler *c, struct proto_err *err)
 {
 	proto_fail(err, PROTO_E_WORKER_CRASHED, NULL,
 	           "the compile worker cannot start (%u tries in a row; the last %s); the "
 	           "daemon keeps retrying with backoff",
 	           c->start_failures, c->last_exit);
 	err->flags = PROTO_ERR_TRANSIENT;
-}
-
-static void compiler_release(struct compiler *c)
-{
-	if (--c->open_handles == 0 && c->stopping) {
-		free(c->wopts.env);
-		free(c);
-	}
-}
-
-static void handle_closed(uv_handle_t *h)
-{
-	struct slot *s = h->data;
-	compiler_release(s->c);
-}
-
-static void pool_timer_closed(uv_handle_t *h)
-{
-	compiler_release(h->data);
-}
-
-static void worker_closed(void *data)
-{
-	compiler_release(data);
 }
 
 /* ---- sending ------------------------------------------------------------- */
@@ -273,7 +195,7 @@ static int send_job(struct slot *s, struct compile_job *j)
 /* ---- killing, pausing ---------------------------------------------------- */
 
 /* Kills the slot's worker's whole tree and detaches it: nothing more goes to it. */
-static void kill_slot(struct slot *s)
+void pool_kill_slot(struct slot *s)
 {
 	struct wproc *p = s->p;
 	size_t extra;
@@ -296,9 +218,9 @@ static void on_timeout(uv_timer_t *t)
 	log_warn("compile worker (%s): job %llu exceeded %.0f s; killing the worker",
 	         COMPILER_LANE_NAMES[s->lane],
 	         (unsigned long long)(s->current ? s->current->id : 0), s->c->timeout);
-	kill_slot(s);
-	fail_current(s, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
-	             "the compile exceeded its timeout; the worker was restarted");
+	pool_kill_slot(s);
+	pool_fail_current(s, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
+	                  "the compile exceeded its timeout; the worker was restarted");
 }
 
 static void start_timer(struct slot *s, uint64_t ms)
@@ -320,11 +242,12 @@ static void preempt(struct compiler *c)
 			waited_for |= c->lanes[k].slots[i].current != NULL;
 	for (unsigned i = 0; i < bg->max; i++) {
 		struct slot *s = &bg->slots[i];
-		if (s->p == NULL || s->paused == waited_for)
+		bool stop = waited_for && !s->promoted;
+		if (s->p == NULL || s->paused == stop)
 			continue;
-		s->paused = waited_for;
-		wproc_pause(s->p, waited_for);
-		if (waited_for) {
+		s->paused = stop;
+		wproc_pause(s->p, stop);
+		if (stop) {
 			bg->preempted++;
 			s->left_ms = s->current ? uv_timer_get_due_in(&s->timer) : 0;
 			uv_timer_stop(&s->timer);
@@ -360,21 +283,21 @@ static void grow(struct compiler *c, struct lane *l)
 			free_slot = &l->slots[i];
 	}
 	if (free_slot && queued > starting)
-		spawn(free_slot);
+		pool_spawn(free_slot);
 }
 
 static void dispatch(struct slot *s, struct compile_job *j)
 {
 	s->current = j;
 	if (send_job(s, j) != 0) {
-		fail_current(s, PROTO_E_INTERNAL, PROTO_ERR_TRANSIENT,
-		             "cannot send the job to the compile worker");
+		pool_fail_current(s, PROTO_E_INTERNAL, PROTO_ERR_TRANSIENT,
+		                  "cannot send the job to the compile worker");
 		return;
 	}
 	start_timer(s, (uint64_t)(s->c->timeout * 1000));
 }
 
-static void pump(struct compiler *c)
+void pool_pump(struct compiler *c)
 {
 	for (int k = 0; k < COMPILER_LANES && !c->stopping; k++) {
 		struct lane *l = &c->lanes[k];
@@ -396,6 +319,16 @@ static void pump(struct compiler *c)
 	preempt(c);
 }
 
+static void enqueue(struct lane *l, struct compile_job *job)
+{
+	job->next = NULL;
+	if (l->tail)
+		l->tail->next = job;
+	else
+		l->head = job;
+	l->tail = job;
+}
+
 void compiler_submit(struct compiler *c, struct compile_job *job)
 {
 	struct proto_err err;
@@ -408,20 +341,57 @@ void compiler_submit(struct compiler *c, struct compile_job *job)
 		return;
 	}
 	if (c->start_failures > 0 && !compiler_alive(c)) {
-		start_failure_err(c, &err);
+		pool_start_failure_err(c, &err);
 		job->done(job, NULL, &err);
 		return;
 	}
 	job->id = ++c->next_id;
-	job->next = NULL;
-	job->lane = job->check_only ? LANE_CHECK : job->background ? LANE_BACKGROUND : LANE_FOREGROUND;
+	job->lane = job->check_only   ? LANE_CHECK
+	            : job->background ? LANE_BACKGROUND
+	                              : LANE_FOREGROUND;
 	l = &c->lanes[job->lane];
-	if (l->tail)
-		l->tail->next = job;
-	else
-		l->head = job;
-	l->tail = job;
-	pump(c);
+	enqueue(l, job);
+	pool_pump(c);
+}
+
+bool compiler_promote(struct compiler *c, const char *key)
+{
+	struct lane *bg = &c->lanes[LANE_BACKGROUND];
+	struct compile_job *prev = NULL;
+
+	for (struct compile_job *j = bg->head; j; prev = j, j = j->next) {
+		if (j->key == NULL || strcmp(j->key, key) != 0)
+			continue;
+		if (prev)
+			prev->next = j->next;
+		else
+			bg->head = j->next;
+		if (bg->tail == j)
+			bg->tail = prev;
+		j->lane = LANE_FOREGROUND;
+		enqueue(&c->lanes[LANE_FOREGROUND], j);
+		bg->promoted++;
+		log_info("compile job %llu is waited for: moved to the foreground lane",
+		         (unsigned long long)j->id);
+		pool_pump(c);
+		return true;
+	}
+	for (unsigned i = 0; i < bg->max; i++) {
+		struct slot *s = &bg->slots[i];
+		if (s->current == NULL || s->current->key == NULL ||
+		    strcmp(s->current->key, key) != 0)
+			continue;
+		if (!s->promoted) {
+			s->promoted = true;
+			bg->promoted++;
+			log_info("compile worker %d: its background job is waited for; no longer "
+			         "stopped for foreground work",
+			         wproc_pid(s->p));
+			pool_pump(c);
+		}
+		return true;
+	}
+	return false;
 }
 
 /* ---- replies ------------------------------------------------------------- */
@@ -510,7 +480,7 @@ static void recycle(struct slot *s, const struct msg *m)
 	log_info("compile worker %d: replaced after %s", wproc_pid(s->p),
 	         "loading its share of artifacts (they cannot be unloaded)");
 	s->c->recycled++;
-	kill_slot(s);
+	pool_kill_slot(s);
 }
 
 static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
@@ -533,7 +503,7 @@ static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
 	(void)s;
 }
 
-static void on_reply(struct wproc *p, const struct msg *m)
+void pool_on_reply(struct wproc *p, const struct msg *m)
 {
 	struct slot *s = wproc_data(p);
 	struct compile_job *job = s->current;
@@ -547,6 +517,7 @@ static void on_reply(struct wproc *p, const struct msg *m)
 		return;
 	} else {
 		s->current = NULL;
+		s->promoted = false;
 		s->idle_since = uv_now(s->c->loop);
 		s->c->lanes[job->lane].jobs++;
 		uv_timer_stop(&s->timer);
@@ -554,285 +525,18 @@ static void on_reply(struct wproc *p, const struct msg *m)
 		if (s->p == p)
 			recycle(s, m);
 	}
-	pump(s->c);
+	pool_pump(s->c);
 }
 
-static void on_broken(struct wproc *p, const char *why)
+void pool_on_broken(struct wproc *p, const char *why)
 {
 	struct slot *s = wproc_data(p);
 
 	(void)why;
 	if (s->p != p)
 		return;
-	kill_slot(s);
-	fail_current(s, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
-	             "the compile worker broke the framing; it was restarted");
-	pump(s->c);
-}
-
-/* ---- exits, restarts, orphans ------------------------------------------- */
-
-static void on_reap(uv_timer_t *t)
-{
-	struct compiler *c = t->data;
-	size_t k = 0;
-
-	for (size_t i = 0; i < c->n_orphans; i++)
-		if (!proctree_reap(c->orphans[i]))
-			c->orphans[k++] = c->orphans[i];
-	c->n_orphans = k;
-	if (k == 0)
-		uv_timer_stop(t);
-}
-
-/* Kills what dead workers left behind (re-parented to us), then reaps it. */
-static void kill_orphans(struct compiler *c)
-{
-	pid_t found[REAP_MAX];
-	size_t n = proctree_adopted(c->live, c->n_live, found, REAP_MAX);
-
-	for (size_t i = 0; i < n; i++) {
-		c->orphans_killed += 1 + proctree_kill(found[i]);
-		if (c->n_orphans < REAP_MAX)
-			c->orphans[c->n_orphans++] = found[i];
-	}
-	if (n > 0) {
-		log_warn("compile worker: killed %zu leftover process(es) it had started", n);
-		if (!c->stopping) /* at shutdown the reaper is closing; init reaps them */
-			uv_timer_start(&c->reaper, on_reap, REAP_POLL_MS, REAP_POLL_MS);
-	}
-}
-
-static void forget_pid(struct compiler *c, pid_t pid)
-{
-	for (size_t i = 0; i < c->n_live; i++)
-		if (c->live[i] == pid) {
-			c->live[i] = c->live[--c->n_live];
-			return;
-		}
-}
-
-static void on_restart(uv_timer_t *t)
-{
-	struct compiler *c = t->data;
-
-	if (!c->stopping && PRIMARY(c)->p == NULL)
-		spawn(PRIMARY(c));
-}
-
-/* The first worker again: at once after one that had said hello, else backoff. */
-static void schedule_restart(struct compiler *c)
-{
-	uint64_t ms = 0;
-
-	if (c->start_failures > 0) {
-		unsigned shift = c->start_failures - 1 < 7 ? c->start_failures - 1 : 7;
-		ms = (uint64_t)BACKOFF_FIRST_MS << shift;
-		if (ms > BACKOFF_MAX_MS)
-			ms = BACKOFF_MAX_MS;
-		log_warn("compile worker: %u start failure(s) in a row; next try in %.2f s",
-		         c->start_failures, (double)ms / 1000);
-	}
-	uv_timer_start(&c->restart, on_restart, ms, 0);
-}
-
-/* A worker died before its hello: the first start's error, or backoff. */
-static void start_failed(struct compiler *c, struct slot *s)
-{
-	struct proto_err err;
-
-	c->start_failures++;
-	if (c->ready) {
-		compiler_ready_cb ready = c->ready;
-		c->ready = NULL;
-		proto_fail(&err, PROTO_E_INTERNAL, NULL,
-		           "the compile worker (%s %s) %s before it was ready; is torch installed "
-		           "in that interpreter?",
-		           c->python, c->script, c->last_exit);
-		ready(c, &err);
-		return;
-	}
-	start_failure_err(c, &err);
-	fail_current(s, err.code, err.flags, err.message);
-	if (!compiler_alive(c))
-		fail_queues(c, &err);
-}
-
-static void on_exited(struct wproc *p, const char *how)
-{
-	struct slot *s = wproc_data(p);
-	struct compiler *c = s->c;
-	bool live = s->p == p, retired = s->retired == wproc_pid(p), starting = c->ready != NULL;
-
-	snprintf(c->last_exit, sizeof c->last_exit, "%s", how);
-	forget_pid(c, wproc_pid(p));
-	if (c->stopping || retired)
-		log_info("compile worker %d stopped", wproc_pid(p));
-	else
-		log_warn("compile worker %d %s%s", wproc_pid(p), how,
-		         wproc_killed(p) ? " (killed)" : "");
-	if (live) {
-		bool said_hello = s->hello;
-		s->p = NULL;
-		s->hello = s->paused = false;
-		if (!said_hello)
-			start_failed(c, s);
-		else
-			fail_current(s, PROTO_E_WORKER_CRASHED,
-			             PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
-			             "the compile worker died during the compile; it was restarted");
-	}
-	kill_orphans(c);
-	if (c->stopping || starting)
-		return; /* at start, the owner hears of it (ready) and decides */
-	if (!retired)
-		c->restarts++;
-	if (s == PRIMARY(c) && s->p == NULL)
-		schedule_restart(c);
-	else
-		pump(c);
-}
-
-/* ---- starting, idling, stopping ------------------------------------------ */
-
-static const struct wproc_ops WPROC_OPS = {on_reply, on_broken, on_exited, worker_closed};
-
-static void spawn(struct slot *s)
-{
-	struct compiler *c = s->c;
-	struct wproc_opts o = c->wopts;
-	struct proto_err err;
-	int rc;
-
-	o.nice = s->lane == LANE_BACKGROUND ? BACKGROUND_NICE : 0;
-	s->hello = s->paused = false;
-	s->p = wproc_spawn(c->loop, &o, &WPROC_OPS, s, &rc);
-	if (s->p != NULL) {
-		struct writer *w = wproc_begin();
-		c->open_handles++; /* released by worker_closed */
-		if (c->n_live < LIVE_MAX)
-			c->live[c->n_live++] = wproc_pid(s->p);
-		if (w)
-			msg_begin_request(w, 0, "hello", 0);
-		if (w == NULL || wproc_send(s->p, w) != 0)
-			log_warn("compile worker: cannot send hello");
-		log_info("compile worker started (pid %d, %s lane)", wproc_pid(s->p),
-		         COMPILER_LANE_NAMES[s->lane]);
-		return;
-	}
-	log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
-	snprintf(c->last_exit, sizeof c->last_exit, "could not be spawned: %s", uv_strerror(rc));
-	if (c->ready) {
-		compiler_ready_cb ready = c->ready;
-		c->ready = NULL;
-		proto_fail(&err, PROTO_E_INTERNAL, NULL, "cannot start the compile worker %s: %s",
-		           c->python, uv_strerror(rc));
-		ready(c, &err);
-		return;
-	}
-	c->start_failures++;
-	start_failure_err(c, &err);
-	if (!compiler_alive(c))
-		fail_queues(c, &err);
-	if (s == PRIMARY(c))
-		schedule_restart(c);
-}
-
-/* Retires workers (not the first) idle for COMPILER_IDLE_S: each is ~1 GB. */
-static void on_idle(uv_timer_t *t)
-{
-	struct compiler *c = t->data;
-	uint64_t now = uv_now(c->loop);
-
-	for (int k = 0; k < COMPILER_LANES; k++)
-		for (unsigned i = 0; i < c->lanes[k].max; i++) {
-			struct slot *s = &c->lanes[k].slots[i];
-			if (s == PRIMARY(c) || s->p == NULL || !s->hello || s->current ||
-			    now - s->idle_since < COMPILER_IDLE_S * 1000ULL)
-				continue;
-			log_info("compile worker %d (%s lane): idle for %d s, retired",
-			         wproc_pid(s->p), COMPILER_LANE_NAMES[k], COMPILER_IDLE_S);
-			s->retired = wproc_pid(s->p);
-			kill_slot(s);
-		}
-}
-
-static void init_timer(struct compiler *c, uv_timer_t *t, void *data)
-{
-	uv_timer_init(c->loop, t);
-	t->data = data;
-	c->open_handles++;
-}
-
-struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,
-                                compiler_ready_cb ready, void *data)
-{
-	struct compiler *c = calloc(1, sizeof *c);
-	unsigned max[COMPILER_LANES] = {1, opts->foreground_workers, 1};
-
-	if (c == NULL)
-		return NULL;
-	c->loop = loop;
-	c->timeout = opts->timeout_seconds;
-	c->ready = ready;
-	c->data = data;
-	c->wopts.env = wproc_env(opts->env_extra);
-	if (c->wopts.env == NULL) {
-		free(c);
-		return NULL;
-	}
-	if (proctree_become_subreaper() != 0)
-		log_warn("prctl(PR_SET_CHILD_SUBREAPER) failed: processes a killed worker leaves "
-		         "behind may survive it");
-	snprintf(c->python, sizeof c->python, "%s", opts->python);
-	snprintf(c->script, sizeof c->script, "%s", opts->script);
-	c->wopts.python = c->python;
-	c->wopts.script = c->script;
-	if (max[LANE_FOREGROUND] == 0)
-		max[LANE_FOREGROUND] = compiler_default_workers();
-	if (max[LANE_FOREGROUND] > LANE_SLOTS)
-		max[LANE_FOREGROUND] = LANE_SLOTS;
-	for (int k = 0; k < COMPILER_LANES; k++) {
-		c->lanes[k].max = max[k];
-		for (unsigned i = 0; i < max[k]; i++) {
-			struct slot *s = &c->lanes[k].slots[i];
-			*s = (struct slot){.c = c, .lane = (unsigned)k, .index = i};
-			init_timer(c, &s->timer, s);
-		}
-	}
-	init_timer(c, &c->restart, c);
-	init_timer(c, &c->reaper, c);
-	init_timer(c, &c->idle, c);
-	uv_timer_start(&c->idle, on_idle, IDLE_POLL_MS, IDLE_POLL_MS);
-	uv_unref((uv_handle_t *)&c->idle);
-	spawn(PRIMARY(c));
-	return c;
-}
-
-void compiler_stop(struct compiler *c)
-{
-	struct proto_err err;
-
-	c->stopping = true;
-	c->ready = NULL;
-	proto_fail(&err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
-	err.flags = PROTO_ERR_TRANSIENT;
-	for (int k = 0; k < COMPILER_LANES; k++)
-		for (unsigned i = 0; i < c->lanes[k].max; i++) {
-			struct slot *s = &c->lanes[k].slots[i];
-			if (s->current) {
-				struct compile_job *j = s->current;
-				s->current = NULL;
-				j->done(j, NULL, &err);
-			}
-			uv_timer_stop(&s->timer);
-			uv_close((uv_handle_t *)&s->timer, handle_closed);
-			kill_slot(s); /* the exit callback closes the rest */
-		}
-	fail_queues(c, &err);
-	uv_timer_stop(&c->restart);
-	uv_timer_stop(&c->idle);
-	uv_close((uv_handle_t *)&c->restart, pool_timer_closed);
-	uv_close((uv_handle_t *)&c->reaper, pool_timer_closed);
-	uv_close((uv_handle_t *)&c->idle, pool_timer_closed);
+	pool_kill_slot(s);
+	pool_fail_current(s, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
+	                  "the compile worker broke the framing; it was restarted");
+	pool_pump(s->c);
 }

@@ -75,6 +75,7 @@ struct compile_job {
 	const uint8_t *sample;
 	size_t sample_len;
 	char output[1024];
+	const char *key; /* the cache key it builds (compiler_promote), or NULL */
 	compile_done_cb done;
 	void *data;
 	/* private */
@@ -88,13 +89,14 @@ extern const char *const COMPILER_LANE_NAMES[COMPILER_LANES];
 #define COMPILER_IDLE_S 60
 
 struct lane_stats {
-	unsigned workers;  /* running (started or starting) */
-	unsigned busy;     /* running a job */
-	unsigned queued;   /* waiting for a worker */
-	unsigned max;      /* workers it may have */
-	bool paused;       /* background: stopped while foreground work runs */
-	uint64_t jobs;     /* finished, either way */
+	unsigned workers;   /* running (started or starting) */
+	unsigned busy;      /* running a job */
+	unsigned queued;    /* waiting for a worker */
+	unsigned max;       /* workers it may have */
+	bool paused;        /* background: stopped while foreground work runs */
+	uint64_t jobs;      /* finished, either way */
 	uint64_t preempted; /* background: times it was stopped */
+	uint64_t promoted;  /* background: jobs a waiting request took over */
 };
 
 struct worker_info {
@@ -146,6 +148,12 @@ pid_t compiler_pid(const struct compiler *c);
 /* Queues a job in its lane (check_only, background, else foreground); its
  * done callback always runs exactly once (on the loop). */
 void compiler_submit(struct compiler *c, struct compile_job *job);
+/*
+ * A request waits for key, which a background job builds (its cache lock is
+ * held): the job moves to the foreground lane if queued, or if running is
+ * no longer stopped for foreground work.  True if such a job was found.
+ */
+bool compiler_promote(struct compiler *c, const char *key);
 /* Kills the worker and fails every job (SHUTTING_DOWN); frees after close. */
 void compiler_stop(struct compiler *c);
 

@@ -106,7 +106,7 @@ void describe_lanes(struct writer *w, const struct compiler *c, bool full)
 	for (int k = 0; k < COMPILER_LANES; k++) {
 		compiler_lane_stats(c, (enum compiler_lane)k, &st);
 		writer_str(w, COMPILER_LANE_NAMES[k]);
-		msgpack_pack_map(&w->pk, full ? 7 : 3);
+		msgpack_pack_map(&w->pk, full ? 8 : 3);
 		writer_key_u64(w, "workers", st.workers);
 		writer_key_u64(w, "busy", st.busy);
 		writer_key_u64(w, "queued", st.queued);
@@ -116,5 +116,6 @@ void describe_lanes(struct writer *w, const struct compiler *c, bool full)
 		writer_key_bool(w, "paused", st.paused);
 		writer_key_u64(w, "jobs", st.jobs);
 		writer_key_u64(w, "preempted", st.preempted);
+		writer_key_u64(w, "promoted", st.promoted);
 	}
 }

@@ -590,6 +590,9 @@ static bool retry_lookup(struct load_job *j)
 		           waited, j->g->cfg->compile_timeout);
 		return false;
 	}
+	/* the holder may be our own background upgrade: a request now waits for it */
+	if (!j->upgrade)
+		compiler_promote(j->g->compiler, j->key);
 	r = malloc(sizeof *r);
 	if (r == NULL) {
 		proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -647,6 +650,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.steps = sp->steps;
 	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
 	j->job.sample = j->sample;
+	j->job.key = j->key;
 	j->job.sample_len = j->sample_len;
 	j->job.done = compile_done;
 	j->job.data = j;
@@ -893,7 +897,8 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 		if (e.flags & PROTO_ERR_JOB_CRASH)
 			note_worker_crash(sp->adapter, &e);
 		if (e.code == PROTO_E_MISCOMPILE && j->sample == NULL)
-			e.flags |= PROTO_ERR_TRANSIENT; /* random inputs: not a verdict on real ones */
+			e.flags |=
+			    PROTO_ERR_TRANSIENT; /* random inputs: not a verdict on real ones */
 		if (j->upgrade) {
 			upgrade_over(j, &e);
 			return;

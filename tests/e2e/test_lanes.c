@@ -23,9 +23,8 @@
 
 TestSuite(lanes, .timeout = 900);
 
-#define EMA "examples/bodies/ema.py"
-#define SLEEPY_SRC                                                                                 \
-	"import time\n\n\ndef body(c, x):\n    time.sleep(1.0)\n    return c + x, c\n"
+#define EMA        "examples/bodies/ema.py"
+#define SLEEPY_SRC "import time\n\n\ndef body(c, x):\n    time.sleep(1.0)\n    return c + x, c\n"
 #define CUMSUM_SRC "def body(c, x):\n    return c + x, c\n"
 
 static double now_s(void)
@@ -36,15 +35,15 @@ static double now_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* lanes.<lane>.<key> of stats */
+/* lanes.<lane>.<key> of stats (a boolean as 0 or 1) */
 static uint64_t lane_stat(struct tl_client *c, const char *lane, const char *key)
 {
 	json_t *j = h_call_json(c, "stats", NULL);
 	json_t *v = json_object_get(json_object_get(json_object_get(j, "lanes"), lane), key);
 	uint64_t n;
 
-	cr_assert(json_is_integer(v), "stats has no lanes.%s.%s", lane, key);
-	n = (uint64_t)json_integer_value(v);
+	cr_assert(json_is_integer(v) || json_is_boolean(v), "stats has no lanes.%s.%s", lane, key);
+	n = json_is_boolean(v) ? json_is_true(v) : (uint64_t)json_integer_value(v);
 	json_decref(j);
 	return n;
 }
@@ -78,7 +77,7 @@ static bool upgrading(struct tl_client *c, const char *adapter)
 
 /* B's scan, in a thread with its own connection: when its reply came. */
 struct timed_scan {
-	const char *sock;
+	const char *sock, *adapter;
 	struct tl_builder *b;
 	struct tl_tree *carry, *inputs;
 	struct tl_reply *r;
@@ -96,7 +95,7 @@ static void *timed_scan(void *arg)
 	s->started = now_s();
 	s->rc = tl_connect(s->sock, 5000, &c, &s->err);
 	if (s->rc == 0) {
-		s->rc = tl_scan(c, "lanes.b", s->carry, s->inputs, &s->r, &s->err);
+		s->rc = tl_scan(c, s->adapter, s->carry, s->inputs, &s->r, &s->err);
 		tl_close(c);
 	}
 	s->done = now_s();
@@ -150,12 +149,13 @@ Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_b
 	await_lane(c, "background", "busy", 1);
 
 	/* B: a new adapter's first scan, in its own thread */
-	cr_assert_eq(tl_register(c, &(struct tl_adapter_def){"lanes.b", SLEEPY_SRC, NULL, "body",
-	                                                     NULL, 8, 64, 2, NULL},
+	cr_assert_eq(tl_register(c,
+	                         &(struct tl_adapter_def){"lanes.b", SLEEPY_SRC, NULL, "body", NULL,
+	                                                  8, 64, 2, NULL},
 	                         &err),
 	             0, "%s", err.message);
 	h_fill(x, TL_FLOAT64, 12, 3);
-	s = (struct timed_scan){.sock = d.sock, .b = b};
+	s = (struct timed_scan){.sock = d.sock, .adapter = "lanes.b", .b = b};
 	s.carry = tl_tensor(b, TL_FLOAT64, 1, bc, c0);
 	s.inputs = tl_tensor(b, TL_FLOAT64, 2, bx, x);
 	pthread_create(&s.th, NULL, timed_scan, &s);
@@ -163,8 +163,9 @@ Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_b
 	await_lane(c, "background", "preempted", 1);
 
 	/* C: a registration while B compiles and A's upgrade waits */
-	cr_assert_eq(tl_register(c, &(struct tl_adapter_def){"lanes.c", CUMSUM_SRC, NULL, "body",
-	                                                     NULL, 8, 64, 2, NULL},
+	cr_assert_eq(tl_register(c,
+	                         &(struct tl_adapter_def){"lanes.c", CUMSUM_SRC, NULL, "body", NULL,
+	                                                  8, 64, 2, NULL},
 	                         &err),
 	             0, "%s", err.message);
 	registered = now_s();
@@ -184,14 +185,26 @@ Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_b
 	             compile_b);
 	cr_assert(upgrading(c, "lanes.a"), "A's upgrade is still held at the gate");
 
-	/* the upgrade goes on once the gate opens, and serves A */
+	/*
+	 * A re-registered mid-upgrade: its first scan waits for the graph the
+	 * upgrade builds (its cache lock), so the upgrade is promoted; once the
+	 * gate opens it finishes and that scan is served by the unrolled graph.
+	 */
+	cr_assert_eq(tl_unregister(c, "lanes.a", &err), 0, "%s", err.message);
+	hd_register(c, "lanes.a", EMA, "body", 8, 4096, 2);
+	s = (struct timed_scan){
+	    .sock = d.sock, .adapter = "lanes.a", .b = b, .carry = carry, .inputs = inputs};
+	pthread_create(&s.th, NULL, timed_scan, &s);
+	await_lane(c, "background", "promoted", 1);
+	cr_assert_eq(lane_stat(c, "background", "paused"), 0);
 	fclose(fopen(gate, "w"));
-	for (int i = 0; i < 2400 && upgrading(c, "lanes.a"); i++)
-		usleep(250 * 1000);
+	pthread_join(s.th, NULL);
+	cr_assert_eq(s.rc, 0, "%s: %s", s.err.code, s.err.message);
+	h_assert_reply_matches_reference(s.r, EMA, "body", carry, inputs, b, "lanes_a2");
 	sp = the_spec(c, "lanes.a");
 	cr_assert_str_eq(json_string_value(json_object_get(sp, "tier")), "final");
+	cr_assert(json_is_true(json_object_get(sp, "from_cache")), "the upgrade's graph");
 	json_decref(sp);
-	h_assert_scan_matches_reference(c, "lanes.a", EMA, "body", carry, inputs, b, "lanes_a2");
 	cr_assert_eq(lane_stat(c, "background", "jobs"), 1);
 	unsetenv("TORCHLOOP_TEST_GATE");
 	tl_close(c);

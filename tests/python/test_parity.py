@@ -4,11 +4,12 @@ parity_mismatch, parity_check) cannot refuse a correct graph.
 The comparison is tested by hand-written values; end to end, a body whose
 values overflow on the worker's random inputs in [0, 1) but not on the
 user's (c * exp(100 dt), dt = 1e-3: the eager loop gives finite numbers)
-compiles, runs and matches eager, float32 and float64.  The deliberately
+compiles, runs and matches eager, float32 and float64, as does a Van der Pol
+RK4 step (mu = 5) whose state blows up to inf and NaN on random step sizes.  The deliberately
 miscompiled graph that must still be refused is tests/e2e/test_compile_path.c
 (an_artifact_that_disagrees_with_the_eager_scan_is_refused).
 
-Compiles: two (T = 16, one per dtype).
+Compiles: three (T = 16: one per dtype, and the Van der Pol step).
 """
 
 from __future__ import annotations
@@ -92,3 +93,37 @@ def test_a_body_that_overflows_on_random_inputs_compiles_and_matches_eager(daemo
     # on the worker's random inputs the same loop is infinite: what used to fail
     rand = torch.rand(16, dtype=dtype, generator=torch.Generator().manual_seed(0))
     assert not torch.isfinite(eager_loop(c0, rand)[0]).all()
+
+
+MU = 5.0
+
+
+def vdp_rk4(c: torch.Tensor, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def f(s: torch.Tensor) -> torch.Tensor:
+        return torch.stack([s[1], MU * (1 - s[0] * s[0]) * s[1] - s[0]])
+
+    k1 = f(c)
+    k2 = f(c + dt / 2 * k1)
+    k3 = f(c + dt / 2 * k2)
+    k4 = f(c + dt * k3)
+    c = c + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+    return c, c
+
+
+def test_a_van_der_pol_rk4_step_that_blows_up_on_random_step_sizes_compiles(daemon):
+    adapter = torchloop.loop_adapter(max_steps=16, max_elements=64, socket=daemon)
+    c0 = torch.tensor([2.0, 0.0], dtype=F64)
+    dts = torch.full((16,), 0.01, dtype=F64)
+    final, ys = adapter.scan(vdp_rk4, c0, dts)
+    c, want = c0, []
+    for t in range(16):
+        c, y = vdp_rk4(c, dts[t])
+        want.append(y)
+    torch.testing.assert_close(final, c, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ys, torch.stack(want), rtol=1e-12, atol=0)
+    # what the worker's random inputs in [0, 1) make of it
+    gen = torch.Generator().manual_seed(0)
+    c = torch.rand(2, dtype=F64, generator=gen)
+    for dt in torch.rand(16, dtype=F64, generator=gen):
+        c, _ = vdp_rk4(c, dt)
+    assert not torch.isfinite(c).all()

@@ -1,0 +1,76 @@
+/*
+ * compiler_pool.h - the compile service's insides, shared by compiler.c
+ * (lanes, dispatch, replies) and compiler_workers.c (starting, restarting,
+ * retiring and stopping worker processes).  Nothing else includes it.
+ */
+#ifndef TORCHLOOP_COMPILER_POOL_H
+#define TORCHLOOP_COMPILER_POOL_H
+
+#include "compiler.h"
+#include "wproc.h"
+
+#define BACKOFF_FIRST_MS 250
+#define BACKOFF_MAX_MS   30000
+#define REAP_POLL_MS     100
+#define REAP_MAX         64
+#define IDLE_POLL_MS     5000
+#define LANE_SLOTS       16
+#define LIVE_MAX         64
+#define BACKGROUND_NICE  10
+
+struct compiler;
+
+struct slot {
+	struct compiler *c;
+	unsigned lane, index;
+	struct wproc *p; /* its live worker, or NULL */
+	bool hello, paused;
+	struct compile_job *current;
+	uv_timer_t timer;    /* the job's timeout */
+	uint64_t left_ms;    /* of the timeout, while paused */
+	uint64_t idle_since; /* loop time of its last job's end */
+	pid_t retired;       /* a worker retired for idleness: its exit is no restart */
+	bool promoted;       /* its background job is waited for (compiler_promote) */
+};
+
+struct lane {
+	struct compile_job *head, *tail;
+	unsigned max;
+	uint64_t jobs, preempted, promoted;
+	struct slot slots[LANE_SLOTS];
+};
+
+struct compiler {
+	uv_loop_t *loop;
+	struct lane lanes[COMPILER_LANES];
+	uv_timer_t restart, reaper, idle;
+	struct wproc_opts wopts;
+	char python[1024], script[1024];
+	double timeout;
+	compiler_ready_cb ready;
+	void *data;
+	struct worker_info info;
+	bool stopping;
+	int open_handles;
+	uint64_t next_id, restarts, orphans_killed, recycled;
+	unsigned start_failures; /* workers in a row that died before their hello */
+	char last_exit[160];     /* how the last of them ended, for error messages */
+	pid_t orphans[REAP_MAX], live[LIVE_MAX];
+	size_t n_orphans, n_live;
+};
+
+#define PRIMARY(c) (&(c)->lanes[LANE_FOREGROUND].slots[0])
+
+/* lanes and jobs (compiler.c) */
+void pool_pump(struct compiler *c);
+void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why);
+void pool_fail_queues(struct compiler *c, const struct proto_err *err);
+void pool_start_failure_err(const struct compiler *c, struct proto_err *err);
+void pool_kill_slot(struct slot *s);
+void pool_on_reply(struct wproc *p, const struct msg *m);
+void pool_on_broken(struct wproc *p, const char *why);
+/* workers (compiler_workers.c) */
+void pool_spawn(struct slot *s);
+void pool_release(struct compiler *c);
+
+#endif
