@@ -5,7 +5,7 @@
  *   objects/<key>.so    the artifact; never rewritten in place
  *   objects/<key>.meta  msgpack record: size, sha256, graph signature; its
  *                       presence is what commits an entry
- *   objects/<key>.lock  flock'ed while one process compiles that key
+ *   objects/<key>.lock  exists (flock'ed) only while one process compiles that key
  *   tmp/                artifacts being written (temp name, fsync, rename)
  *                       and the compile worker's job directories
  *                       (<name>.d); entries of dead daemons are removed at
@@ -108,6 +108,9 @@ void cache_quarantine(const struct cache *c, const char *key, const char *why);
 int cache_trylock(const struct cache *c, const char *key, int *fd, struct proto_err *err);
 /* How long a caller waits before trying a busy lock again (from the loop). */
 #define CACHE_LOCK_RETRY_MS 250
-void cache_unlock(int fd);
+/* Removes the key's lock file, then lets go of it. */
+void cache_unlock(const struct cache *c, const char *key, int fd);
+/* At start: removes lock files no process holds (an older daemon's). */
+void cache_clean_locks(const struct cache *c);
 
 #endif

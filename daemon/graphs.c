@@ -78,6 +78,14 @@ static void fill_expected_out(struct specialization *sp);
 static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
                         struct prewarm_rec *rec);
 
+/* Lets go of (and removes) the key's lock file, if sp holds it. */
+static void spec_unlock(struct specialization *sp)
+{
+	if (sp->lock_fd >= 0)
+		cache_unlock(sp->cache, sp->key, sp->lock_fd);
+	sp->lock_fd = -1;
+}
+
 void graphs_ref(struct specialization *sp)
 {
 	sp->refs++;
@@ -96,8 +104,7 @@ void graphs_unref(struct specialization *sp)
 		uv_close((uv_handle_t *)sp->progress, progress_closed);
 	engine_unload(sp->graph);
 	engine_unload(sp->retired);
-	if (sp->lock_fd >= 0)
-		cache_unlock(sp->lock_fd);
+	spec_unlock(sp);
 	free(sp->expected);
 	free(sp->expected_out);
 	msgpack_zone_free(sp->zone);
@@ -251,10 +258,7 @@ static void spec_failed(struct graphs *g, struct specialization *sp, const struc
 	struct adapter *a = sp->adapter;
 	bool remember;
 
-	if (sp->lock_fd >= 0) {
-		cache_unlock(sp->lock_fd);
-		sp->lock_fd = -1;
-	}
+	spec_unlock(sp);
 	if (counts_against_budget(sp) && a->held > 0)
 		a->held--;
 	sp->state = SPEC_FAILED;
@@ -499,10 +503,8 @@ static void commit_work(uv_work_t *w)
 	j->rc = cache_commit(j->g->cache, j->key, j->res.so_path, &meta, &j->err);
 	cache_remove_job(j->job.output);
 	/* the lock is the unrolled graph's: a quick tier keeps it for its upgrade */
-	if (sp->lock_fd >= 0 && !j->quick) {
-		cache_unlock(sp->lock_fd);
-		sp->lock_fd = -1;
-	}
+	if (!j->quick)
+		spec_unlock(sp);
 	if (j->rc == 0)
 		j->rc = load_artifact(j, j->res.y_spec, j->res.y_spec_len, &j->err);
 	if (j->rc == 0)
@@ -683,10 +685,7 @@ static void upgrade_over(struct load_job *j, const struct proto_err *err)
 	struct specialization *sp = j->sp;
 
 	sp->upgrading = false;
-	if (sp->lock_fd >= 0) {
-		cache_unlock(sp->lock_fd);
-		sp->lock_fd = -1;
-	}
+	spec_unlock(sp);
 	if (err != NULL) {
 		log_line(LOG_WARN, 0, sp->adapter->def.name,
 		         "%s %s: the unrolled graph failed (%s: %s); the scan op's graph keeps "
@@ -841,10 +840,8 @@ static void after_load(uv_work_t *w, int status)
 		 * could not export): final already */
 		upgrade = j->quick && strcmp(sp->lowered, "scan") == 0;
 		sp->quick = upgrade;
-		if (!upgrade && sp->lock_fd >= 0) {
-			cache_unlock(sp->lock_fd);
-			sp->lock_fd = -1;
-		}
+		if (!upgrade)
+			spec_unlock(sp);
 		spec_ready(j->g, sp);
 		if (j->prewarm)
 			j->prewarmed(j->g);
@@ -986,6 +983,7 @@ static struct specialization *spec_new(struct graphs *g, struct adapter *a,
 		return NULL;
 	sp->zone = msgpack_zone_new(4096);
 	sp->lock_fd = -1;
+	sp->cache = g->cache;
 	sp->refs = 1; /* the adapter's list */
 	sp->adapter = a;
 	adapter_ref(a);

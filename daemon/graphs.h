@@ -107,7 +107,8 @@ struct specialization {
 	struct graph_waiter *waiters;
 	uv_timer_t *progress;
 	double wait_started;
-	int lock_fd;
+	int lock_fd;               /* the cache lock of key while it is built */
+	const struct cache *cache; /* where that lock is */
 };
 
 struct adapter {

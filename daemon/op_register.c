@@ -136,17 +136,19 @@ static int permitted(struct request *req, const struct adapter_def *def, struct 
 	if (request_is_admin(req))
 		return 0;
 	if (!def->graph)
-		return proto_fail(err, PROTO_E_PERMISSION_DENIED, NULL,
-		                  "register with body_source is reserved to the daemon's user, root "
-		                  "and the admin group (peer uid %d): it runs Python in the daemon; "
-		                  "captured graphs (body_graph) are open to every user",
-		                  (int)req->conn->uid);
+		return proto_fail(
+		    err, PROTO_E_PERMISSION_DENIED, NULL,
+		    "register with body_source is reserved to the daemon's user, root "
+		    "and the admin group (peer uid %d): it runs Python in the daemon; "
+		    "captured graphs (body_graph) are open to every user",
+		    (int)req->conn->uid);
 	graph_name(def, want);
 	if (strcmp(def->name, want) != 0)
-		return proto_fail(err, PROTO_E_PERMISSION_DENIED, "name",
-		                  "a captured graph registered by uid %d must be named %s (g. + the "
-		                  "hash of its text and definition)",
-		                  (int)req->conn->uid, want);
+		return proto_fail(
+		    err, PROTO_E_PERMISSION_DENIED, "name",
+		    "a captured graph registered by uid %d must be named %s (g. + the "
+		    "hash of its text and definition)",
+		    (int)req->conn->uid, want);
 	return 0;
 }
 
@@ -185,7 +187,8 @@ static void make_room(struct request *req, const struct adapter_def *def)
 
 	if (!def->graph || (old && old->def.graph && old->def.owner == def->owner))
 		return;
-	while (adapter_count_graphs(r, def->owner, &lru) >= (unsigned)req->d->cfg.max_graphs_per_uid) {
+	while (adapter_count_graphs(r, def->owner, &lru) >=
+	       (unsigned)req->d->cfg.max_graphs_per_uid) {
 		log_line(LOG_INFO, req->id, lru->def.name,
 		         "dropped: uid %d is at max-graphs-per-uid=%lld", (int)def->owner,
 		         req->d->cfg.max_graphs_per_uid);
@@ -213,6 +216,12 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	         : replaced ? "replaced"
 	                    : "registered",
 	         (int)req->conn->uid);
+	if (unchanged && a->worker_crashes >= 2) { /* what the ban's message says lifts it */
+		log_line(LOG_INFO, req->id, a->def.name,
+		         "its body killed the compile worker %u times: compiled again from now on",
+		         a->worker_crashes);
+		a->worker_crashes = 0;
+	}
 	a->def.origin = ADAPTER_REGISTERED;
 	persisted = req->d->cfg.state_dir[0] != '\0' && !a->def.graph;
 	if (persisted && registry_persist(req->d, &a->def, &err) != 0) {

@@ -91,7 +91,7 @@ static void lookup_work(uv_work_t *w)
 		meta.y_spec_len = p->res.y_spec_len;
 		p->rc = cache_commit(&p->d->cache, p->key, p->res.so_path, &meta, &p->err);
 		cache_remove_job(p->job.output);
-		cache_unlock(p->lock_fd);
+		cache_unlock(&p->d->cache, p->key, p->lock_fd);
 		p->lock_fd = -1;
 		if (p->rc == 0)
 			p->rc = probe_run(p);
@@ -115,7 +115,7 @@ static void lookup_work(uv_work_t *w)
 		p->need_compile = true;
 	} else {
 		cache_meta_free(&meta);
-		cache_unlock(p->lock_fd);
+		cache_unlock(&p->d->cache, p->key, p->lock_fd);
 		p->lock_fd = -1;
 		p->rc = probe_run(p);
 	}
@@ -202,7 +202,7 @@ static void after(uv_work_t *w, int status)
 		return;
 	}
 	if (p->lock_fd >= 0)
-		cache_unlock(p->lock_fd);
+		cache_unlock(&p->d->cache, p->key, p->lock_fd);
 	uv_close((uv_handle_t *)&p->retry, retry_closed);
 }
 

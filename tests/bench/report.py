@@ -145,6 +145,28 @@ background; "unrolled in" is when it took over (from the request).
 Slowest first reply: {worst_b['first_reply_s']:.1f} s before (`{worst_b['adapter']}`),
 {worst_a['first_reply_s']:.1f} s after (`{worst_a['adapter']}`): the ≤ 10 s target for a cold
 T = 128 request {met} in this run.{finals}
+
+{busy_section(t.get("busy"), after)}"""
+
+
+def busy_section(busy: dict | None, after: dict) -> str:
+    """Two new adapters at once while a long upgrade runs (tier.py run_busy)."""
+    if not busy:
+        return "(No \"busy\" run in tier.json: two new adapters at once was not measured.)\n"
+    rows = [[f"`{name}`", f"{after[name]['first_reply_s']:.1f}", f"{busy[key]:.1f}"]
+            for name, key in (("ema", "ema_s"), ("rnn.tanh", "rnn_s"))]
+    running = "still running" if busy["upgrade_running"] else "over by then"
+    return f"""### Two new adapters at once, behind a background upgrade
+
+The default daemon on an empty cache ({busy['foreground_workers']} foreground compile
+workers): `lorenz.rk4` first (first reply {busy['lorenz_first_s']:.1f} s), then at
+once two new adapters, one thread each, while `lorenz.rk4`'s unrolled
+upgrade runs in the background lane ({running} when both had replied; the
+background worker was stopped {busy['preempted']} time(s) for them). Both
+replies took {busy['both_s']:.1f} s.
+
+{table(["adapter", "alone, nothing in the background (s)", "two at once, upgrade running (s)"],
+       rows, "lrr")}
 """
 
 

@@ -12,6 +12,12 @@ sees on a cold cache), which graph served it (tier, lowered), and seconds
 until the unrolled graph took over.  The next adapter is asked only once the
 previous one's upgrade is over, so each first reply is one adapter's cold
 compile (plus the worker's queue, empty then).
+
+Then "busy" (the compile service's lanes, docs/operations.md): the default
+daemon again on an empty cache; lorenz.rk4 first (its unrolled upgrade is
+the longest of the four), and right after its first reply two new adapters
+at once (ema and rnn.tanh, one thread each): their first replies while
+that upgrade runs in the background, against their own "after" replies.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -49,7 +56,9 @@ def spec_of(c: Client, adapter: str) -> dict:
     return sp
 
 
-def run_mode(build: str, tier_steps: int | None) -> dict:
+def start_daemon(build: str, tier_steps: int | None) -> tuple[subprocess.Popen, str, str, float]:
+    """A daemon as `make run` starts it, on a private empty cache, once ready:
+    (process, socket, scratch directory, seconds to ready)."""
     tmp = tempfile.mkdtemp(prefix="tlbench-tier.")
     sock, cache = os.path.join(tmp, "sock"), os.path.join(tmp, "cache")
     extra = [] if tier_steps is None else ["--quick-tier-steps", str(tier_steps)]
@@ -68,7 +77,54 @@ def run_mode(build: str, tier_steps: int | None) -> dict:
         if time.monotonic() - t0 > 600:
             raise RuntimeError("daemon did not start; see " + log.name)
         time.sleep(0.1)
-    rows = {"ready_s": time.monotonic() - t0, "adapters": []}
+    return proc, sock, tmp, time.monotonic() - t0
+
+
+def stop_daemon(proc: subprocess.Popen, tmp: str) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    subprocess.run(["rm", "-rf", tmp], check=False)
+
+
+def first_reply(sock: str, adapter: str, out: dict) -> None:
+    carry, inputs = trees(adapter)
+    c = Client(sock)
+    t1 = time.monotonic()
+    r = c.call("scan", adapter=adapter, carry=carry, inputs=inputs)
+    out[adapter] = time.monotonic() - t1
+    assert "result" in r, r
+
+
+def run_busy(build: str) -> dict:
+    """Two new adapters at once while lorenz.rk4's upgrade runs."""
+    proc, sock, tmp, _ = start_daemon(build, None)
+    c = Client(sock)
+    replies: dict[str, float] = {}
+    first_reply(sock, "lorenz.rk4", replies)
+    threads = [threading.Thread(target=first_reply, args=(sock, a, replies))
+               for a in ("ema", "rnn.tanh")]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    both = time.monotonic() - t0
+    lorenz = spec_of(c, "lorenz.rk4")
+    lanes = c.call("stats")["result"]["lanes"]
+    row = {"lorenz_first_s": replies["lorenz.rk4"], "ema_s": replies["ema"],
+           "rnn_s": replies["rnn.tanh"], "both_s": both,
+           "upgrade_running": bool(lorenz["upgrading"]),
+           "preempted": lanes["background"]["preempted"],
+           "foreground_workers": lanes["foreground"]["max"]}
+    print(f"  busy: ema {row['ema_s']:.1f} s, rnn.tanh {row['rnn_s']:.1f} s at once "
+          f"(lorenz upgrading: {row['upgrade_running']})", flush=True)
+    stop_daemon(proc, tmp)
+    return row
+
+
+def run_mode(build: str, tier_steps: int | None) -> dict:
+    proc, sock, tmp, ready_s = start_daemon(build, tier_steps)
+    rows = {"ready_s": ready_s, "adapters": []}
     c = Client(sock)
     for adapter in ("cumsum", "ema", "lorenz.rk4", "rnn.tanh"):
         carry, inputs = trees(adapter)
@@ -89,9 +145,7 @@ def run_mode(build: str, tier_steps: int | None) -> dict:
         rows["adapters"].append(row)
         print(f"  {adapter}: first reply {first:.1f} s ({row['tier']}, {row['lowered']}), "
               f"unrolled after {row['final_s']:.1f} s", flush=True)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    subprocess.run(["rm", "-rf", tmp], check=False)
+    stop_daemon(proc, tmp)
     return rows
 
 
@@ -101,6 +155,8 @@ def main() -> None:
     for name, steps in (("before", 0), ("after", None)):
         print(f"{name}:", flush=True)
         result[name] = run_mode(build, steps)
+    print("busy:", flush=True)
+    result["busy"] = run_busy(build)
     result["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

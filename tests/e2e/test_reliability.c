@@ -959,6 +959,10 @@ Test(reliability, a_body_that_kills_the_worker_twice_is_refused_until_re_registe
 	cr_assert_eq(hd_counter(c, "rel.killer", "compiles"), 2, "no third compile");
 	cr_assert_eq(hd_counter(c, "rel.killer", "worker_crashes"), 2);
 	still_serves(&d);
+	reg_ok(c, "rel.killer", KILLER_SRC); /* the same definition again lifts the ban */
+	expect_code(scan_sum(c, "rel.killer", 4, &err), &err, "WORKER_CRASHED");
+	cr_assert_null(strstr(err.message, "not compiled again"), "%s", err.message);
+	cr_assert_eq(hd_counter(c, "rel.killer", "compiles"), 3, "compiled again");
 	reg_ok(c, "rel.killer", CUMSUM_SRC); /* a new definition starts afresh */
 	scan_sum_ok(c, "rel.killer", 3);
 	down(&d, c);
@@ -1301,16 +1305,41 @@ Test(reliability, compile_refuses_duplicate_keys_and_names_the_cause_once)
  * request) but at most --max-failed-specs per adapter, least recently used
  * forgotten first (before the fix: unbounded, 33 000 of them from one uid).
  */
+/* objects/<key>.lock files in a cache */
+static int lock_files(const char *cache)
+{
+	char path[600];
+	DIR *dp;
+	struct dirent *e;
+	int n = 0;
+
+	snprintf(path, sizeof path, "%s/objects", cache);
+	dp = opendir(path);
+	cr_assert_not_null(dp, "%s", path);
+	while ((e = readdir(dp)) != NULL)
+		n += strstr(e->d_name, ".lock") != NULL;
+	closedir(dp);
+	return n;
+}
+
 Test(reliability, failed_specializations_are_bounded_per_adapter)
 {
 	static const char raises[] = "def body(c, x):\n    raise RuntimeError('diverged')\n";
 	const char *args[] = {"--no-probe", "--max-failed-specs", "4", NULL};
+	char cache[512], stale[700];
 	struct hd d;
 	struct tl_client *c;
 	struct tl_error err;
 	json_t *j;
 
-	c = up(&d, NULL, args);
+	/* a lock file an older daemon left behind goes at start */
+	h_tmpdir(cache, sizeof cache, "locks");
+	snprintf(stale, sizeof stale, "%s/objects", cache);
+	cr_assert_eq(mkdir(stale, 0700), 0);
+	snprintf(stale, sizeof stale, "%s/objects/%064d.lock", cache, 7);
+	close(open(stale, O_CREAT | O_WRONLY, 0600));
+	c = up(&d, cache, args);
+	cr_assert_eq(lock_files(cache), 0, "the stale lock file was removed at start");
 	reg_ok(c, "rel.fail", raises);
 	for (int T = 1; T <= 10; T++)
 		expect_code(scan_sum(c, "rel.fail", T, &err), &err, "BODY_ERROR");
@@ -1324,6 +1353,8 @@ Test(reliability, failed_specializations_are_bounded_per_adapter)
 	j = h_call_json(c, "describe", "rel.fail");
 	cr_assert_eq(json_array_size(json_object_get(j, "specializations")), 4);
 	json_decref(j);
+	/* 11 keys compiled and given up: not one lock file stays behind */
+	cr_assert_eq(lock_files(cache), 0, "lock files left in %s/objects", cache);
 	still_serves(&d);
 	down(&d, c);
 }
