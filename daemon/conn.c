@@ -37,6 +37,8 @@
 
 static void conn_close(struct conn *c);
 static void resume_reading(struct conn *c);
+static void drop_stray_fd(struct conn *c);
+static void close_fd_window(struct conn *c);
 
 #define SWEEP_MS      1000
 #define FLATTEN_LIMIT (256u << 10) /* queued replies up to this are copied flat */
@@ -408,7 +410,9 @@ static bool frame_status_step(struct conn *c, enum frame_status st, struct proto
 		uint8_t *body = frame_reader_take(&c->reader, &len);
 		account_partial(c);
 		c->last_activity = log_now();
+		c->frames_done++;
 		c->d->dispatch(c, body, len);
+		drop_stray_fd(c);
 		if (c->pause_pending || (!c->closing && over_limits(c)))
 			pause_reading(c);
 	}
@@ -423,14 +427,18 @@ static void feed_stage(struct conn *c)
 
 	while (c->stage_off < c->stage_len && !c->closing && !c->paused) {
 		size_t used;
+		bool boundary = c->reader.header_have == 0;
 		enum frame_status st = frame_reader_feed(&c->reader, c->stage + c->stage_off,
 		                                         c->stage_len - c->stage_off, &used, &err);
 		c->stage_off += (uint32_t)used;
+		c->frames_begun += boundary && used > 0;
 		if (!frame_status_step(c, st, &err))
 			break;
 	}
-	if (c->stage_off == c->stage_len)
+	if (c->stage_off == c->stage_len) {
 		c->stage_off = c->stage_len = 0;
+		close_fd_window(c);
+	}
 }
 
 static void free_handle(uv_handle_t *h)
@@ -443,7 +451,48 @@ static void free_handle(uv_handle_t *h)
  * wait in libuv until accepted.  Each is taken at once: the first, while the
  * connection has no region, is kept for its attach request; any other is
  * closed, so a client cannot make the daemon hold descriptors.
+ *
+ * A descriptor rides on the first byte of the sendmsg that carried it, and
+ * the kernel hands it over with the read that holds that byte: it belongs to
+ * a frame that begins in that read (or the one under way, when none does).
+ * Those frames are its window; once they have all been dispatched without an
+ * attach taking it, it is closed (a stray), so an attach can never pick up a
+ * descriptor some earlier frame brought.
  */
+static void drop_stray_fd(struct conn *c)
+{
+	if (c->pending_fd < 0 || c->fd_window_open || c->frames_done < c->fd_last)
+		return;
+	close(c->pending_fd);
+	c->pending_fd = -1;
+	c->d->stats.shm_stray_fds++;
+}
+
+int conn_take_fd(struct conn *c)
+{
+	int fd = c->pending_fd;
+	uint64_t n = c->frames_done; /* the frame being dispatched */
+
+	if (fd < 0 || n < c->fd_first)
+		return -1; /* none, or one for a later frame */
+	if (!c->fd_window_open && n > c->fd_last) {
+		drop_stray_fd(c);
+		return -1;
+	}
+	c->pending_fd = -1;
+	return fd;
+}
+
+/* The read that brought a descriptor is fed entirely: its window is known. */
+static void close_fd_window(struct conn *c)
+{
+	if (!c->fd_window_open)
+		return;
+	c->fd_window_open = false;
+	c->fd_last = c->frames_begun;
+	drop_stray_fd(c);
+}
+
 static void take_fds(struct conn *c)
 {
 	while (uv_pipe_pending_count(&c->handle) > 0) {
@@ -462,6 +511,8 @@ static void take_fds(struct conn *c)
 			continue;
 		if (c->pending_fd < 0 && c->region.base == NULL) {
 			c->pending_fd = own;
+			c->fd_window_open = true;
+			c->fd_first = c->frames_begun + (c->reader.header_have == 0);
 		} else {
 			close(own);
 			c->d->stats.shm_stray_fds++;
@@ -493,6 +544,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 		feed_stage(c);
 	} else {
 		frame_status_step(c, frame_reader_commit(&c->reader, (size_t)nread, &err), &err);
+		close_fd_window(c);
 	}
 	if (!c->closing)
 		account_partial(c);

@@ -54,6 +54,10 @@ struct conn {
 	/* shared memory (shm.c): a descriptor received but not yet attached, and
 	 * the mapped region; unmapped with the last reference to the connection */
 	int pending_fd;
+	/* which frames pending_fd may belong to: those that began in the read it
+	 * came with, numbered fd_first..fd_last (conn.c conn_take_fd) */
+	uint64_t frames_begun, frames_done, fd_first, fd_last;
+	bool fd_window_open;
 	struct tree_region region;
 	struct conn *next, *prev;
 };
@@ -128,7 +132,7 @@ struct daemon_stats {
 	uint64_t pool_stalls, idle_closed, stalled_frames_closed, memory_pauses;
 	uint64_t shm_attaches, shm_stray_fds;
 	uint64_t graphs_evicted; /* captured graphs dropped by --max-graphs-per-uid */
-	uint64_t busy_polled; /* requests the loop found while polling (daemon_run) */
+	uint64_t busy_polled;    /* requests the loop found while polling (daemon_run) */
 	uint64_t error_codes[PROTO_E__COUNT];
 };
 
@@ -209,6 +213,10 @@ void conns_close_all(struct daemon *d);
 void conns_start_sweep(struct daemon *d);
 /* Memory accounting of request bodies (request.c): + when read, - when freed. */
 void conn_account_request(struct conn *c, int64_t delta);
+/* The descriptor that came with the frame being dispatched, or -1 (taken:
+ * the caller closes it).  A descriptor that came with another frame is
+ * closed, never handed to a later one. */
+int conn_take_fd(struct conn *c);
 struct outmsg *outmsg_new(struct conn *c);
 void outmsg_free(struct outmsg *out);
 

@@ -1,6 +1,7 @@
 /*
- * op_attach.c - attach: maps the memfd that came with this frame (or an
- * earlier one of the connection) as the connection's shared region, once.
+ * op_attach.c - attach: maps the memfd that came with this frame (never one
+ * an earlier frame brought: conn_take_fd) as the connection's shared
+ * region, once.
  */
 #include "daemon.h"
 
@@ -32,14 +33,13 @@ static void op_attach(struct request *req)
 		request_fail(req, &err);
 		return;
 	}
-	if (c->pending_fd < 0) {
+	fd = conn_take_fd(c);
+	if (fd < 0) {
 		request_fail_code(req, PROTO_E_SHM_NO_FD, NULL,
 		                  "attach came without a descriptor: send the memfd with "
 		                  "SCM_RIGHTS on the attach frame");
 		return;
 	}
-	fd = c->pending_fd;
-	c->pending_fd = -1;
 	if (shm_attach(req->d, fd, size, &c->region, &err) != 0) {
 		request_fail(req, &err);
 		return;

@@ -537,6 +537,52 @@ Test(shm, bad_descriptors_get_their_codes)
 	stop(&f);
 }
 
+/* A hello carrying a descriptor (here a pipe) on a connection with no region
+ * yet: the descriptor is closed as a stray at once, never kept for the next
+ * attach (which used to map it and get SHM_BAD_FD, closing its own memfd);
+ * an attach sent right behind such a hello, before any reply, gets its own. */
+static void hello_with_fd(int sock, int fd)
+{
+	struct writer w;
+
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, 5, "hello", 1);
+	writer_key_u64(&w, "protocol", PROTO_VERSION);
+	send_writer(sock, &w, fd);
+}
+
+Test(shm, a_descriptor_sent_with_another_frame_never_reaches_a_later_attach)
+{
+	struct fx f;
+	struct region r = mkregion(1 << 20, F_SEAL_SHRINK);
+	int sock, pipefd[2];
+	uint64_t strays;
+
+	start(&f);
+	cr_assert_eq(pipe(pipefd), 0);
+	sock = raw_connect(f.d.sock);
+	strays = h_stat(f.c, "shm_stray_fds");
+	hello_with_fd(sock, pipefd[0]);
+	expect(sock, "");
+	cr_assert_eq(h_stat(f.c, "shm_stray_fds"), strays + 1, "closed at once");
+	attach_raw(sock, r.size, -1);
+	expect(sock, "SHM_NO_FD"); /* not the hello's pipe */
+	still_serves(sock);
+
+	hello_with_fd(sock, pipefd[0]); /* pipelined: both frames before any reply */
+	attach_raw(sock, r.size, r.fd);
+	expect(sock, "");
+	expect(sock, "");
+	cr_assert_eq(h_stat(f.c, "shm_attaches"), 1);
+	cr_assert_eq(h_stat(f.c, "shm_stray_fds"), strays + 2);
+	still_serves(sock);
+	close(sock);
+	close(pipefd[0]);
+	close(pipefd[1]);
+	rmregion(&r);
+	stop(&f);
+}
+
 /* ---- bad references -------------------------------------------------------------- */
 
 Test(shm, bad_references_get_their_codes)
