@@ -41,25 +41,35 @@ def _wait_ready(sock: str, proc: subprocess.Popen, log: Path, timeout: float = 1
     pytest.fail(f"torchloopd not ready within {timeout} s:\n{log.read_text()}")
 
 
+def start_daemon(tmp: Path, *extra: str) -> subprocess.Popen:
+    """A torchloopd on tmp/sock with the run's cache, logging (appending) to
+    tmp/log; not waited for."""
+    build = os.environ.get("TORCHLOOP_TEST_BUILD", "build")
+    cache = os.environ.get("TORCHLOOP_TEST_CACHE", str(ROOT / "build" / "test-cache"))
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
+    with open(tmp / "log", "ab") as out:
+        return subprocess.Popen(
+            [str(ROOT / build / "torchloopd"), "--socket", str(tmp / "sock"), "--cache-dir",
+             cache, "--no-probe", *extra],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def stop_daemon(proc: subprocess.Popen, tmp: Path) -> None:
+    """SIGTERM, and the exit status checked to be 0."""
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+    assert rc == 0, f"torchloopd exit {rc}:\n{(tmp / 'log').read_text()}"
+
+
 @contextlib.contextmanager
 def running_daemon(tmp: Path, *extra: str) -> Iterator[str]:
     """A torchloopd on tmp/sock with the run's cache; stopped and checked to exit 0."""
-    build = os.environ.get("TORCHLOOP_TEST_BUILD", "build")
-    cache = os.environ.get("TORCHLOOP_TEST_CACHE", str(ROOT / "build" / "test-cache"))
-    sock, log = str(tmp / "sock"), tmp / "log"
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(ROOT / build / "torchloopd"), "--socket", sock, "--cache-dir", cache,
-             "--no-probe", *extra],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = start_daemon(tmp, *extra)
     try:
-        _wait_ready(sock, proc, log)
-        yield sock
+        _wait_ready(str(tmp / "sock"), proc, tmp / "log")
+        yield str(tmp / "sock")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
-    assert rc == 0, f"torchloopd exit {rc}:\n{log.read_text()}"
+        stop_daemon(proc, tmp)
 
 
 @pytest.fixture(scope="session")

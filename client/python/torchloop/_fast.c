@@ -758,9 +758,12 @@ typedef struct {
 	struct busypoll poll;      /* a wait for a reply polls first */
 	int poll_reply;            /* ... when this request is small (call); recv_body: never */
 	unsigned long long polled; /* reads of a reply that polling served (Conn.polled) */
+	int between; /* sending, or reading the first byte of a frame: no reply half read */
 } Conn;
 
-static int lost(Conn *c, const char *code, const char *fmt, ...)
+/* Raises lost(code, message); broke: the connection broke (not a timeout),
+ * and between frames the exception says unanswered (Client.call retries). */
+static int lost(Conn *c, const char *code, int broke, const char *fmt, ...)
 {
 	va_list ap;
 	va_start(ap, fmt);
@@ -771,6 +774,8 @@ static int lost(Conn *c, const char *code, const char *fmt, ...)
 	PyObject *exc = PyObject_CallFunction(c->lost, "sO", code, msg);
 	Py_DECREF(msg);
 	if (exc != NULL) {
+		if (broke && c->between)
+			PyObject_SetAttrString(exc, "unanswered", Py_True);
 		PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
 		Py_DECREF(exc);
 	}
@@ -779,7 +784,7 @@ static int lost(Conn *c, const char *code, const char *fmt, ...)
 
 static int lost_errno(Conn *c, const char *what, int err)
 {
-	return lost(c, "IO", "%s torchloopd: [Errno %d] %s", what, err, strerror(err));
+	return lost(c, "IO", 1, "%s torchloopd: [Errno %d] %s", what, err, strerror(err));
 }
 
 /* After EAGAIN: waits for the socket (GIL released); 0, or -1 raised. */
@@ -796,7 +801,7 @@ static int conn_wait(Conn *c, short events, const char *what)
 		if (n > 0)
 			return 0;
 		if (n == 0)
-			return lost(c, "IO", "%s torchloopd: timed out", what);
+			return lost(c, "IO", 0, "%s torchloopd: timed out", what);
 		if (err != EINTR)
 			return lost_errno(c, what, err);
 		if (PyErr_CheckSignals() != 0)
@@ -816,6 +821,7 @@ static int conn_retry(Conn *c, int err, short events, const char *what)
 
 static int conn_send(Conn *c, const char *p, size_t n)
 {
+	c->between = 1; /* a frame the daemon did not read whole never runs */
 	while (n > 0) {
 		ssize_t k;
 		int err;
@@ -858,7 +864,7 @@ static ssize_t conn_recv(Conn *c, void *p, size_t n)
 			return k;
 		}
 		if (k == 0)
-			return lost(c, "IO", "torchloopd closed the connection");
+			return lost(c, "IO", 1, "torchloopd closed the connection");
 		if (polling && err == EAGAIN)
 			polling = 0; /* nothing yet: sleep (or wait out the timeout) */
 		else if (conn_retry(c, err, POLLIN, "read from") != 0)
@@ -871,6 +877,7 @@ static PyObject *conn_body(Conn *c)
 	while (c->len < 4) { /* the length: move what is staged to the front, read more */
 		memmove(c->stage, c->stage + c->off, c->len);
 		c->off = 0;
+		c->between = c->len == 0;
 		ssize_t k = conn_recv(c, c->stage + c->len, STAGE - c->len);
 		if (k < 0)
 			return NULL;
@@ -879,11 +886,12 @@ static PyObject *conn_body(Conn *c)
 	const unsigned char *h = c->stage + c->off;
 	size_t length = (size_t)h[0] << 24 | (size_t)h[1] << 16 | (size_t)h[2] << 8 | h[3];
 	if (length > FRAME_MAX) {
-		lost(c, "FRAME_TOO_LARGE", "reply of %zu bytes", length);
+		lost(c, "FRAME_TOO_LARGE", 0, "reply of %zu bytes", length);
 		return NULL;
 	}
 	c->off += 4;
 	c->len -= 4;
+	c->between = 0;
 	PyObject *body = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)length);
 	if (body == NULL)
 		return NULL;

@@ -23,13 +23,14 @@ import os
 import socket as _socket
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import torch
 
 from . import _wire
 from ._shm import Region
-from .errors import ConnectionLost, TorchloopError, from_reply
+from .errors import ConnectionLost, TorchloopError, from_reply, unanswered
 
 PROTOCOL = 1
 SHM_DEFAULT = 64 << 20
@@ -41,6 +42,14 @@ SHM_THRESHOLD = 128 << 10
 BUSY_POLL_US = 50
 _LENGTH = struct.Struct(">I")
 _FIRST_ID = 1 << 16
+# A daemon restart (systemd's restart, an upgrade) takes seconds: a request
+# whose connection broke unanswered waits this long for it (Client.call).
+RECONNECT_S = 30.0
+# Requests the daemon may run twice with the same effect: sent again after an
+# unanswered loss.  Not unregister, shutdown, attach (a new connection
+# attaches its own region).
+_RETRIED = frozenset({"hello", "health", "list", "describe", "stats", "register", "compile",
+                      "scan", "grad"})
 
 
 def _ref_bytes(tree: Any, threshold: int) -> int:
@@ -70,9 +79,10 @@ class Client:
 
     def __init__(self, socket: str | None = None, timeout: float | None = None, *,
                  shm: int | None = None, shm_threshold: int = SHM_THRESHOLD,
-                 busy_poll_us: int | None = None) -> None:
+                 busy_poll_us: int | None = None, reconnect: float = RECONNECT_S) -> None:
         self.path = socket or default_socket()
         self.timeout = timeout
+        self.reconnect = float(reconnect)
         if busy_poll_us is None:
             busy_poll_us = int(os.environ.get("TORCHLOOP_BUSY_POLL_US") or BUSY_POLL_US)
         # one CPU: the poller would hold the daemon off it
@@ -158,7 +168,7 @@ class Client:
                 sent = sock.sendmsg(views, anc)
             except OSError as exc:
                 self._drop()
-                raise ConnectionLost("IO", f"write to torchloopd: {exc}") from exc
+                raise unanswered(ConnectionLost("IO", f"write to torchloopd: {exc}")) from exc
             if sent == total:
                 return
             total -= sent
@@ -210,8 +220,12 @@ class Client:
                 raise
             return self._decode(body, area)
         staged = self._staged
-        if not staged.nbytes:
-            staged = memoryview(self._stage)[:self._recv_some(memoryview(self._stage))]
+        if not staged.nbytes:  # between frames: a loss here left no reply half read
+            try:
+                n = self._recv_some(memoryview(self._stage))
+            except ConnectionLost as exc:
+                raise unanswered(exc) from exc.__cause__
+            staged = memoryview(self._stage)[:n]
             self._staged = staged
         if staged.nbytes >= 4:  # the usual case: the whole frame came in one recv
             (length,) = _LENGTH.unpack_from(staged)
@@ -320,11 +334,44 @@ class Client:
             reply = None
 
     def call(self, op: str, **fields: Any) -> dict:
-        """Sends one request and returns its result map (raises on an error reply)."""
+        """Sends one request and returns its result map (raises on an error reply).
+
+        A request the daemon may run twice without harm (_RETRIED) whose
+        connection broke before any byte of its reply arrived (a daemon
+        restart: ConnectionLost.unanswered) is sent again, once, on a new
+        connection, waiting up to `reconnect` seconds for the daemon to
+        listen again; so is one a stopping daemon refused unrun
+        (SHUTTING_DOWN)."""
+        try:
+            return self._call(op, fields)
+        except TorchloopError as exc:
+            retry = exc.unanswered if isinstance(exc, ConnectionLost) else \
+                exc.code == "SHUTTING_DOWN"  # refused unrun by a daemon going away
+            if not retry or op not in _RETRIED or self.reconnect <= 0:
+                raise
+            self._reconnect(exc)
+            return self._call(op, fields)
+
+    def _call(self, op: str, fields: dict[str, Any]) -> dict:
         quick = self._quick(op, fields) if op in ("scan", "grad") and "adapter" in fields else None
         if quick is not None and quick is not False:
             return quick
         return self._general(op, fields, quick is False)
+
+    def _reconnect(self, why: TorchloopError) -> None:
+        """A new connection (a new region, attached on its first need), trying
+        every 50 ms up to `reconnect` seconds while the daemon is not there."""
+        deadline = time.monotonic() + self.reconnect
+        with self._lock:
+            self._drop()
+            while True:
+                try:
+                    self._connect()
+                    return
+                except ConnectionLost as exc:
+                    if time.monotonic() >= deadline:
+                        raise exc from why
+                time.sleep(0.05)
 
     def _general(self, op: str, fields: dict[str, Any], declined: bool = False) -> dict:
         """call() past the quick path (declined: it tried, and the C encoder

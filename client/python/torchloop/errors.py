@@ -51,7 +51,19 @@ class TorchloopTypeError(TorchloopError, TypeError):
 
 
 class ConnectionLost(TorchloopError, ConnectionError):
-    """The daemon cannot be reached or closed the connection."""
+    """The daemon cannot be reached or closed the connection.
+
+    unanswered: the connection broke before any byte of a reply frame
+    arrived (a write failed, or the daemon closed between frames), so the
+    request did not run or its result was never started; Client.call sends
+    such a request again on a new connection."""
+
+    unanswered = False
+
+
+def unanswered(exc: ConnectionLost) -> ConnectionLost:
+    exc.unanswered = True
+    return exc
 
 
 def from_reply(error: dict) -> TorchloopError:
