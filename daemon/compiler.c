@@ -21,9 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+static void pump(struct compiler *c);
+
 const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES] = {"setup", "eager", "export", "inductor",
                                                          "parity"};
-const char *const COMPILER_LANE_NAMES[COMPILER_LANES] = {"check", "foreground", "background"};
 
 /* ---- accessors ----------------------------------------------------------- */
 
@@ -34,10 +35,6 @@ void *compiler_data(const struct compiler *c)
 const struct worker_info *compiler_info(const struct compiler *c)
 {
 	return &c->info;
-}
-bool compiler_alive(const struct compiler *c)
-{
-	return PRIMARY(c)->p != NULL && PRIMARY(c)->hello;
 }
 uint64_t compiler_restarts(const struct compiler *c)
 {
@@ -97,63 +94,7 @@ unsigned compiler_queue_length(const struct compiler *c)
 	return n;
 }
 
-unsigned compiler_default_workers(void)
-{
-	uint64_t mem = uv_get_constrained_memory();
-	uint64_t total = uv_get_total_memory();
-	unsigned n = uv_available_parallelism();
-	uint64_t by_mem;
-
-	if (mem == 0 || mem > total)
-		mem = total;
-	by_mem = mem / (3ULL << 29); /* 1.5 GiB */
-	if (by_mem < n)
-		n = (unsigned)by_mem;
-	return n < 1 ? 1 : n > LANE_SLOTS ? LANE_SLOTS : n;
-}
-
 /* ---- finishing jobs ------------------------------------------------------ */
-
-void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why)
-{
-	struct compile_job *job = s->current;
-	struct proto_err err;
-
-	if (job == NULL)
-		return;
-	s->current = NULL;
-	s->promoted = false;
-	s->c->lanes[job->lane].jobs++;
-	uv_timer_stop(&s->timer);
-	proto_fail(&err, code, NULL, "%s", why);
-	err.flags = flags;
-	job->done(job, NULL, &err);
-}
-
-/* Fails every queued job of every lane (not those in flight) with err. */
-void pool_fail_queues(struct compiler *c, const struct proto_err *err)
-{
-	for (int k = 0; k < COMPILER_LANES; k++) {
-		struct lane *l = &c->lanes[k];
-		while (l->head) {
-			struct compile_job *j = l->head;
-			l->head = j->next;
-			if (l->head == NULL)
-				l->tail = NULL;
-			j->done(j, NULL, err);
-		}
-	}
-}
-
-/* While workers keep dying before their hello: why, and when the next try is. */
-void pool_start_failure_err(const struct compiler *c, struct proto_err *err)
-{
-	proto_fail(err, PROTO_E_WORKER_CRASHED, NULL,
-	           "the compile worker cannot start (%u tries in a row; the last %s); the "
-	           "daemon keeps retrying with backoff",
-	           c->start_failures, c->last_exit);
-	err->flags = PROTO_ERR_TRANSIENT;
-}
 
 /* ---- sending ------------------------------------------------------------- */
 
@@ -192,41 +133,7 @@ static int send_job(struct slot *s, struct compile_job *j)
 	return wproc_send(s->p, w);
 }
 
-/* ---- killing, pausing ---------------------------------------------------- */
-
-/* Kills the slot's worker's whole tree and detaches it: nothing more goes to it. */
-void pool_kill_slot(struct slot *s)
-{
-	struct wproc *p = s->p;
-	size_t extra;
-
-	if (p == NULL)
-		return;
-	s->p = NULL;
-	s->hello = s->paused = false;
-	extra = wproc_kill(p);
-	s->c->orphans_killed += extra;
-	if (extra)
-		log_warn("compile worker %d: killed %zu descendant process(es) with it",
-		         wproc_pid(p), extra);
-}
-
-static void on_timeout(uv_timer_t *t)
-{
-	struct slot *s = t->data;
-
-	log_warn("compile worker (%s): job %llu exceeded %.0f s; killing the worker",
-	         COMPILER_LANE_NAMES[s->lane],
-	         (unsigned long long)(s->current ? s->current->id : 0), s->c->timeout);
-	pool_kill_slot(s);
-	pool_fail_current(s, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
-	                  "the compile exceeded its timeout; the worker was restarted");
-}
-
-static void start_timer(struct slot *s, uint64_t ms)
-{
-	uv_timer_start(&s->timer, on_timeout, ms, 0);
-}
+/* ---- pausing ------------------------------------------------------------ */
 
 /*
  * The background lane runs only while no check or foreground job does: it
@@ -252,7 +159,7 @@ static void preempt(struct compiler *c)
 			s->left_ms = s->current ? uv_timer_get_due_in(&s->timer) : 0;
 			uv_timer_stop(&s->timer);
 		} else if (s->current) {
-			start_timer(s, s->left_ms);
+			pool_start_timer(s, s->left_ms);
 		}
 	}
 }
@@ -294,10 +201,10 @@ static void dispatch(struct slot *s, struct compile_job *j)
 		                  "cannot send the job to the compile worker");
 		return;
 	}
-	start_timer(s, (uint64_t)(s->c->timeout * 1000));
+	pool_start_timer(s, (uint64_t)(s->c->timeout * 1000));
 }
 
-void pool_pump(struct compiler *c)
+static void pump(struct compiler *c)
 {
 	for (int k = 0; k < COMPILER_LANES && !c->stopping; k++) {
 		struct lane *l = &c->lanes[k];
@@ -351,7 +258,7 @@ void compiler_submit(struct compiler *c, struct compile_job *job)
 	                              : LANE_FOREGROUND;
 	l = &c->lanes[job->lane];
 	enqueue(l, job);
-	pool_pump(c);
+	pump(c);
 }
 
 bool compiler_promote(struct compiler *c, const char *key)
@@ -373,7 +280,7 @@ bool compiler_promote(struct compiler *c, const char *key)
 		bg->promoted++;
 		log_info("compile job %llu is waited for: moved to the foreground lane",
 		         (unsigned long long)j->id);
-		pool_pump(c);
+		pump(c);
 		return true;
 	}
 	for (unsigned i = 0; i < bg->max; i++) {
@@ -387,7 +294,7 @@ bool compiler_promote(struct compiler *c, const char *key)
 			log_info("compile worker %d: its background job is waited for; no longer "
 			         "stopped for foreground work",
 			         wproc_pid(s->p));
-			pool_pump(c);
+			pump(c);
 		}
 		return true;
 	}
@@ -503,7 +410,7 @@ static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
 	(void)s;
 }
 
-void pool_on_reply(struct wproc *p, const struct msg *m)
+static void on_reply(struct wproc *p, const struct msg *m)
 {
 	struct slot *s = wproc_data(p);
 	struct compile_job *job = s->current;
@@ -525,10 +432,10 @@ void pool_on_reply(struct wproc *p, const struct msg *m)
 		if (s->p == p)
 			recycle(s, m);
 	}
-	pool_pump(s->c);
+	pump(s->c);
 }
 
-void pool_on_broken(struct wproc *p, const char *why)
+static void on_broken(struct wproc *p, const char *why)
 {
 	struct slot *s = wproc_data(p);
 
@@ -538,5 +445,25 @@ void pool_on_broken(struct wproc *p, const char *why)
 	pool_kill_slot(s);
 	pool_fail_current(s, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT | PROTO_ERR_JOB_CRASH,
 	                  "the compile worker broke the framing; it was restarted");
-	pool_pump(s->c);
+	pump(s->c);
+}
+
+struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,
+                                compiler_ready_cb ready, void *data)
+{
+	struct compiler *c = calloc(1, sizeof *c);
+
+	if (c == NULL)
+		return NULL;
+	c->loop = loop;
+	c->timeout = opts->timeout_seconds;
+	c->ready = ready;
+	c->data = data;
+	c->hooks = (struct pool_hooks){pump, on_reply, on_broken};
+	if (pool_init(c, opts) != 0) {
+		free(c);
+		return NULL;
+	}
+	pool_spawn(PRIMARY(c));
+	return c;
 }

@@ -40,8 +40,17 @@ struct lane {
 	struct slot slots[LANE_SLOTS];
 };
 
+/* The upper layer (compiler.c) as the lower one (compiler_workers.c)
+ * reaches it: no call goes up by name, so the two files form no cycle. */
+struct pool_hooks {
+	void (*pump)(struct compiler *c);
+	void (*reply)(struct wproc *p, const struct msg *m);
+	void (*broken)(struct wproc *p, const char *why);
+};
+
 struct compiler {
 	uv_loop_t *loop;
+	struct pool_hooks hooks;
 	struct lane lanes[COMPILER_LANES];
 	uv_timer_t restart, reaper, idle;
 	struct wproc_opts wopts;
@@ -61,16 +70,16 @@ struct compiler {
 
 #define PRIMARY(c) (&(c)->lanes[LANE_FOREGROUND].slots[0])
 
-/* lanes and jobs (compiler.c) */
-void pool_pump(struct compiler *c);
+/* workers and slots (compiler_workers.c); nothing there calls compiler.c */
+int pool_init(struct compiler *c, const struct compiler_opts *opts);
+void pool_spawn(struct slot *s);
+void pool_release(struct compiler *c);
 void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why);
 void pool_fail_queues(struct compiler *c, const struct proto_err *err);
 void pool_start_failure_err(const struct compiler *c, struct proto_err *err);
+/* Kills the slot's worker's whole tree and detaches it. */
 void pool_kill_slot(struct slot *s);
-void pool_on_reply(struct wproc *p, const struct msg *m);
-void pool_on_broken(struct wproc *p, const char *why);
-/* workers (compiler_workers.c) */
-void pool_spawn(struct slot *s);
-void pool_release(struct compiler *c);
+/* The slot's job timeout (it kills the worker and fails the job). */
+void pool_start_timer(struct slot *s, uint64_t ms);
 
 #endif

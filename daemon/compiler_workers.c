@@ -15,6 +15,102 @@
 #include <stdlib.h>
 #include <string.h>
 
+const char *const COMPILER_LANE_NAMES[COMPILER_LANES] = {"check", "foreground", "background"};
+
+unsigned compiler_default_workers(void)
+{
+	uint64_t mem = uv_get_constrained_memory();
+	uint64_t total = uv_get_total_memory();
+	unsigned n = uv_available_parallelism();
+	uint64_t by_mem;
+
+	if (mem == 0 || mem > total)
+		mem = total;
+	by_mem = mem / (3ULL << 29); /* 1.5 GiB */
+	if (by_mem < n)
+		n = (unsigned)by_mem;
+	return n < 1 ? 1 : n > LANE_SLOTS ? LANE_SLOTS : n;
+}
+
+bool compiler_alive(const struct compiler *c)
+{
+	return PRIMARY(c)->p != NULL && PRIMARY(c)->hello;
+}
+void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why)
+{
+	struct compile_job *job = s->current;
+	struct proto_err err;
+
+	if (job == NULL)
+		return;
+	s->current = NULL;
+	s->promoted = false;
+	s->c->lanes[job->lane].jobs++;
+	uv_timer_stop(&s->timer);
+	proto_fail(&err, code, NULL, "%s", why);
+	err.flags = flags;
+	job->done(job, NULL, &err);
+}
+
+/* Fails every queued job of every lane (not those in flight) with err. */
+void pool_fail_queues(struct compiler *c, const struct proto_err *err)
+{
+	for (int k = 0; k < COMPILER_LANES; k++) {
+		struct lane *l = &c->lanes[k];
+		while (l->head) {
+			struct compile_job *j = l->head;
+			l->head = j->next;
+			if (l->head == NULL)
+				l->tail = NULL;
+			j->done(j, NULL, err);
+		}
+	}
+}
+
+/* While workers keep dying before their hello: why, and when the next try is. */
+void pool_start_failure_err(const struct compiler *c, struct proto_err *err)
+{
+	proto_fail(err, PROTO_E_WORKER_CRASHED, NULL,
+	           "the compile worker cannot start (%u tries in a row; the last %s); the "
+	           "daemon keeps retrying with backoff",
+	           c->start_failures, c->last_exit);
+	err->flags = PROTO_ERR_TRANSIENT;
+}
+
+/* Kills the slot's worker's whole tree and detaches it: nothing more goes to it. */
+void pool_kill_slot(struct slot *s)
+{
+	struct wproc *p = s->p;
+	size_t extra;
+
+	if (p == NULL)
+		return;
+	s->p = NULL;
+	s->hello = s->paused = false;
+	extra = wproc_kill(p);
+	s->c->orphans_killed += extra;
+	if (extra)
+		log_warn("compile worker %d: killed %zu descendant process(es) with it",
+		         wproc_pid(p), extra);
+}
+
+static void on_timeout(uv_timer_t *t)
+{
+	struct slot *s = t->data;
+
+	log_warn("compile worker (%s): job %llu exceeded %.0f s; killing the worker",
+	         COMPILER_LANE_NAMES[s->lane],
+	         (unsigned long long)(s->current ? s->current->id : 0), s->c->timeout);
+	pool_kill_slot(s);
+	pool_fail_current(s, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
+	                  "the compile exceeded its timeout; the worker was restarted");
+}
+
+void pool_start_timer(struct slot *s, uint64_t ms)
+{
+	uv_timer_start(&s->timer, on_timeout, ms, 0);
+}
+
 void pool_release(struct compiler *c)
 {
 	if (--c->open_handles == 0 && c->stopping) {
@@ -159,12 +255,25 @@ static void on_exited(struct wproc *p, const char *how)
 	if (s == PRIMARY(c) && s->p == NULL)
 		schedule_restart(c);
 	else
-		pool_pump(c);
+		c->hooks.pump(c);
 }
 
 /* ---- starting, idling, stopping ------------------------------------------ */
 
-static const struct wproc_ops WPROC_OPS = {pool_on_reply, pool_on_broken, on_exited, worker_closed};
+/* the upper layer's handlers (compiler.c), reached through c->hooks */
+static void on_reply(struct wproc *p, const struct msg *m)
+{
+	struct slot *s = wproc_data(p);
+	s->c->hooks.reply(p, m);
+}
+
+static void on_broken(struct wproc *p, const char *why)
+{
+	struct slot *s = wproc_data(p);
+	s->c->hooks.broken(p, why);
+}
+
+static const struct wproc_ops WPROC_OPS = {on_reply, on_broken, on_exited, worker_closed};
 
 void pool_spawn(struct slot *s)
 {
@@ -233,23 +342,13 @@ static void init_timer(struct compiler *c, uv_timer_t *t, void *data)
 	c->open_handles++;
 }
 
-struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,
-                                compiler_ready_cb ready, void *data)
+int pool_init(struct compiler *c, const struct compiler_opts *opts)
 {
-	struct compiler *c = calloc(1, sizeof *c);
 	unsigned max[COMPILER_LANES] = {1, opts->foreground_workers, 1};
 
-	if (c == NULL)
-		return NULL;
-	c->loop = loop;
-	c->timeout = opts->timeout_seconds;
-	c->ready = ready;
-	c->data = data;
 	c->wopts.env = wproc_env(opts->env_extra);
-	if (c->wopts.env == NULL) {
-		free(c);
-		return NULL;
-	}
+	if (c->wopts.env == NULL)
+		return -1;
 	if (proctree_become_subreaper() != 0)
 		log_warn("prctl(PR_SET_CHILD_SUBREAPER) failed: processes a killed worker leaves "
 		         "behind may survive it");
@@ -274,8 +373,7 @@ struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opt
 	init_timer(c, &c->idle, c);
 	uv_timer_start(&c->idle, on_idle, IDLE_POLL_MS, IDLE_POLL_MS);
 	uv_unref((uv_handle_t *)&c->idle);
-	pool_spawn(PRIMARY(c));
-	return c;
+	return 0;
 }
 
 void compiler_stop(struct compiler *c)

@@ -16,10 +16,10 @@
  * costs its reply bytes, not a writer's chunks).  Over write-queue-cap for
  * the connection, or -- holding more than its share -- over
  * max-queued-memory for all of them, the connection stops reading at the
- * next frame boundary until it is under half again.
- * A once-a-second sweep closes connections whose frame stopped arriving or
- * whose replies stopped leaving for frame-timeout seconds (FRAME_TIMEOUT),
- * and ones idle (nothing in flight, nothing sent) for idle-timeout seconds.
+ * next frame boundary until it is under half again.  A frame's whole
+ * announced body counts from its length prefix on, and the body is read
+ * only if it fits the caps (admit): otherwise reading pauses right after the
+ * prefix, holding nothing.  Timeouts: conn_sweep.c; descriptors: conn_fds.c.
  */
 #include "daemon.h"
 
@@ -35,12 +35,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-static void conn_close(struct conn *c);
 static void resume_reading(struct conn *c);
-static void drop_stray_fd(struct conn *c);
-static void close_fd_window(struct conn *c);
 
-#define SWEEP_MS      1000
 #define FLATTEN_LIMIT (256u << 10) /* queued replies up to this are copied flat */
 
 static uint64_t conn_mem(const struct conn *c)
@@ -149,12 +145,49 @@ void conn_account_request(struct conn *c, int64_t delta)
 		check_memory(c);
 }
 
-/* The bytes received of the frame being read. */
+/* The frame being read holds its whole announced body once admitted. */
 static void account_partial(struct conn *c)
 {
-	uint64_t now = c->reader.header_have == PROTO_FRAME_HEADER ? c->reader.body_have : 0;
+	uint64_t now = c->reader.header_have < PROTO_FRAME_HEADER ? 0
+	               : c->admitted                              ? c->reader.body_len
+	                                                          : c->reader.body_have;
 
 	account(c, &c->mem_partial, (int64_t)now - (int64_t)c->mem_partial);
+}
+
+/*
+ * A frame's length has arrived: its body is admitted only if the
+ * connection and the daemon can hold all of it within the caps (counted
+ * from now on, before a byte of it comes), else reading pauses before the
+ * body (nothing held) until memory is freed.  A body over write-queue-cap
+ * could never be taken: FRAME_TOO_LARGE.  Returns true when admitted.
+ */
+static bool admit(struct conn *c)
+{
+	const struct daemon *d = c->d;
+	uint64_t len = c->reader.body_len, mine = conn_mem(c) - c->mem_partial + len;
+	struct proto_err err;
+
+	if (c->admitted || c->reader.header_have < PROTO_FRAME_HEADER)
+		return true;
+	if (len > (uint64_t)d->cfg.write_queue_cap) {
+		uv_read_stop((uv_stream_t *)&c->handle);
+		proto_fail(&err, PROTO_E_FRAME_TOO_LARGE, NULL,
+		           "a frame of %llu bytes is over write-queue-cap=%lld: it could never be "
+		           "taken; closing",
+		           (unsigned long long)len, d->cfg.write_queue_cap);
+		conn_frame_error(c, &err, true);
+		return false;
+	}
+	if (mine > (uint64_t)d->cfg.write_queue_cap ||
+	    (d->queued_bytes - c->mem_partial + len > (uint64_t)d->cfg.max_queued_memory &&
+	     mine > fair_share(d))) {
+		pause_reading(c);
+		return false;
+	}
+	c->admitted = true;
+	account_partial(c);
+	return true;
 }
 
 void conn_ref(struct conn *c)
@@ -180,7 +213,7 @@ static void conn_closed(uv_handle_t *h)
 	conn_unref(c);
 }
 
-static void conn_close(struct conn *c)
+void conn_close(struct conn *c)
 {
 	struct daemon *d = c->d;
 
@@ -364,7 +397,7 @@ done:
 }
 
 /* A frame-level error: reply without an id. */
-static void frame_error(struct conn *c, const struct proto_err *err, bool close_after)
+void conn_frame_error(struct conn *c, const struct proto_err *err, bool close_after)
 {
 	struct outmsg *out = outmsg_new(c);
 
@@ -402,17 +435,18 @@ static bool frame_status_step(struct conn *c, enum frame_status st, struct proto
 {
 	if (st == FRAME_ERROR) {
 		uv_read_stop((uv_stream_t *)&c->handle);
-		frame_error(c, err, true);
+		conn_frame_error(c, err, true);
 		return false;
 	}
 	if (st == FRAME_READY) {
 		uint32_t len;
 		uint8_t *body = frame_reader_take(&c->reader, &len);
+		c->admitted = false;
 		account_partial(c);
 		c->last_activity = log_now();
 		c->frames_done++;
 		c->d->dispatch(c, body, len);
-		drop_stray_fd(c);
+		conn_drop_stray_fd(c);
 		if (c->pause_pending || (!c->closing && over_limits(c)))
 			pause_reading(c);
 	}
@@ -426,97 +460,26 @@ static void feed_stage(struct conn *c)
 	struct proto_err err;
 
 	while (c->stage_off < c->stage_len && !c->closing && !c->paused) {
-		size_t used;
+		size_t used, n = c->stage_len - c->stage_off;
 		bool boundary = c->reader.header_have == 0;
-		enum frame_status st = frame_reader_feed(&c->reader, c->stage + c->stage_off,
-		                                         c->stage_len - c->stage_off, &used, &err);
+		enum frame_status st;
+		if (c->reader.header_have < PROTO_FRAME_HEADER &&
+		    n > PROTO_FRAME_HEADER - c->reader.header_have)
+			n = PROTO_FRAME_HEADER - c->reader.header_have; /* the length, then admit */
+		st = frame_reader_feed(&c->reader, c->stage + c->stage_off, n, &used, &err);
 		c->stage_off += (uint32_t)used;
-		c->frames_begun += boundary && used > 0;
+		if (boundary && used > 0) {
+			c->frames_begun++;
+			c->frame_started = log_now();
+		}
+		if (st == FRAME_NEED_MORE && !admit(c))
+			break;
 		if (!frame_status_step(c, st, &err))
 			break;
 	}
 	if (c->stage_off == c->stage_len) {
 		c->stage_off = c->stage_len = 0;
-		close_fd_window(c);
-	}
-}
-
-static void free_handle(uv_handle_t *h)
-{
-	free(h);
-}
-
-/*
- * Descriptors passed with SCM_RIGHTS (the pipe is an IPC pipe for this)
- * wait in libuv until accepted.  Each is taken at once: the first, while the
- * connection has no region, is kept for its attach request; any other is
- * closed, so a client cannot make the daemon hold descriptors.
- *
- * A descriptor rides on the first byte of the sendmsg that carried it, and
- * the kernel hands it over with the read that holds that byte: it belongs to
- * a frame that begins in that read (or the one under way, when none does).
- * Those frames are its window; once they have all been dispatched without an
- * attach taking it, it is closed (a stray), so an attach can never pick up a
- * descriptor some earlier frame brought.
- */
-static void drop_stray_fd(struct conn *c)
-{
-	if (c->pending_fd < 0 || c->fd_window_open || c->frames_done < c->fd_last)
-		return;
-	close(c->pending_fd);
-	c->pending_fd = -1;
-	c->d->stats.shm_stray_fds++;
-}
-
-int conn_take_fd(struct conn *c)
-{
-	int fd = c->pending_fd;
-	uint64_t n = c->frames_done; /* the frame being dispatched */
-
-	if (fd < 0 || n < c->fd_first)
-		return -1; /* none, or one for a later frame */
-	if (!c->fd_window_open && n > c->fd_last) {
-		drop_stray_fd(c);
-		return -1;
-	}
-	c->pending_fd = -1;
-	return fd;
-}
-
-/* The read that brought a descriptor is fed entirely: its window is known. */
-static void close_fd_window(struct conn *c)
-{
-	if (!c->fd_window_open)
-		return;
-	c->fd_window_open = false;
-	c->fd_last = c->frames_begun;
-	drop_stray_fd(c);
-}
-
-static void take_fds(struct conn *c)
-{
-	while (uv_pipe_pending_count(&c->handle) > 0) {
-		uv_pipe_t *tmp = malloc(sizeof *tmp);
-		uv_os_fd_t fd = -1;
-		int own = -1;
-
-		if (tmp == NULL)
-			return;
-		uv_pipe_init(c->d->loop, tmp, 0);
-		if (uv_accept((uv_stream_t *)&c->handle, (uv_stream_t *)tmp) == 0 &&
-		    uv_fileno((uv_handle_t *)tmp, &fd) == 0)
-			own = fcntl(fd, F_DUPFD_CLOEXEC, 3);
-		uv_close((uv_handle_t *)tmp, free_handle); /* closes libuv's copy */
-		if (own < 0)
-			continue;
-		if (c->pending_fd < 0 && c->region.base == NULL) {
-			c->pending_fd = own;
-			c->fd_window_open = true;
-			c->fd_first = c->frames_begun + (c->reader.header_have == 0);
-		} else {
-			close(own);
-			c->d->stats.shm_stray_fds++;
-		}
+		conn_close_fd_window(c);
 	}
 }
 
@@ -525,7 +488,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 	struct conn *c = s->data;
 	struct proto_err err;
 
-	take_fds(c);
+	conn_take_fds(c);
 	if (nread == 0)
 		return;
 	c->last_read = log_now();
@@ -544,7 +507,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 		feed_stage(c);
 	} else {
 		frame_status_step(c, frame_reader_commit(&c->reader, (size_t)nread, &err), &err);
-		close_fd_window(c);
+		conn_close_fd_window(c);
 	}
 	if (!c->closing)
 		account_partial(c);
@@ -556,7 +519,9 @@ static void resume_reading(struct conn *c)
 		c->d->n_paused--;
 	c->paused = false;
 	c->last_read = log_now(); /* the stall clock starts again */
-	feed_stage(c);            /* frames that arrived with the one that paused us */
+	if (!admit(c))            /* paused before a body: it must fit now */
+		return;
+	feed_stage(c); /* frames that arrived with the one that paused us */
 	if (!c->closing && !c->paused)
 		uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
 }
@@ -624,7 +589,7 @@ static void on_connection(uv_stream_t *server, int status)
 		           d->cfg.max_connections);
 		if (!d->shutting_down)
 			d->stats.limit_breaches++;
-		frame_error(c, &err, true);
+		conn_frame_error(c, &err, true);
 		return;
 	}
 	if (uid_connections(d, c->uid) > (unsigned)d->cfg.max_conns_per_uid) {
@@ -633,73 +598,10 @@ static void on_connection(uv_stream_t *server, int status)
 		           "too many connections from uid %d (max-connections-per-uid=%lld)",
 		           (int)c->uid, d->cfg.max_conns_per_uid);
 		d->stats.limit_breaches++;
-		frame_error(c, &err, true);
+		conn_frame_error(c, &err, true);
 		return;
 	}
 	uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
-}
-
-/* ---- the sweep: timeouts --------------------------------------------------- */
-
-static void close_stalled(struct conn *c, const char *what, double since)
-{
-	struct proto_err err;
-
-	c->d->stats.stalled_frames_closed++;
-	c->d->stats.limit_breaches++;
-	uv_read_stop((uv_stream_t *)&c->handle);
-	proto_fail(&err, PROTO_E_FRAME_TIMEOUT, NULL,
-	           "%s made no progress for %.0f s (frame-timeout=%lld); closing", what,
-	           log_now() - since, c->d->cfg.frame_timeout);
-	frame_error(c, &err, true);
-}
-
-static void sweep_one(struct conn *c, double now)
-{
-	const struct config *cfg = &c->d->cfg;
-	size_t queued = uv_stream_get_write_queue_size((uv_stream_t *)&c->handle);
-
-	if (c->reader.header_have > 0 && !c->paused &&
-	    now - c->last_read > (double)cfg->frame_timeout) {
-		close_stalled(c, "the frame being received", c->last_read);
-	} else if (queued > 0 && now - c->write_since > (double)cfg->frame_timeout) {
-		/* it does not read its replies: no error frame could reach it either */
-		log_warn("connection %llu: %zu reply bytes have not moved for %.0f s "
-		         "(frame-timeout=%lld); closing",
-		         (unsigned long long)c->serial, queued, now - c->write_since,
-		         cfg->frame_timeout);
-		c->d->stats.stalled_frames_closed++;
-		c->d->stats.limit_breaches++;
-		conn_close(c);
-	} else if (cfg->idle_timeout > 0 && c->inflight == 0 && c->reader.header_have == 0 &&
-	           queued == 0 && c->stage_len == 0 &&
-	           now - c->last_activity > (double)cfg->idle_timeout) {
-		log_info("connection %llu: idle for %.0f s (idle-timeout=%lld); closing",
-		         (unsigned long long)c->serial, now - c->last_activity, cfg->idle_timeout);
-		c->d->stats.idle_closed++;
-		conn_close(c);
-	}
-}
-
-static void on_sweep(uv_timer_t *t)
-{
-	struct daemon *d = t->data;
-	double now = log_now();
-
-	for (struct conn *c = d->conns, *next; c; c = next) {
-		next = c->next;
-		if (!c->closing)
-			sweep_one(c, now);
-	}
-}
-
-void conns_start_sweep(struct daemon *d)
-{
-	uv_idle_init(d->loop, &d->resume_idle);
-	d->resume_idle.data = d;
-	uv_timer_init(d->loop, &d->conn_sweep);
-	d->conn_sweep.data = d;
-	uv_timer_start(&d->conn_sweep, on_sweep, SWEEP_MS, SWEEP_MS);
 }
 
 /* A leftover socket file: unlink it only if nothing answers there. */

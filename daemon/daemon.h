@@ -58,6 +58,10 @@ struct conn {
 	 * came with, numbered fd_first..fd_last (conn.c conn_take_fd) */
 	uint64_t frames_begun, frames_done, fd_first, fd_last;
 	bool fd_window_open;
+	/* the frame being received: when its first byte came, and whether its
+	 * announced body was admitted under the memory caps (conn.c admit) */
+	double frame_started;
+	bool admitted;
 	struct tree_region region;
 	struct conn *next, *prev;
 };
@@ -217,6 +221,15 @@ void conn_account_request(struct conn *c, int64_t delta);
  * the caller closes it).  A descriptor that came with another frame is
  * closed, never handed to a later one. */
 int conn_take_fd(struct conn *c);
+/* conn_fds.c: takes what libuv holds for c (at the top of each read), closes
+ * the window of frames a descriptor may belong to (the read is fed), drops a
+ * descriptor whose frames all went without an attach. */
+void conn_take_fds(struct conn *c);
+void conn_close_fd_window(struct conn *c);
+void conn_drop_stray_fd(struct conn *c);
+/* conn.c, for conn_sweep.c: an error frame (then a close, if asked); a close. */
+void conn_frame_error(struct conn *c, const struct proto_err *err, bool close_after);
+void conn_close(struct conn *c);
 struct outmsg *outmsg_new(struct conn *c);
 void outmsg_free(struct outmsg *out);
 

@@ -608,6 +608,124 @@ static int count_frames_to_eof(int fd)
 }
 
 /* Replies that stop leaving (the client reads nothing) close the connection too. */
+static double mono_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Sends what the socket takes now (the daemon may not be reading). */
+static size_t send_some(int fd, const uint8_t *p, size_t n)
+{
+	size_t sent = 0;
+
+	while (sent < n) {
+		ssize_t k = send(fd, p + sent, n - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+		if (k <= 0)
+			break;
+		sent += (size_t)k;
+	}
+	return sent;
+}
+
+struct trickle {
+	int fd[10];
+	_Atomic int stop;
+};
+
+/* One byte per connection every 0.5 s: never silent long enough for the
+ * stall timeout, far too slow for the frame's deadline. */
+static void *trickle(void *arg)
+{
+	struct trickle *t = arg;
+	uint8_t b = 0;
+
+	while (!t->stop) {
+		for (int i = 0; i < 10; i++)
+			send_some(t->fd[i], &b, 1);
+		usleep(500 * 1000);
+	}
+	return NULL;
+}
+
+/*
+ * Ten connections announce 6 MiB frames, send 5 MiB each and then one byte
+ * every half second (issue 31: before, 20 of them held 1.2 GiB for as long as
+ * they kept trickling, and kept every other connection of their uid out).
+ * Now a body is admitted only within the caps (16 MiB here: the rest wait
+ * before their body, holding nothing), every frame has a deadline
+ * (frame-timeout + 1 s per MiB: 8 s), and a client of the same uid gets a
+ * connection once the first trickler is closed.
+ */
+Test(reliability, trickled_frames_are_held_to_the_caps_and_closed_by_their_deadline)
+{
+	const char *args[] = {"--no-probe", "--frame-timeout",
+	                      "2",          "--max-queued-memory",
+	                      "16777216",   "--write-queue-cap",
+	                      "8388608",    "--max-connections-per-uid",
+	                      "11",         NULL};
+	uint8_t head[4], *chunk = calloc(1, 5u << 20);
+	struct trickle t = {{0}, 0};
+	size_t sent[10] = {0};
+	int admitted = 0;
+	struct hd d;
+	struct tl_client *c, *other = NULL;
+	struct tl_error err;
+	pthread_t th;
+	long base, rss;
+	double t0;
+	int closed = 0;
+
+	c = up(&d, NULL, args);
+	base = rss_kib(d.pid);
+	frame_put_header(head, 6u << 20);
+	for (int i = 0; i < 10; i++) {
+		t.fd[i] = raw_connect(d.sock);
+		raw_send(t.fd[i], head, 4);
+	}
+	t0 = mono_s();
+	while (mono_s() - t0 < 3) /* 5 MiB each, as far as the daemon takes them */
+		for (int i = 0; i < 10; i++)
+			sent[i] += send_some(t.fd[i], chunk + sent[i], (5u << 20) - sent[i]);
+	for (int i = 0; i < 10; i++)
+		admitted += sent[i] == 5u << 20;
+	cr_assert_geq(admitted, 1, "some bodies were taken");
+	cr_assert_lt(admitted, 10, "not all: they would be 50 MiB");
+	pthread_create(&th, NULL, trickle, &t);
+	sleep(3);
+	rss = rss_kib(d.pid);
+	cr_assert_leq(h_stat(c, "queued_bytes"), 16u << 20, "within --max-queued-memory");
+	cr_assert_lt(rss - base, 24 * 1024, "RSS grew %ld KiB (caps: 16 MiB)", rss - base);
+	cr_assert_geq(h_stat(c, "memory_pauses"), 1, "the rest wait before their body");
+	/* the uid is at its cap: another of its clients gets in once one closes */
+	while (other == NULL && mono_s() - t0 < 30)
+		if (tl_connect(d.sock, 5000, &other, &err) != 0)
+			usleep(100 * 1000);
+	cr_assert_not_null(other, "no connection for the uid within 30 s: %s", err.message);
+	cr_assert_lt(mono_s() - t0, 2 * 8.0 + 3, "in %.1f s (deadline 8 s)", mono_s() - t0);
+	tl_close(other);
+	for (int i = 0; i < 10; i++) { /* each is closed with FRAME_TIMEOUT */
+		char code[64], msg[512];
+		long long id;
+		struct timeval tv = {30, 0};
+		setsockopt(t.fd[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+		if (raw_recv(t.fd[i], code, sizeof code, &id, msg, sizeof msg) == 0)
+			cr_assert_str_eq(code, "FRAME_TIMEOUT", "%s", msg);
+		closed += raw_recv(t.fd[i], code, sizeof code, &id, msg, sizeof msg) == -1;
+	}
+	cr_assert_eq(closed, 10, "every trickler was closed");
+	t.stop = 1;
+	pthread_join(th, NULL);
+	for (int i = 0; i < 10; i++)
+		close(t.fd[i]);
+	cr_assert_lt(h_stat(c, "queued_bytes"), 1u << 20, "their memory was released");
+	still_serves(&d);
+	free(chunk);
+	down(&d, c);
+}
+
 Test(reliability, a_client_whose_replies_stop_moving_is_closed)
 {
 	const char *args[] = {"--no-probe", "--frame-timeout", "2", NULL};
