@@ -15,6 +15,7 @@ again.  Compiles: one (T = 3; the restarted daemon loads it from the cache).
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -46,6 +47,13 @@ def eager(body, c: torch.Tensor, xs: torch.Tensor) -> tuple[torch.Tensor, torch.
     return c, torch.stack(ys)
 
 
+def up(tmp: Path) -> subprocess.Popen:
+    """A daemon on tmp/sock, ready."""
+    proc = start_daemon(tmp)
+    _wait_ready(str(tmp / "sock"), proc, tmp / "log")
+    return proc
+
+
 @pytest.fixture
 def tmp() -> Path:
     d = Path(tempfile.mkdtemp(prefix="torchloop-restart-"))
@@ -54,8 +62,7 @@ def tmp() -> Path:
 
 
 def test_a_solver_loop_goes_on_across_a_daemon_restart(tmp: Path) -> None:
-    proc = start_daemon(tmp)
-    _wait_ready(str(tmp / "sock"), proc, tmp / "log")
+    proc = up(tmp)
     halfway, restarted = threading.Event(), threading.Event()
     procs = [proc]
 
@@ -91,8 +98,7 @@ def test_a_solver_loop_goes_on_across_a_daemon_restart(tmp: Path) -> None:
 
 
 def test_a_daemon_that_stays_down_is_reported_after_the_reconnect_wait(tmp: Path) -> None:
-    proc = start_daemon(tmp)
-    _wait_ready(str(tmp / "sock"), proc, tmp / "log")
+    proc = up(tmp)
     client = torchloop.Client(str(tmp / "sock"), reconnect=1.0)
     assert client.health()["live"]
     stop_daemon(proc, tmp)
@@ -103,14 +109,12 @@ def test_a_daemon_that_stays_down_is_reported_after_the_reconnect_wait(tmp: Path
 
 
 def test_a_request_that_must_not_run_twice_is_not_sent_again(tmp: Path) -> None:
-    proc = start_daemon(tmp)
-    _wait_ready(str(tmp / "sock"), proc, tmp / "log")
+    proc = up(tmp)
     client = torchloop.Client(str(tmp / "sock"), reconnect=30.0)
     assert client.health()["live"]
     stop_daemon(proc, tmp)
-    proc = start_daemon(tmp)
+    proc = up(tmp)
     try:
-        _wait_ready(str(tmp / "sock"), proc, tmp / "log")
         with pytest.raises(ConnectionLost) as lost:
             client.unregister("anything")  # on the old connection: lost, not retried
         assert lost.value.unanswered
