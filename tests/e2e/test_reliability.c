@@ -1537,6 +1537,7 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 	struct tl_client *c;
 	int reloads = 0, ready;
 	struct tl_error err;
+	FILE *bad;
 
 	h_tmpdir(dir, sizeof dir, "hupdir");
 	h_tmpdir(bodies, sizeof bodies, "hupbodies");
@@ -1562,6 +1563,16 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 	cr_assert(log_has(&d, "not a regular file", 10), "log %s", d.log);
 	cr_assert(!listed(c, "hup.fifo"));
 	cr_assert_eq(adapter_count(c), 300);
+	/* a file with a bad setting: the log names it (it once printed freed memory) */
+	snprintf(path, sizeof path, "%s/hup.bad.adapter", dir);
+	bad = fopen(path, "w");
+	cr_assert_not_null(bad);
+	fputs("garbage = 1\n", bad);
+	fclose(bad);
+	reload(&d, &reloads);
+	cr_assert(log_has(&d, "bad setting 'garbage'", 10), "log %s", d.log);
+	cr_assert(!listed(c, "hup.bad"));
+	cr_assert_eq(unlink(path), 0);
 
 	cr_assert_eq(unlink(body), 0); /* hup.005's body is missing for a moment */
 	snprintf(path, sizeof path, "%s/hup.007.adapter", dir);
