@@ -130,9 +130,12 @@ static void pool_timer_closed(uv_handle_t *h)
 	pool_release(h->data);
 }
 
+/* A worker process's handles all closed (wproc's data is its slot). */
 static void worker_closed(void *data)
 {
-	pool_release(data);
+	struct slot *s = data;
+
+	pool_release(s->c);
 }
 
 /* ---- exits, restarts, orphans ------------------------------------------- */
