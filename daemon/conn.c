@@ -223,6 +223,7 @@ void conn_close(struct conn *c)
 	if (c->paused)
 		d->n_paused--;
 	account(c, &c->mem_partial, -(int64_t)c->mem_partial);
+	memory_freed(c); /* its partial frame may have been what others wait for */
 	if (c->prev)
 		c->prev->next = c->next;
 	else
@@ -519,7 +520,9 @@ static void resume_reading(struct conn *c)
 		c->d->n_paused--;
 	c->paused = false;
 	c->last_read = log_now(); /* the stall clock starts again */
-	if (!admit(c))            /* paused before a body: it must fit now */
+	if (!c->admitted && c->reader.header_have == PROTO_FRAME_HEADER)
+		c->frame_started = c->last_read; /* its deadline counts from admission */
+	if (!admit(c))                           /* paused before a body: it must fit now */
 		return;
 	feed_stage(c); /* frames that arrived with the one that paused us */
 	if (!c->closing && !c->paused)

@@ -19,8 +19,10 @@ start=$(date +%s)
 for bin in "$@"; do
 	[ -x "$bin" ] || continue
 	echo "=== $bin"
+	t0=$(date +%s)
 	out=$("$bin" --jobs "${CRITERION_JOBS:-2}" 2>&1); rc=$?
 	printf '%s\n' "$out"
+	echo "(${bin##*/}: $(( $(date +%s) - t0 )) s)"
 	line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
 	t=$(sed -n 's/.*Tested: \([0-9]*\).*/\1/p' <<<"$line")
 	p=$(sed -n 's/.*Passing: \([0-9]*\).*/\1/p' <<<"$line")
@@ -46,8 +48,10 @@ if [ "${TORCHLOOP_TEST_SAN:-0}" = 1 ]; then
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1
 		LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)")
 fi
-out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider tests/python 2>&1); rc=$?
-printf '%s\n' "$out" | tail -25
+t0=$(date +%s)
+out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests/python 2>&1); rc=$?
+printf '%s\n' "$out" | tail -45
+echo "(pytest: $(( $(date +%s) - t0 )) s)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
 count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' | head -1; }
 p=$(count passed)
