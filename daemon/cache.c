@@ -128,7 +128,7 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 		                  "not be loaded; choose another --cache-dir",
 		                  dir);
 	if (sub(c, "objects", err) || sub(c, "tmp", err) || sub(c, "quarantine", err) ||
-	    sub(c, "index", err))
+	    sub(c, "index", err) || sub(c, "inductor", err))
 		return -1;
 	cache_clean_tmp(c);
 	cache_clean_locks(c);

@@ -71,9 +71,9 @@ void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX]);
 void cache_so_path(const struct cache *c, const char *key, char *out, size_t size);
 /*
  * Hard-links the entry's .so to a fresh name in tmp/ (out) for dlopen.
- * Artifacts hold STB_GNU_UNIQUE symbols, so glibc never unloads them and a
- * dlopen by the same path would return a stale image after the entry was
- * rebuilt; a name of its own per load always maps the file that is there.
+ * While an image is loaded, a dlopen by the same path returns it, even
+ * after the entry was rebuilt; a name of its own per load always maps the
+ * file that is there.
  * The caller unlinks out once dlopen returned.  0 or -1.
  */
 int cache_load_link(const struct cache *c, const char *key, char *out, size_t size,

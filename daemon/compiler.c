@@ -373,10 +373,10 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 }
 
 /*
- * A worker that has loaded many artifacts (its parity checks dlopen them, and
- * they can never be unloaded) asks to be replaced: it is idle now, so it is
- * detached and killed like a timed-out one, and the next job starts a fresh
- * worker.  Not a crash: no backoff, no job fails.
+ * A worker that has loaded many artifacts (its parity checks dlopen them; what
+ * a long-lived worker accumulates is bounded this way) asks to be replaced: it is idle now, so it
+ * is detached and killed like a timed-out one, and the next job starts a fresh worker.  Not a
+ * crash: no backoff, no job fails.
  */
 static void recycle(struct slot *s, const struct msg *m)
 {
@@ -385,7 +385,7 @@ static void recycle(struct slot *s, const struct msg *m)
 	if (msg_get_bool(&m->up.data, "recycle", &yes, NULL) != 0 || !yes)
 		return;
 	log_info("compile worker %d: replaced after %s", wproc_pid(s->p),
-	         "loading its share of artifacts (they cannot be unloaded)");
+	         "loading its share of artifacts");
 	s->c->recycled++;
 	pool_kill_slot(s);
 }

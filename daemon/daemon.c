@@ -475,11 +475,33 @@ int daemon_graphs_open(struct daemon *d)
 	return 0;
 }
 
+/*
+ * The workers' environment beyond the allow-list: the target's, and
+ * Inductor's own cache (its precompiled headers, ~150 MB each, take seconds
+ * to build) in the cache directory, so it outlives a restart (PrivateTmp
+ * gives every start a new /tmp) -- unless the environment names one.
+ */
+static const char *const *worker_env(struct daemon *d)
+{
+	const char *const *target = target_env(d->cfg.target_isa);
+	size_t n = 0;
+
+	for (; target && *target; target++)
+		d->worker_env[n++] = *target;
+	if (getenv("TORCHINDUCTOR_CACHE_DIR") == NULL) {
+		snprintf(d->inductor_dir_env, sizeof d->inductor_dir_env,
+		         "TORCHINDUCTOR_CACHE_DIR=%s/inductor", d->cfg.cache_dir);
+		d->worker_env[n++] = d->inductor_dir_env;
+	}
+	d->worker_env[n] = NULL;
+	return d->worker_env;
+}
+
 int daemon_graphs_start_worker(struct daemon *d,
                                void (*up)(struct daemon *d, const struct proto_err *err))
 {
 	struct compiler_opts o = {d->cfg.python, d->cfg.worker, (double)d->cfg.compile_timeout,
-	                          (unsigned)d->cfg.compile_workers, target_env(d->cfg.target_isa)};
+	                          (unsigned)d->cfg.compile_workers, worker_env(d)};
 
 	d->worker_up = up;
 	d->compiler = compiler_start(d->loop, &o, worker_ready, d);

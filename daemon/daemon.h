@@ -89,6 +89,7 @@ struct request {
 	struct graph_waiter waiter;
 	void (*ready)(struct request *req, struct specialization *sp);
 	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
+	bool params;    /* the request named `params`: carry is the pair (carry, params) inside */
 	int64_t batch;  /* its batch size, for a dynamic = batch adapter (request_acquire) */
 	int64_t chunks; /* strategy = chunk: runs of the graph this scan takes (0: not split) */
 	struct tree_node chunk_inputs; /* the inputs' shapes for one chunk (in the body's zone) */
@@ -176,6 +177,9 @@ struct daemon {
 	double started;
 	char worker_sha[CACHE_KEY_HEX];
 	char isa[256];
+	/* what the compile workers' environment adds (daemon.c worker_env) */
+	const char *worker_env[4];
+	char inductor_dir_env[sizeof(((struct config *)0)->cache_dir) + 40];
 	unsigned pending_loads;       /* preloads not yet READY */
 	bool reloading, reload_again; /* SIGHUP: a directory load in flight, another asked */
 	void (*on_ready)(struct daemon *d);

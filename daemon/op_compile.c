@@ -96,7 +96,7 @@ static void op_compile(struct request *req)
 	req->adapter = a;
 	a->stats.requests++;
 	if (parse(req, &args, &err) != 0 ||
-	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
+	    scan_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
 	    scan_chunk(req, a, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;

@@ -150,6 +150,25 @@ static int optional_tree(struct request *req, const char *key, struct tree_node 
 	return rc < 0 ? -1 : 0;
 }
 
+/* With params, cot_carry is the carry's: the params' cotangent is zero. */
+static int pair_cot_carry(struct request *req, struct proto_err *err)
+{
+	struct tree_node *pair;
+
+	if (!req->params || req->cot_carry.kind == TREE_NONE)
+		return 0;
+	pair = msgpack_zone_malloc(req->msg.up.zone, 2 * sizeof *pair);
+	if (pair == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	pair[0] = req->cot_carry;
+	memset(&pair[1], 0, sizeof pair[1]); /* TREE_NONE */
+	memset(&req->cot_carry, 0, sizeof req->cot_carry);
+	req->cot_carry.kind = TREE_TUPLE;
+	req->cot_carry.count = 2;
+	req->cot_carry.items = pair;
+	return 0;
+}
+
 static void op_grad(struct request *req)
 {
 	struct adapter *a;
@@ -157,8 +176,9 @@ static void op_grad(struct request *req)
 	struct proto_err err;
 
 	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
-	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
+	    scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
 	    optional_tree(req, "cot_carry", &req->cot_carry, &err) != 0 ||
+	    pair_cot_carry(req, &err) != 0 ||
 	    optional_tree(req, "cot_outputs", &req->cot_outputs, &err) != 0 ||
 	    shm_out_decode(req, &req->out, &err) != 0) {
 		request_fail(req, &err);

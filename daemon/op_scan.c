@@ -23,7 +23,7 @@ static void op_scan(struct request *req)
 	struct proto_err err;
 
 	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
-	    scan_validate(a, &req->carry, &req->inputs, &args, &err) != 0 ||
+	    scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
 	    scan_chunk(req, a, &args, &err) != 0 || shm_out_decode(req, &req->out, &err) != 0) {
 		request_fail(req, &err);
 		return;

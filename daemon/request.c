@@ -54,10 +54,35 @@ void request_reply(struct request *req, struct outmsg *out)
 	request_free(req);
 }
 
-void request_fail(struct request *req, const struct proto_err *err)
+/* In place: carry[0] -> carry, carry[1] -> params (one pass, left to right). */
+static void params_path(char *s, size_t size)
+{
+	char out[PROTO_MESSAGE_MAX];
+	size_t k = 0;
+
+	for (const char *p = s; *p && k + 8 < sizeof out;) {
+		if (strncmp(p, "carry[0]", 8) == 0) {
+			memcpy(out + k, "carry", 5), k += 5, p += 8;
+		} else if (strncmp(p, "carry[1]", 8) == 0) {
+			memcpy(out + k, "params", 6), k += 6, p += 8;
+		} else {
+			out[k++] = *p++;
+		}
+	}
+	out[k] = '\0';
+	snprintf(s, size, "%s", out);
+}
+
+void request_fail(struct request *req, const struct proto_err *failed)
 {
 	struct outmsg *out = outmsg_new(req->conn);
 	struct daemon *d = req->d;
+	struct proto_err said = *failed, *err = &said;
+
+	if (req->params) { /* the graph's carry is (carry, params): say it as the client did */
+		params_path(said.path, sizeof said.path);
+		params_path(said.message, sizeof said.message);
+	}
 
 	d->stats.errors++;
 	d->stats.error_codes[err->code]++;

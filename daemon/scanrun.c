@@ -128,7 +128,7 @@ static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 	return check_batch(leaf, path, 1, c) || check_elements(leaf, path, c) ? -1 : 0;
 }
 
-int scan_validate(const struct adapter *a, const struct tree_node *carry,
+int scan_validate(const struct adapter *a, const struct tree_node *carry, bool params,
                   const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
 {
 	struct check_ctx c = {.a = a, .args = args, .batched = adapter_batched(a), .err = err};
@@ -136,8 +136,11 @@ int scan_validate(const struct adapter *a, const struct tree_node *carry,
 	args->carry = carry;
 	args->batch = 0;
 	args->inputs = inputs;
-	if (tree_visit(carry, "carry", 0, carry_leaf, &c) != 0 ||
-	    tree_visit(inputs, "inputs", 0, input_leaf, &c) != 0)
+	if (params ? tree_visit(&carry->items[0], "carry", 0, carry_leaf, &c) != 0 ||
+	                 tree_visit(&carry->items[1], "params", 0, carry_leaf, &c) != 0
+	           : tree_visit(carry, "carry", 0, carry_leaf, &c) != 0)
+		return -1;
+	if (tree_visit(inputs, "inputs", 0, input_leaf, &c) != 0)
 		return -1;
 	if (!c.have_steps)
 		return proto_fail(
@@ -170,17 +173,43 @@ static int place_next(const struct tree_tensor *t, uint64_t *offset, void *arg)
 	return 1;
 }
 
-/* Writes result trees of the spec's shapes from the flat outputs. */
+/* Writes result trees of the spec's shapes from the flat outputs; key NULL:
+ * passes over them (a request's params come back only as gradients). */
 static int put_tree(struct outmsg *out, struct reply_ctx *c, const char *key,
                     const struct tree_node *spec, size_t *pos)
 {
 	struct tree_node node;
+	size_t first = *pos;
 
 	if (signature_fill(spec, c->res->tensors, c->res->n, pos, c->req->msg.up.zone, &node) != 0)
 		return -1;
+	if (key == NULL) {
+		c->next_placed += *pos - first;
+		return 0;
+	}
 	writer_str(&out->w, key);
 	tree_encode_placed(&out->w, &node, place_next, c);
 	return 0;
+}
+
+/* The result trees in the engine's order: the final carry, the stacked
+ * outputs, then (grad) the carry's and the inputs' gradients.  With params,
+ * the graph's carry is (carry, params): params are not sent back, their
+ * gradients are grad_params. */
+static int put_results(struct outmsg *out, struct reply_ctx *c, const struct specialization *sp)
+{
+	const struct tree_node *carry = c->req->params ? &sp->carry.items[0] : &sp->carry;
+	const struct tree_node *params = c->req->params ? &sp->carry.items[1] : NULL;
+	size_t pos = 0;
+
+	return put_tree(out, c, "carry", carry, &pos) ||
+	               (params && put_tree(out, c, NULL, params, &pos)) ||
+	               put_tree(out, c, "outputs", &sp->y, &pos) ||
+	               (sp->grad && (put_tree(out, c, "grad_carry", carry, &pos) ||
+	                             (params && put_tree(out, c, "grad_params", params, &pos)) ||
+	                             put_tree(out, c, "grad_inputs", &sp->inputs, &pos)))
+	           ? -1
+	           : 0;
 }
 
 /* The reply frame references the result buffers: it owns them until written. */
@@ -193,20 +222,16 @@ static void reply_run(struct run_job *j, void *arg)
 	struct proto_err err;
 	struct outmsg *out;
 	uint64_t needed;
-	size_t pos = 0;
 
 	if (failed) {
 		request_fail(req, failed);
 		return;
 	}
 	c.placed = run_placed(j, &needed);
-	out = request_begin_result(req, (sp->grad ? 4 : 2) + req->out.set);
+	out = request_begin_result(req, (sp->grad ? 4 + req->params : 2) + req->out.set);
 	if (out != NULL && req->out.set)
 		writer_key_u64(&out->w, "out_needed", needed);
-	if (out == NULL || put_tree(out, &c, "carry", &sp->carry, &pos) ||
-	    put_tree(out, &c, "outputs", &sp->y, &pos) ||
-	    (sp->grad && (put_tree(out, &c, "grad_carry", &sp->carry, &pos) ||
-	                  put_tree(out, &c, "grad_inputs", &sp->inputs, &pos)))) {
+	if (out == NULL || put_results(out, &c, sp) != 0) {
 		if (out)
 			outmsg_free(out);
 		proto_fail(&err, PROTO_E_ENGINE_ERROR, NULL,
@@ -266,6 +291,28 @@ void scan_run_start(struct run_job *j, struct request *req)
 
 /* ---- decoding the request ---------------------------------------------- */
 
+/* `params` (optional): tensors every step reads unchanged.  Inside, the
+ * carry is the pair (carry, params), which the body returns as it got it. */
+static int decode_params(struct request *req, struct tree_node *carry, struct proto_err *err)
+{
+	struct tree_node params, *pair;
+	int rc = msg_get_tree(&req->msg, "params", false, &params, err);
+
+	if (rc != 0)
+		return rc < 0 ? -1 : 0;
+	pair = msgpack_zone_malloc(req->msg.up.zone, 2 * sizeof *pair);
+	if (pair == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	pair[0] = *carry;
+	pair[1] = params;
+	memset(carry, 0, sizeof *carry);
+	carry->kind = TREE_TUPLE;
+	carry->count = 2;
+	carry->items = pair;
+	req->params = true;
+	return 0;
+}
+
 int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                 struct tree_node *inputs, struct proto_err *err)
 {
@@ -288,5 +335,5 @@ int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry
 	if (msg_get_tree(&req->msg, "carry", true, carry, err) != 0 ||
 	    msg_get_tree(&req->msg, "inputs", true, inputs, err) != 0)
 		return -1;
-	return 0;
+	return decode_params(req, carry, err);
 }

@@ -10,12 +10,15 @@
 
 /*
  * Checks carry and inputs against the adapter's bounds and DESIGN.md's
- * contract; fills args (dtype, steps).  Errors name the leaf path.
+ * contract; fills args (dtype, steps).  Errors name the leaf path; with
+ * params, carry is the pair (carry, params) and paths say which.
  */
-int scan_validate(const struct adapter *a, const struct tree_node *carry,
+int scan_validate(const struct adapter *a, const struct tree_node *carry, bool params,
                   const struct tree_node *inputs, struct scan_args *args, struct proto_err *err);
 
-/* Reads `adapter`, `carry` and `inputs`; sets req->adapter (a reference). */
+/* Reads `adapter`, `carry`, `inputs` and `params` (optional: then carry is
+ * the pair (carry, params) and req->params is set); sets req->adapter (a
+ * reference). */
 int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                 struct tree_node *inputs, struct proto_err *err);
 

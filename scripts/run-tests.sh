@@ -13,6 +13,10 @@ export TORCHLOOP_TEST_BUILD="$build"
 export TORCHLOOP_TEST_CACHE="${TORCHLOOP_TEST_CACHE:-$PWD/build/test-cache}"
 export TORCHLOOP_TEST_TMP="${TORCHLOOP_TEST_TMP:-$(mktemp -d /tmp/torchloop-tests.XXXXXX)}"
 mkdir -p "$TORCHLOOP_TEST_CACHE"
+# Inductor's own cache (precompiled headers, in-process compiles): torch's
+# default place, shared by every daemon of the run whatever its --cache-dir
+# (a daemon uses <cache-dir>/inductor only when this is unset)
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}"
 # the access-control test connects as uid 65534: scratch must be traversable
 chmod 755 "$TORCHLOOP_TEST_TMP"
 start=$(date +%s)
@@ -49,7 +53,15 @@ if [ "${TORCHLOOP_TEST_SAN:-0}" = 1 ]; then
 		LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)")
 fi
 t0=$(date +%s)
-out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests/python 2>&1); rc=$?
+# two processes, a file each at a time (a file's tests share their daemons):
+# while one waits on a compile, the other runs
+xdist=()
+if .venv/bin/python -c 'import xdist' 2>/dev/null; then
+	xdist=(-n 2 --dist loadfile)
+else
+	echo "!!! pytest-xdist is not installed (make setup): the Python tests run in one process"
+fi
+out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider "${xdist[@]}" --durations=15 tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
 echo "(pytest: $(( $(date +%s) - t0 )) s)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)

@@ -680,6 +680,10 @@ def check_artifact(so_path: str, job_dir: str) -> None:
             "use ops Inductor lowers or that have a C shim",
         )
     problems = elf_problems(data)
+    if b"__cxa_thread_atexit" in dynamic_imports(data):
+        problems = ", ".join(filter(None, [problems, "thread-local destructors "
+                                           "(__cxa_thread_atexit: the daemon could never "
+                                           "unload it)"]))
     if problems:
         raise JobError("UNSAFE_ARTIFACT", f"{os.path.basename(so_path)}: {problems}")
 
@@ -758,10 +762,26 @@ def clear_exec_stack(so_path: str) -> bool:
     return True
 
 
+def unique_symbols(data: bytes) -> int:
+    """How many .dynsym entries have STB_GNU_UNIQUE binding (10)."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return 0
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    n = 0
+    for i in range(shnum):
+        sh = struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+        if sh[1] == 11:  # SHT_DYNSYM
+            n += sum(data[off + 4] >> 4 == 10 for off in range(sh[4], sh[4] + sh[5], 24))
+    return n
+
+
 def elf_problems(data: bytes) -> str:
-    """Executable stack (PT_GNU_STACK with X) or text relocations (DT_TEXTREL)."""
+    """Executable stack (PT_GNU_STACK with X), text relocations (DT_TEXTREL),
+    or symbols that pin the library in memory for good (STB_GNU_UNIQUE)."""
     if data[:4] != b"\x7fELF" or data[4] != 2:
         return "not a 64-bit ELF shared object"
+    unique = unique_symbols(data)
     phoff, = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     issues = []
@@ -779,6 +799,8 @@ def elf_problems(data: bytes) -> str:
                     break
                 if tag == 22 or (tag == 30 and val & 0x4):  # DT_TEXTREL, DF_TEXTREL
                     issues.append("text relocations")
+    if unique:
+        issues.append(f"{unique} STB_GNU_UNIQUE symbols (the daemon could never unload it)")
     return ", ".join(sorted(set(issues)))
 
 
@@ -1119,10 +1141,73 @@ def capture_values(
     return ep.module(), example
 
 
+# AOTI's interface keeps the last error in a thread_local std::string, which
+# every entry point touches: each thread that calls into an artifact registers
+# its destructor (__cxa_thread_atexit), and glibc keeps the library mapped
+# until that thread exits -- the daemon's threads never do.  The same text with
+# a trivially destructible buffer registers nothing.
+LAST_ERROR_DECL = "static thread_local std::string g_aoti_last_error;"
+LAST_ERROR_BUFFER = """#include <cstdio>
+struct TorchloopLastError {  // torchloop: no thread-exit destructor (unloadable)
+  char text[1024];
+  void clear() { text[0] = '\\0'; }
+  TorchloopLastError& operator=(const char* s) {
+    std::snprintf(text, sizeof text, "%s", s);
+    return *this;
+  }
+  const char* c_str() const { return text; }
+};
+static thread_local TorchloopLastError g_aoti_last_error;"""
+
+
+def unloadable_artifacts() -> None:
+    """Builds every artifact so that the daemon's dlclose unmaps it (once per
+    process); check_artifact refuses one that would stay mapped.
+
+    - g++ gives the static locals of inline functions (AOTI's runtime has a
+      few dozen: log guards, regex tables) STB_GNU_UNIQUE binding, and glibc
+      never unloads a library that defines one: -fno-gnu-unique makes them
+      ordinary weak symbols, private to each artifact (loaded RTLD_LOCAL).
+    - the interface's last-error string: LAST_ERROR_BUFFER instead.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+    from torch._inductor.codegen import cpp_wrapper_cpu
+
+    orig = cpp_builder._get_optimization_cflags
+    if getattr(orig, "torchloop_unloadable", False):
+        return
+
+    def cflags(cpp_compiler: str, min_optimize: bool = False) -> tuple[list[str], list[str]]:
+        c, ld = orig(cpp_compiler, min_optimize)
+        return ([*c, "fno-gnu-unique"] if cpp_builder._is_gcc(cpp_compiler) else c), ld
+
+    interface = os.path.join(os.path.dirname(cpp_wrapper_cpu.__file__), "aoti_runtime",
+                             "interface.cpp")
+    wrapper = cpp_wrapper_cpu.CppWrapperCpu
+    orig_header = wrapper._write_aoti_interface_header
+
+    def header(self: Any) -> None:
+        if not inductor_config.aot_inductor.dynamic_linkage:
+            return orig_header(self)
+        with open(interface) as f:
+            text = f.read()
+        if LAST_ERROR_DECL not in text:  # another torch: its artifacts are refused
+            return orig_header(self)
+        self.header.splice_aot(text.replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER))
+        self.header.splice_aot("\n")
+        return None
+
+    cflags.torchloop_unloadable = True  # type: ignore[attr-defined]
+    cpp_builder._get_optimization_cflags = cflags
+    wrapper._write_aoti_interface_header = header
+
+
 def build_artifact(module: Any, example: tuple[Any, ...], so_path: str,
                    batched: bool = False, placer: StackIntoOutputs | None = None) -> str:
     """AOT-compiles module into so_path (with placer as the post-grad pass
     when given); returns the .so's path."""
+    unloadable_artifacts()
     options = aoti_options(so_path, batched)
     if placer is not None:
         options["post_grad_custom_post_pass"] = placer
@@ -1430,9 +1515,9 @@ def target_isa() -> str:
     return f"vec={isa if isa else 'none'};march={config.cpp.march or 'native'}"
 
 
-# Each parity check dlopens an artifact, and AOTI artifacts can never be
-# unloaded (STB_GNU_UNIQUE symbols): after this many, the reply asks the daemon
-# to replace this worker (between jobs), so its memory stays bounded.
+# Each parity check loads an artifact (unloaded after it: unloadable_artifacts);
+# after this many, the reply asks the daemon to replace this worker (between
+# jobs), which bounds whatever else a long-lived worker accumulates.
 RECYCLE_AFTER = max(1, int(os.environ.get("TORCHLOOP_WORKER_RECYCLE", "32") or 32))
 artifacts_loaded = [0]
 

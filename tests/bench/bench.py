@@ -27,6 +27,7 @@ and PNG plots; tests/bench/report.py turns them into docs/performance.md.
 
 from __future__ import annotations
 
+import getpass
 import glob
 import json
 import os
@@ -125,6 +126,12 @@ class Daemon:
     def __init__(self, build: str, cache: str, tmp: str, extra: tuple = (), prefix: tuple = (),
                  sock: str = "sock", env: dict | None = None) -> None:
         self.sock = os.path.join(tmp, sock)
+        # Inductor's precompiled headers as a long-running daemon has them
+        # (built once, kept): every bench daemon shares torch's default place
+        # rather than building them again in its fresh cache's inductor/
+        env = dict(env if env is not None else os.environ)
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                       os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
         self.proc = subprocess.Popen(
             [*prefix, os.path.join(build, "torchloopd"), "--socket", self.sock, "--cache-dir",
              cache, "--no-probe", "--compile-timeout", "3600", "--log-level", "warn",

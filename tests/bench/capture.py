@@ -17,7 +17,8 @@ step, and the solver's per-run RK2 closure), in fresh processes:
   warm_us       p50 of a warm scan through the captured path (guards checked
                 by dynamo, N = 4, T = 1, no autograd), and source_us the same
                 scan through `loop_adapter(capture=False)` of a module-level
-                body of the same math (the path before capture), measured
+                body of the same math and trees (the path before capture; the
+                captured path also sends the captured tensors), measured
                 interleaved in the same process, median of --rounds rounds:
                 overhead_us = warm_us - source_us (target <= 10 µs)
 """
@@ -79,8 +80,12 @@ else:
     drv.prepare = prepare
 if mode == "warm":
     src = torchloop.loop_adapter(max_steps=128, max_elements=4096, socket=sock, capture=False)
-    c, xs = [t.detach() for t in bodyforms.inputs(0, steps)]
-    src.scan(bodyforms.source_step, c, xs)
+    if form == "solver":  # the same step and trees as a module-level body
+        source_call = lambda: src.scan(bodyforms.solver_source_step, (y0, None), (times, dts))
+    else:
+        c, xs = [t.detach() for t in bodyforms.inputs(0, steps)]
+        source_call = lambda: src.scan(bodyforms.source_step, c, xs)
+    source_call()
     def p50(fn, n=2000):
         times = []
         for _ in range(n):
@@ -91,7 +96,7 @@ if mode == "warm":
     warm, source = [], []
     for _ in range(rounds):
         warm.append(p50(lambda: call(ad.scan)))
-        source.append(p50(lambda: src.scan(bodyforms.source_step, c, xs)))
+        source.append(p50(source_call))
     out.update(warm_us=statistics.median(warm), source_us=statistics.median(source),
                warm_rounds=warm, source_rounds=source)
 print(json.dumps(out))

@@ -124,13 +124,12 @@ static const struct bad_case {
     [B_OUTPUT_ELEMENTS] = {"TOO_MANY_ELEMENTS", "outputs"},
 };
 
-INDEX_PARAMS(ops, each_bad_scan_gets_its_code_and_leaf_path, N_BAD)
-
-ParameterizedTest(int *i, ops, each_bad_scan_gets_its_code_and_leaf_path)
+/* One bad scan on the fixture's daemon: its code and leaf path, then the
+ * same connection still serves. */
+static void check_bad_scan(struct fixture *f, int i)
 {
 	static float f32[4];
 	static double big[200], x1[12];
-	struct fixture f;
 	struct tl_reply *r;
 	struct tl_error err;
 	struct tl_tree *carry, *inputs, *items[2];
@@ -139,56 +138,65 @@ ParameterizedTest(int *i, ops, each_bad_scan_gets_its_code_and_leaf_path)
 	int64_t s4[] = {4}, s34[] = {3, 4}, s24[] = {2, 4}, s0[] = {0, 4}, s13[] = {13, 4},
 	        s20[] = {12, 6}, s100[] = {100}, s121[] = {12, 1};
 
-	setup(&f, NULL);
-	carry = f.carry_t;
-	inputs = f.inputs_t;
-	switch (*i) {
+	carry = f->carry_t;
+	inputs = f->inputs_t;
+	switch (i) {
 	case B_NOT_FOUND:
 		adapter = "no.such";
 		break;
 	case B_DTYPE:
-		carry = tl_tensor(f.b, TL_FLOAT32, 1, s4, f32);
+		carry = tl_tensor(f->b, TL_FLOAT32, 1, s4, f32);
 		break;
 	case B_NO_INPUTS:
-		inputs = tl_none(f.b);
+		inputs = tl_none(f->b);
 		break;
 	case B_RANK0:
-		items[0] = f.inputs_t;
-		items[1] = tl_tensor(f.b, TL_FLOAT64, 0, NULL, big);
-		inputs = tl_dict(f.b, 2, ab, items);
+		items[0] = f->inputs_t;
+		items[1] = tl_tensor(f->b, TL_FLOAT64, 0, NULL, big);
+		inputs = tl_dict(f->b, 2, ab, items);
 		break;
 	case B_LENGTHS:
-		items[0] = f.inputs_t;
-		items[1] = tl_tensor(f.b, TL_FLOAT64, 2, s24, big);
-		inputs = tl_dict(f.b, 2, ab, items);
+		items[0] = f->inputs_t;
+		items[1] = tl_tensor(f->b, TL_FLOAT64, 2, s24, big);
+		inputs = tl_dict(f->b, 2, ab, items);
 		break;
 	case B_TOO_MANY_STEPS:
-		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s13, big);
+		inputs = tl_tensor(f->b, TL_FLOAT64, 2, s13, big);
 		break;
 	case B_ZERO_STEPS:
-		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s0, big);
+		inputs = tl_tensor(f->b, TL_FLOAT64, 2, s0, big);
 		break;
 	case B_INPUT_ELEMENTS:
-		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s20, big);
+		inputs = tl_tensor(f->b, TL_FLOAT64, 2, s20, big);
 		break;
 	case B_CARRY_ELEMENTS:
-		items[0] = f.carry_t;
-		items[1] = tl_tensor(f.b, TL_FLOAT64, 1, s100, big);
-		carry = tl_list(f.b, 2, items);
+		items[0] = f->carry_t;
+		items[1] = tl_tensor(f->b, TL_FLOAT64, 1, s100, big);
+		carry = tl_list(f->b, 2, items);
 		break;
 	case B_OUTPUT_ELEMENTS: /* inputs 12 elements, stacked outputs 12 x 4 = 48 > 40 */
-		hd_register(f.c, "t4.small", CUMSUM, "body", 12, 40, 3);
+		hd_register(f->c, "t4.small", CUMSUM, "body", 12, 40, 3);
 		adapter = "t4.small";
-		inputs = tl_tensor(f.b, TL_FLOAT64, 2, s121, x1);
+		inputs = tl_tensor(f->b, TL_FLOAT64, 2, s121, x1);
 		break;
 	}
 	(void)s34;
-	cr_assert_eq(tl_scan(f.c, adapter, carry, inputs, &r, &err), -1, "accepted");
-	cr_assert_str_eq(err.code, BAD[*i].code, "got %s: %s", err.code, err.message);
-	cr_assert_str_eq(err.path, BAD[*i].path, "path of %s: %s", err.code, err.message);
-	cr_assert(strstr(err.message, BAD[*i].path) != NULL, "the message names the leaf: %s",
+	cr_assert_eq(tl_scan(f->c, adapter, carry, inputs, &r, &err), -1, "case %d accepted", i);
+	cr_assert_str_eq(err.code, BAD[i].code, "case %d: got %s: %s", i, err.code, err.message);
+	cr_assert_str_eq(err.path, BAD[i].path, "path of %s: %s", err.code, err.message);
+	cr_assert(strstr(err.message, BAD[i].path) != NULL, "the message names the leaf: %s",
 	          err.message);
-	scan_ok(&f, f.c); /* the same connection still serves */
+	scan_ok(f, f->c); /* the same connection still serves */
+}
+
+/* Every bad scan in turn on one daemon. */
+Test(ops, each_bad_scan_gets_its_code_and_leaf_path)
+{
+	struct fixture f;
+
+	setup(&f, NULL);
+	for (int i = 0; i < N_BAD; i++)
+		check_bad_scan(&f, i);
 	teardown(&f);
 }
 
@@ -226,19 +234,15 @@ static const struct reg_case REGS[] = {
 
 #define N_REGS (sizeof REGS / sizeof REGS[0])
 
-INDEX_PARAMS(ops, register_validation_uses_the_reference_messages, N_REGS)
-
-ParameterizedTest(int *i, ops, register_validation_uses_the_reference_messages)
+/* One bad register on its own connection: the reference's code and message. */
+static void check_bad_register(struct fixture *f, const struct reg_case *rc)
 {
-	const struct reg_case *rc = &REGS[*i];
-	struct fixture f;
 	msgpack_sbuffer sb;
 	msgpack_packer pk;
 	char code[64], msg[1024];
 	long long id;
 	int fd;
 
-	setup(&f, NULL);
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	msgpack_pack_map(&pk, rc->kind == 3 ? 4 : 5);
@@ -261,15 +265,25 @@ ParameterizedTest(int *i, ops, register_validation_uses_the_reference_messages)
 		msgpack_pack_double(&pk, (double)rc->value);
 	else
 		msgpack_pack_str_with_body(&pk, rc->name, strlen(rc->name));
-	fd = raw_connect(f.d.sock);
+	fd = raw_connect(f->d.sock);
 	raw_send_frame(fd, sb.data, sb.size);
 	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
 	cr_assert_eq(id, 5);
-	cr_assert_str_eq(code, rc->code, "%s: %s", code, msg);
+	cr_assert_str_eq(code, rc->code, "%s: %s: %s", rc->field, code, msg);
 	cr_assert_str_eq(msg, rc->message);
 	close(fd);
 	msgpack_sbuffer_destroy(&sb);
-	scan_ok(&f, f.c);
+	scan_ok(f, f->c);
+}
+
+/* Every bad register in turn on one daemon, which serves on after each. */
+Test(ops, register_validation_uses_the_reference_messages)
+{
+	struct fixture f;
+
+	setup(&f, NULL);
+	for (size_t i = 0; i < N_REGS; i++)
+		check_bad_register(&f, &REGS[i]);
 	teardown(&f);
 }
 
@@ -302,20 +316,16 @@ static const struct frame_case FRAMES[] = {
 
 #define N_FRAMES (sizeof FRAMES / sizeof FRAMES[0])
 
-INDEX_PARAMS(ops, hostile_frames_get_their_code_and_only_broken_framing_closes, N_FRAMES)
-
-ParameterizedTest(int *i, ops, hostile_frames_get_their_code_and_only_broken_framing_closes)
+/* One hostile frame on its own connection; other clients never notice. */
+static void check_hostile_frame(struct fixture *f, const struct frame_case *fc)
 {
-	const struct frame_case *fc = &FRAMES[*i];
 	static const char health[] = "\x82\xa2id\x09\xa2op\xa6"
 	                             "health";
-	struct fixture f;
 	char code[64], msg[1024];
 	long long id;
 	int fd;
 
-	setup(&f, NULL);
-	fd = raw_connect(f.d.sock);
+	fd = raw_connect(f->d.sock);
 	raw_send(fd, fc->bytes, fc->len);
 	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
 	cr_assert_str_eq(code, fc->code, "%s", msg);
@@ -329,7 +339,17 @@ ParameterizedTest(int *i, ops, hostile_frames_get_their_code_and_only_broken_fra
 		cr_assert_eq(id, 9);
 	}
 	close(fd);
-	scan_ok(&f, f.c); /* other clients never noticed */
+	scan_ok(f, f->c); /* other clients never noticed */
+}
+
+/* Every hostile frame in turn on one daemon. */
+Test(ops, hostile_frames_get_their_code_and_only_broken_framing_closes)
+{
+	struct fixture f;
+
+	setup(&f, NULL);
+	for (size_t i = 0; i < N_FRAMES; i++)
+		check_hostile_frame(&f, &FRAMES[i]);
 	teardown(&f);
 }
 

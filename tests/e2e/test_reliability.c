@@ -373,11 +373,11 @@ static void *heavy_scan(void *arg)
 	struct tl_client *c;
 	struct tl_builder *b = tl_builder_new();
 	struct tl_reply *r;
-	double *carry = calloc(1024 * 1024, sizeof *carry), xs[96];
-	int64_t cs[] = {1024, 1024}, xsh[] = {96, 1};
+	double *carry = calloc(1024 * 1024, sizeof *carry), xs[32];
+	int64_t cs[] = {1024, 1024}, xsh[] = {32, 1};
 
 	h_fill(carry, TL_FLOAT64, 1024 * 1024, 3);
-	h_fill(xs, TL_FLOAT64, 96, 4);
+	h_fill(xs, TL_FLOAT64, 32, 4);
 	s->rc = tl_connect(s->sock, 5000, &c, &s->err);
 	if (s->rc == 0) {
 		s->rc = tl_scan(c, s->adapter, tl_tensor(b, TL_FLOAT64, 2, cs, carry),
@@ -392,14 +392,15 @@ static void *heavy_scan(void *arg)
 }
 
 /*
- * Runs of seconds on every pool thread at once: the pool's canary waits past
- * --pool-stall-timeout, health says so ("pool": "stalled", not ready), and
- * says ready again once the pool is free.
+ * Runs of seconds on every pool thread at once (32 steps of a 1024 x 1024
+ * matmul, ~2 GFLOP each; four queued on one thread): the pool's canary waits
+ * past --pool-stall-timeout, health says so ("pool": "stalled", not ready),
+ * and says ready again once the pool is free.
  */
 Test(reliability, health_reports_a_thread_pool_that_takes_no_work)
 {
 	const char *args[] = {"--no-probe", "--threads", "1", "--pool-stall-timeout", "1", NULL};
-	struct tl_adapter_def def = {"rel.heavy", HEAVY_SRC, NULL, "body", "scan", 96, 1048576, 4};
+	struct tl_adapter_def def = {"rel.heavy", HEAVY_SRC, NULL, "body", "scan", 32, 1048576, 4};
 	struct hd d;
 	struct tl_client *c;
 	struct tl_error err;
@@ -1181,25 +1182,32 @@ Test(reliability, a_dead_daemons_worker_dies_and_its_leftovers_are_cleaned)
 /*
  * The worker gets an allow-list of the daemon's environment, never the rest:
  * checked at import (register) and inside the body while it is compiled.
+ * Inductor's cache is the daemon's cache directory's inductor/ when the
+ * environment names none.
  */
 Test(reliability, the_worker_sees_only_an_allow_listed_environment)
 {
-	static const char src[] =
+	static const char fmt[] =
 	    "import os\n\n"
 	    "def check():\n"
 	    "    assert 'TL_TEST_SECRET' not in os.environ, 'the environment leaked'\n"
 	    "    assert os.environ.get('PATH'), 'PATH must reach the worker'\n"
-	    "    assert os.environ.get('OMP_TEST_VAR') == '3', 'OMP_* must reach the worker'\n\n"
+	    "    assert os.environ.get('OMP_TEST_VAR') == '3', 'OMP_* must reach the worker'\n"
+	    "    got = os.environ.get('TORCHINDUCTOR_CACHE_DIR')\n"
+	    "    assert got == '%s/inductor', got\n\n"
 	    "check()\n\n"
 	    "def body(carry, x):\n"
 	    "    check()\n"
 	    "    carry = carry + x\n"
 	    "    return carry, carry\n";
+	char src[sizeof fmt + PATH_MAX];
 	struct hd d;
 	struct tl_client *c;
 
+	snprintf(src, sizeof src, fmt, h_shared_cache());
 	setenv("TL_TEST_SECRET", "hunter2", 1);
 	setenv("OMP_TEST_VAR", "3", 1);
+	unsetenv("TORCHINDUCTOR_CACHE_DIR");
 	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.env", src);    /* the import runs in the worker at register time */
 	scan_sum_ok(c, "rel.env", 3); /* and the body while it is traced */

@@ -126,6 +126,21 @@ def rhs(t: torch.Tensor, y: torch.Tensor, forcing: torch.Tensor) -> torch.Tensor
     return torch.sin(t) * forcing - y * y
 
 
+FORCING = torch.rand(N, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+
+def solver_source_step(carry: Any, x: Any) -> tuple[Any, Any]:
+    """The solver's RK2 step (decay 0.25, over FORCING) as a module-level body
+    with the same trees, for capture=False: the path before capture."""
+    state, _ = carry
+    t, h = x
+    k1 = rhs(t, state, FORCING) - 0.25 * state
+    mid = state + 0.5 * h * k1
+    k2 = rhs(t + 0.5 * h, mid, FORCING) - 0.25 * mid
+    new = state + h * k2
+    return (new, None), torch.sum(new * new)
+
+
 def solver_inputs(seed: int, steps: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     y0 = torch.rand(N, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -44,7 +44,9 @@ T = 3
 TOL = dict(rtol=1e-10, atol=1e-10)
 def reference() -> Callable[..., Any]:
     """The reference adapter in process: torch.compile(fullgraph, static) of
-    the loop, a code object of its own (its own recompile budget)."""
+    the loop, a code object of its own (its own recompile budget).  A test
+    makes one and reuses it, as a solver keeps its adapter: dynamo's guards
+    decide what it compiles again (each test stays under its 8 variants)."""
     code = eager.scan.__code__.replace()
     fn = FunctionType(code, eager.scan.__globals__)
     return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
@@ -73,11 +75,11 @@ def assert_same(a: tuple[Any, list[torch.Tensor]], b: tuple[Any, list[torch.Tens
         torch.testing.assert_close(x, y, **TOL)
 
 
-def check_against_references(adapter: Any, body: Callable[..., Any], carry: Any, xs: Any,
-                             params: list[torch.Tensor]) -> None:
+def check_against_references(adapter: Any, ref: Callable[..., Any], body: Callable[..., Any],
+                             carry: Any, xs: Any, params: list[torch.Tensor]) -> None:
     ours = run_three(adapter.scan, body, carry, xs, params)
     assert_same(ours, run_three(eager.scan, body, carry, xs, params))
-    assert_same(ours, run_three(reference(), body, carry, xs, params))
+    assert_same(ours, run_three(ref, body, carry, xs, params))
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +103,12 @@ def test_every_body_form_matches_eager_and_torch_compile(adapter: Any, open_daem
                                                          tmp_path: Path) -> None:
     with torchloop.Client(open_daemon) as client:
         before = names_of(client)
+        ref = reference()
         for i, form in enumerate(bodyforms.FORMS):
             body, W = bodyforms.form(form, tmp_path)
             carry, xs = inputs(i)
             try:
-                check_against_references(adapter, body, carry, xs, [W])
+                check_against_references(adapter, ref, body, carry, xs, [W])
             except AssertionError as exc:
                 raise AssertionError(f"{form}: {exc}") from None
         new = names_of(client) - before
@@ -120,7 +123,7 @@ def solver_inputs(seed: int) -> tuple[torch.Tensor, ...]:
     return bodyforms.solver_inputs(seed, T)
 
 
-def check_solver(adapter: Any, solver: Solver, seed: int) -> None:
+def check_solver(adapter: Any, ref: Callable[..., Any], solver: Solver, seed: int) -> None:
     y0, times, dts, forcing = solver_inputs(seed)
 
     def via(scan: Callable[..., Any]) -> tuple[Any, list[torch.Tensor]]:
@@ -131,24 +134,25 @@ def check_solver(adapter: Any, solver: Solver, seed: int) -> None:
 
     ours = via(adapter.scan)
     assert_same(ours, via(eager.scan))
-    assert_same(ours, via(reference()))
+    assert_same(ours, via(ref))
 
 
 def test_a_solver_closure_per_run_is_captured_once_and_a_changed_float_again(adapter: Any) -> None:
     capturer = adapter.scan.__self__.capturer
     solver = Solver(rhs, decay=0.25)
-    check_solver(adapter, solver, 1)
+    ref = reference()
+    check_solver(adapter, ref, solver, 1)
     seen = capturer.captures
-    check_solver(adapter, solver, 2)  # a new closure over the same objects, new values
+    check_solver(adapter, ref, solver, 2)  # a new closure over the same objects, new values
     assert capturer.captures == seen, "a closure built anew per run was captured again"
     solver.decay = 0.5  # a Python float the step reads: specialised, so captured again
-    check_solver(adapter, solver, 3)
+    check_solver(adapter, ref, solver, 3)
     assert capturer.captures == seen + 1
     # back to 0.25: both graphs are dynamo's now; its guards (checked by the
     # fast path, without dynamo's wrapper) pick the first one again
     fast = capturer.fast_calls
     solver.decay = 0.25
-    check_solver(adapter, solver, 4)
+    check_solver(adapter, ref, solver, 4)
     assert capturer.captures == seen + 1 and capturer.fast_calls > fast
 
 
@@ -162,10 +166,11 @@ def test_new_values_of_a_captured_tensor_neither_capture_nor_compile(adapter: An
     with torchloop.Client(open_daemon) as client:
         compiles = total_compiles(client)
         seen = capturer.captures
+        ref = reference()
         for scale in (2.0, -1.0):
             with torch.no_grad():
                 W.copy_(W0 * scale)  # the solver updates its weights between runs
-            check_against_references(adapter, body, carry, xs, [W])
+            check_against_references(adapter, ref, body, carry, xs, [W])
         assert capturer.captures == seen
         assert total_compiles(client) == compiles
 

@@ -53,22 +53,56 @@ def _adapter_class() -> type:
 
 # ---- trees ------------------------------------------------------------------
 
-def flatten(tree: Any, path: str, leaves: list[torch.Tensor]) -> Any:
-    """Appends tree's tensor leaves to leaves; returns its structure (a "def")."""
+class _NotATree(Exception):
+    pass
+
+
+def _flatten(tree: Any, leaves: list[torch.Tensor]) -> Any:
+    """flatten without paths (every scan walks its trees: no string per node)."""
     if tree is None:
         return None
     if isinstance(tree, torch.Tensor):
         leaves.append(tree)
         return "T"
     if isinstance(tree, tuple):
-        return ("tuple", [flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)])
+        return ("tuple", [_flatten(v, leaves) for v in tree])
     if isinstance(tree, list):
-        return ("list", [flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)])
+        return ("list", [_flatten(v, leaves) for v in tree])
+    if isinstance(tree, dict):
+        for key in tree:
+            if not isinstance(key, str):
+                raise _NotATree
+        return ("dict", list(tree), [_flatten(v, leaves) for v in tree.values()])
+    raise _NotATree
+
+
+def flatten(tree: Any, path: str, leaves: list[torch.Tensor]) -> Any:
+    """Appends tree's tensor leaves to leaves; returns its structure (a "def").
+    Raises TypeError naming the first leaf that is not a tensor or None."""
+    mark = len(leaves)
+    try:
+        return _flatten(tree, leaves)
+    except _NotATree:
+        del leaves[mark:]
+        return _flatten_paths(tree, path, leaves)  # raises, naming the leaf
+
+
+def _flatten_paths(tree: Any, path: str, leaves: list[torch.Tensor]) -> Any:
+    if tree is None:
+        return None
+    if isinstance(tree, torch.Tensor):
+        leaves.append(tree)
+        return "T"
+    if isinstance(tree, tuple):
+        return ("tuple", [_flatten_paths(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)])
+    if isinstance(tree, list):
+        return ("list", [_flatten_paths(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)])
     if isinstance(tree, dict):
         for key in tree:
             if not isinstance(key, str):
                 raise TypeError(f"{path}: dict keys must be strings, got {type(key).__name__}")
-        return ("dict", list(tree), [flatten(v, f'{path}["{k}"]', leaves) for k, v in tree.items()])
+        return ("dict", list(tree),
+                [_flatten_paths(v, f'{path}["{k}"]', leaves) for k, v in tree.items()])
     raise TypeError(f"{path}: leaves must be tensors or None, got {type(tree).__name__}")
 
 
@@ -127,8 +161,9 @@ class _Driver:
 
     capture=True (the default): every body is captured in this process
     (capture.py) and its graph registered under its content's name; the
-    request's carry is (carry, live captured tensors), which the graph passes
-    through unchanged, so gradients reach those tensors.  capture=False: a
+    live captured tensors go as the request's params (the graph's carry is
+    (carry, params), passed through unchanged and not sent back), so
+    gradients reach those tensors (grad_params).  capture=False: a
     module-level body's module source is registered (admins only)."""
 
     def __init__(self, max_steps: int, max_elements: int, socket: str | None,
@@ -220,8 +255,8 @@ class _Driver:
         if not callable(body):
             raise TypeError("body must be a callable body(carry, x) -> (new_carry, y)")
         check_rows(inputs_def, leaves[n_carry:], self.max_steps)
-        carry = [t.detach() for t in leaves[:n_carry]]
-        rows = [t.detach()[0] for t in leaves[n_carry:]]
+        carry = [_plain(t) for t in leaves[:n_carry]]
+        rows = [_plain(t)[0] for t in leaves[n_carry:]]
         g, args, result = self.capturer.capture(
             body, unflatten(carry_def, carry, [0]), unflatten(inputs_def, rows, [0]))
         if not g.bound:
@@ -249,6 +284,12 @@ class _Driver:
 
 
 Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """t without autograd history (detach only what has it: a scan calls this
+    on every leaf)."""
+    return t.detach() if t.requires_grad else t
 
 
 def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> None:
@@ -286,15 +327,6 @@ def leaf_paths(tdef: Any, path: str) -> list[str]:
     return [p for i, c in enumerate(tdef[1]) for p in leaf_paths(c, f"{path}[{i}]")]
 
 
-def _unwrap_path(exc: TorchloopError) -> TorchloopError:
-    """A daemon error about carry (carry, captured) said of the user's trees."""
-    def fix(text: str) -> str:
-        text = text.replace("carry[0]", "carry")
-        return re.sub(r"carry\[1\]\[(\d+)\]", r"the body's captured tensor #\1", text)
-
-    return type(exc)(exc.code, fix(exc.message), fix(exc.path))
-
-
 class _Call:
     """One scan: what it runs, the trees' structure (results' filled in by run)."""
 
@@ -303,29 +335,39 @@ class _Call:
         self.driver, self.target = driver, target
         self.carry_def, self.inputs_def, self.n_carry = carry_def, inputs_def, n_carry
         self.n_params = n_params
-        self.wrapped = isinstance(target, tuple)  # carry on the wire: (carry, captured)
+        self.wrapped = isinstance(target, tuple)  # a captured graph: live tensors are params
         self.final_def: Any = None
         self.outputs_def: Any = None
         self.n_final = 0
 
-    def trees(self, leaves: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        flat = [t.detach() for t in leaves]
+    def trees(self, leaves: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        """The request's trees: carry, inputs and (a captured graph's live
+        tensors, which the daemon passes to every step and does not send
+        back) params."""
+        flat = [_plain(t) for t in leaves]
         n_in = len(flat) - self.n_params
-        carry = unflatten(self.carry_def, flat, [0])
-        inputs = unflatten(self.inputs_def, flat[self.n_carry:n_in], [0])
-        return ((carry, tuple(flat[n_in:])) if self.wrapped else carry), inputs
+        trees = {"carry": unflatten(self.carry_def, flat, [0]),
+                 "inputs": unflatten(self.inputs_def, flat[self.n_carry:n_in], [0])}
+        if self.wrapped:
+            trees["params"] = tuple(flat[n_in:])
+        return trees
 
     def run(self, op: str, leaves: tuple[torch.Tensor, ...], **cots: Any) -> dict:
-        carry, inputs = self.trees(leaves)
         try:
-            res = self.driver.send(op, self.target, carry=carry, inputs=inputs, **cots)
+            return self.driver.send(op, self.target, **self.trees(leaves), **cots)
         except TorchloopError as exc:
             if not self.wrapped:
                 raise
-            raise _unwrap_path(exc) from None
-        if self.wrapped and "carry" in res:
-            res["carry"] = res["carry"][0]
-        return res
+            raise _said_of_the_body(exc) from None
+
+
+def _said_of_the_body(exc: TorchloopError) -> TorchloopError:
+    """A daemon error about params[k]: the user passed no params, the body
+    captured tensor k."""
+    def fix(text: str) -> str:
+        return re.sub(r"params\[(\d+)\]", r"the body's captured tensor #\1", text)
+
+    return type(exc)(exc.code, fix(exc.message), fix(exc.path))
 
 
 class _ScanFunction(torch.autograd.Function):
@@ -359,16 +401,13 @@ class _ScanFunction(torch.autograd.Function):
         call: _Call = ctx.call
         cots = [g.contiguous() if g is not None else None for g in grads]
         cot_carry = unflatten(call.final_def, cots, [0])
-        if call.wrapped:  # the captured tensors come back unchanged: no cotangent
-            cot_carry = (cot_carry, tuple(None for _ in range(call.n_params)))
         cot_outputs = unflatten(call.outputs_def, cots[call.n_final:], [0])
         res = call.run("grad", tuple(ctx.saved_tensors), cot_carry=cot_carry,
                        cot_outputs=cot_outputs)
-        grad_carry, grad_params = res["grad_carry"] if call.wrapped else (res["grad_carry"], ())
         gleaves: list[torch.Tensor] = []
-        flatten(grad_carry, "grad_carry", gleaves)
+        flatten(res["grad_carry"], "grad_carry", gleaves)
         flatten(res["grad_inputs"], "grad_inputs", gleaves)
-        flatten(grad_params, "grad_carry", gleaves)  # the captured tensors come last
+        flatten(res.get("grad_params", ()), "grad_params", gleaves)  # the captured tensors last
         return (None, *gleaves)
 
 

@@ -414,7 +414,7 @@ class Client:
             result = self._conn_call(self._new_id(), op, fields, min(_wire.FAST_LIMIT, threshold - 1))
             if result is not None:
                 return result
-        trees = [fields.get(k) for k in ("carry", "inputs", "cot_carry", "cot_outputs")]
+        trees = [fields.get(k) for k in ("carry", "inputs", "params", "cot_carry", "cot_outputs")]
         need = sum(_ref_bytes(t, threshold) for t in trees)
         region = self._attach(need)
         if region is None:
@@ -495,19 +495,27 @@ class Client:
     def stats(self) -> dict:
         return self.call("stats")
 
-    def scan(self, adapter: str, carry: Any, inputs: Any) -> tuple[Any, Any]:
-        """(final carry, stacked outputs) for one scan; trees keep their structure."""
+    def scan(self, adapter: str, carry: Any, inputs: Any, params: Any = None) -> tuple[Any, Any]:
+        """(final carry, stacked outputs) for one scan; trees keep their structure.
+        params: tensors every step reads unchanged; the body gets the carry
+        (carry, params) and returns params as it got them; they are not sent
+        back (docs/protocol.md, `scan`)."""
         fields = {"adapter": adapter, "carry": carry, "inputs": inputs}
+        if params is not None:
+            fields["params"] = params
         res = self._quick("scan", fields)
         if res is None or res is False:
             res = self._general("scan", fields, res is False)
         return res["carry"], res["outputs"]
 
     def grad(self, adapter: str, carry: Any, inputs: Any, cot_carry: Any = None,
-             cot_outputs: Any = None) -> dict:
-        """The scan and its vector-Jacobian product: keys carry, outputs, grad_carry, grad_inputs."""
+             cot_outputs: Any = None, params: Any = None) -> dict:
+        """The scan and its vector-Jacobian product: keys carry, outputs, grad_carry,
+        grad_inputs (and grad_params with params)."""
         fields = {"adapter": adapter, "carry": carry, "inputs": inputs, "cot_carry": cot_carry,
                   "cot_outputs": cot_outputs}
+        if params is not None:
+            fields["params"] = params
         res = self._quick("grad", fields)
         if res is None or res is False:
             res = self._general("grad", fields, res is False)
