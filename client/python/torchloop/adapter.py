@@ -79,30 +79,28 @@ def _flatten(tree: Any, leaves: list[torch.Tensor]) -> Any:
 def flatten(tree: Any, path: str, leaves: list[torch.Tensor]) -> Any:
     """Appends tree's tensor leaves to leaves; returns its structure (a "def").
     Raises TypeError naming the first leaf that is not a tensor or None."""
-    mark = len(leaves)
     try:
         return _flatten(tree, leaves)
     except _NotATree:
-        del leaves[mark:]
-        return _flatten_paths(tree, path, leaves)  # raises, naming the leaf
+        _raise_at_bad_leaf(tree, path)
+        raise
 
 
-def _flatten_paths(tree: Any, path: str, leaves: list[torch.Tensor]) -> Any:
-    if tree is None:
-        return None
-    if isinstance(tree, torch.Tensor):
-        leaves.append(tree)
-        return "T"
-    if isinstance(tree, tuple):
-        return ("tuple", [_flatten_paths(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)])
-    if isinstance(tree, list):
-        return ("list", [_flatten_paths(v, f"{path}[{i}]", leaves) for i, v in enumerate(tree)])
+def _raise_at_bad_leaf(tree: Any, path: str) -> None:
+    """The TypeError for the first node of tree that is not a tree's."""
+    if tree is None or isinstance(tree, torch.Tensor):
+        return
+    if isinstance(tree, (tuple, list)):
+        for i, v in enumerate(tree):
+            _raise_at_bad_leaf(v, f"{path}[{i}]")
+        return
     if isinstance(tree, dict):
         for key in tree:
             if not isinstance(key, str):
                 raise TypeError(f"{path}: dict keys must be strings, got {type(key).__name__}")
-        return ("dict", list(tree),
-                [_flatten_paths(v, f'{path}["{k}"]', leaves) for k, v in tree.items()])
+        for k, v in tree.items():
+            _raise_at_bad_leaf(v, f'{path}["{k}"]')
+        return
     raise TypeError(f"{path}: leaves must be tensors or None, got {type(tree).__name__}")
 
 
