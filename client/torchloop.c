@@ -57,6 +57,13 @@ struct tl_client {
 	struct busypoll poll; /* waits for replies poll first (tl_set_busy_poll) */
 	bool poll_reply;      /* this request's reply is worth polling for */
 	uint64_t polled;      /* reads that polling served (tl_polled_reads) */
+	/* tl_set_reconnect: sending a request again on a new connection */
+	char path[sizeof(((struct sockaddr_un *)0)->sun_path) + 1];
+	int reconnect_ms; /* 0: never */
+	bool retryable;   /* this request gives the same result run twice */
+	bool broken;      /* the connection broke (EOF, reset, EPIPE) */
+	uint64_t got;     /* bytes of this request's reply read so far */
+	uint64_t resent;  /* requests sent again (tl_resent) */
 };
 
 struct tl_builder {
@@ -126,21 +133,13 @@ static int wait_fd(int fd, short events, int timeout_ms)
 	return rc;
 }
 
-int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct tl_error *err)
+/* A connected, blocking socket to p (fd), or -1 with err. */
+static int open_socket(const char *p, int timeout_ms, int *out, struct tl_error *err)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	char p[sizeof sa.sun_path + 1];
-	struct tl_client *c;
 	int fd, rc, soerr = 0;
 	socklen_t len = sizeof soerr;
 
-	if (path == NULL || *path == '\0')
-		default_path(p, sizeof p);
-	else if (strlen(path) >= sizeof sa.sun_path)
-		return fail(err, "CONNECT", NULL, "socket path longer than %zu bytes",
-		            sizeof sa.sun_path - 1);
-	else
-		snprintf(p, sizeof p, "%s", path);
 	memcpy(sa.sun_path, p, strlen(p) + 1);
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0)
@@ -160,6 +159,25 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 		return fail(err, "CONNECT", NULL, "cannot connect to %s: %s", p, strerror(e));
 	}
 	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+	*out = fd;
+	return 0;
+}
+
+int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct tl_error *err)
+{
+	char p[sizeof(((struct sockaddr_un *)0)->sun_path) + 1];
+	struct tl_client *c;
+	int fd;
+
+	if (path == NULL || *path == '\0')
+		default_path(p, sizeof p);
+	else if (strlen(path) >= sizeof p - 1)
+		return fail(err, "CONNECT", NULL, "socket path longer than %zu bytes",
+		            sizeof p - 2);
+	else
+		snprintf(p, sizeof p, "%s", path);
+	if (open_socket(p, timeout_ms, &fd, err) != 0)
+		return -1;
 	c = calloc(1, sizeof *c);
 	if (c == NULL) {
 		close(fd);
@@ -167,10 +185,45 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 	}
 	c->fd = fd;
 	c->poll_reply = true;
+	snprintf(c->path, sizeof c->path, "%s", p);
 	const char *bp = getenv("TORCHLOOP_BUSY_POLL_US");
 	tl_set_busy_poll(c, bp && *bp ? atoi(bp) : TL_BUSY_POLL_US_DEFAULT);
 	*out = c;
 	ok(err);
+	return 0;
+}
+
+void tl_set_reconnect(struct tl_client *c, int wait_ms)
+{
+	c->reconnect_ms = wait_ms > 0 ? wait_ms : 0;
+}
+
+uint64_t tl_resent(const struct tl_client *c)
+{
+	return c->resent;
+}
+
+/* A new connection in place of the broken one, trying for reconnect_ms. */
+static int reconnect(struct tl_client *c, struct tl_error *err)
+{
+	struct timespec ts;
+	double end;
+	int fd;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	end = (double)ts.tv_sec + ts.tv_nsec / 1e9 + c->reconnect_ms / 1e3;
+	for (;;) {
+		if (open_socket(c->path, 1000, &fd, err) == 0)
+			break;
+		clock_gettime(CLOCK_MONOTONIC, &ts);
+		if ((double)ts.tv_sec + ts.tv_nsec / 1e9 >= end)
+			return -1;
+		usleep(50 * 1000);
+	}
+	close(c->fd);
+	c->fd = fd;
+	c->rb_off = c->rb_len = 0;
+	c->broken = false;
 	return 0;
 }
 
@@ -407,6 +460,7 @@ static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, str
 		if (k < 0 && errno == EINTR)
 			continue;
 		if (k < 0) {
+			c->broken = errno == EPIPE || errno == ECONNRESET;
 			free(iov);
 			return fail(err, "IO", NULL, "write to torchloopd: %s", strerror(errno));
 		}
@@ -436,9 +490,12 @@ static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, st
 			polling = polling && busypoll_now_ns() - t0 < c->poll.window_ns;
 			continue;
 		}
-		if (*got <= 0)
+		if (*got <= 0) {
+			c->broken = *got == 0 || errno == ECONNRESET;
 			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
 			            *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
+		}
+		c->got += (uint64_t)*got;
 		if (!polling && adapt)
 			busypoll_update(&c->poll, false, busypoll_now_ns() - t0);
 		c->polled += polling;
@@ -558,6 +615,20 @@ static int reply_error(struct tl_reply *r, struct tl_error *err)
 	return -1;
 }
 
+/* A SHUTTING_DOWN reply with tl_set_reconnect: the request did not run; the
+ * old connection counts as broken before its reply. */
+static bool resend_refused(struct tl_client *c, struct tl_reply *r, struct tl_error *err)
+{
+	if (c->reconnect_ms <= 0 || !c->retryable)
+		return false;
+	reply_error(r, err);
+	if (strcmp(err->code, "SHUTTING_DOWN") != 0)
+		return false;
+	c->broken = true;
+	c->got = 0;
+	return true;
+}
+
 /* Sends the request in w (already begun with nfields), with pass_fd when
  * >= 0, and reads the reply. */
 static int roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint64_t id,
@@ -569,9 +640,29 @@ static int roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint
 	if (r == NULL)
 		return fail(err, "IO", NULL, "out of memory");
 	r->area = UINT64_MAX;
+	c->got = 0;
+	c->broken = false;
 	rc = send_frame_fd(c, w, pass_fd, err);
 	if (rc == 0)
 		rc = read_reply(c, id, r, err);
+	if (rc == 0 && r->msg.is_error && err && resend_refused(c, r, err))
+		rc = -1; /* SHUTTING_DOWN: not run */
+	/* tl_set_reconnect: once more on a new connection, when the old one broke
+	 * before any byte of the reply (the daemon restarted) or a stopping
+	 * daemon refused it, and running the request twice gives the same
+	 * result; not with shared memory (its descriptor went to the old daemon) */
+	if (rc != 0 && c->reconnect_ms > 0 && c->retryable && c->broken && c->got == 0 &&
+	    pass_fd < 0 && c->shm == NULL && reconnect(c, err) == 0) {
+		if (r->body) { /* the refusal */
+			msg_destroy(&r->msg);
+			frame_free(r->body);
+			r->body = NULL;
+		}
+		c->resent++;
+		rc = send_frame_fd(c, w, -1, err);
+		if (rc == 0)
+			rc = read_reply(c, id, r, err);
+	}
 	if (rc == 0 && r->msg.is_error)
 		rc = err ? reply_error(r, err) : -1;
 	if (rc != 0) {
@@ -595,8 +686,14 @@ static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct 
 static int begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields,
                  uint64_t *id, struct tl_error *err)
 {
+	static const char *const again[] = {"hello",    "health",  "list", "describe", "stats",
+	                                    "register", "compile", "scan", "grad"};
+
 	if (writer_init(w) != 0)
 		return fail(err, "IO", NULL, "out of memory");
+	c->retryable = false;
+	for (size_t i = 0; i < sizeof again / sizeof again[0]; i++)
+		c->retryable = c->retryable || strcmp(op, again[i]) == 0;
 	*id = ++c->next_id;
 	msg_begin_request(w, *id, op, nfields);
 	return 0;

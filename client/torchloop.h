@@ -58,6 +58,18 @@ void tl_set_busy_poll(struct tl_client *c, int us);
  * replies to requests of 256 KiB of tensors or more are never polled for
  * (their graphs may use every core; proto/busypoll.h). */
 uint64_t tl_polled_reads(const struct tl_client *c);
+/* Opt-in: a request whose connection broke before any byte of its reply
+ * arrived (the daemon restarted), or that a stopping daemon refused unrun
+ * (SHUTTING_DOWN), is sent again, once, on a new connection made within
+ * wait_ms -- hello, health, list, describe, stats, register,
+ * compile, scan and grad, which give the same result run twice; never
+ * unregister or shutdown, never a request that may have run (part of its
+ * reply read, or a timeout), never with shared memory attached (its
+ * descriptor went to the old daemon).  Adapters the daemon forgot are the
+ * caller's to register again (NOT_FOUND).  0 (the default): never. */
+void tl_set_reconnect(struct tl_client *c, int wait_ms);
+/* Requests sent again since the client was made. */
+uint64_t tl_resent(const struct tl_client *c);
 /* Called for each progress event (a compile the request waits on). */
 typedef void (*tl_progress_fn)(const char *event, const char *adapter, const char *signature,
                                double elapsed_seconds, void *user);

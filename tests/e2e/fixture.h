@@ -23,19 +23,25 @@ struct fixture {
 	struct tl_tree *carry_t, *inputs_t;
 };
 
-static inline void setup(struct fixture *f, const char *const *args)
+/* The reference scan's trees (scan_ok), in f. */
+static inline void fixture_trees(struct fixture *f)
 {
 	int64_t cs[] = {4}, xs[] = {3, 4};
 
-	hd_start(&f->d, NULL, args ? args : NO_PROBE);
-	hd_wait_ready(&f->d, 120);
-	f->c = hd_connect(&f->d);
-	hd_register(f->c, "t4.cumsum", CUMSUM, "body", 12, 64, 3);
 	f->b = tl_builder_new();
 	h_fill(f->carry, TL_FLOAT64, 4, 11);
 	h_fill(f->xs, TL_FLOAT64, 12, 12);
 	f->carry_t = tl_tensor(f->b, TL_FLOAT64, 1, cs, f->carry);
 	f->inputs_t = tl_tensor(f->b, TL_FLOAT64, 2, xs, f->xs);
+}
+
+static inline void setup(struct fixture *f, const char *const *args)
+{
+	hd_start(&f->d, NULL, args ? args : NO_PROBE);
+	hd_wait_ready(&f->d, 120);
+	f->c = hd_connect(&f->d);
+	hd_register(f->c, "t4.cumsum", CUMSUM, "body", 12, 64, 3);
+	fixture_trees(f);
 }
 
 static inline void teardown(struct fixture *f)
