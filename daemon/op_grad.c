@@ -153,20 +153,11 @@ static int optional_tree(struct request *req, const char *key, struct tree_node 
 /* With params, cot_carry is the carry's: the params' cotangent is zero. */
 static int pair_cot_carry(struct request *req, struct proto_err *err)
 {
-	struct tree_node *pair;
+	static const struct tree_node none = {.kind = TREE_NONE};
 
 	if (!req->params || req->cot_carry.kind == TREE_NONE)
 		return 0;
-	pair = msgpack_zone_malloc(req->msg.up.zone, 2 * sizeof *pair);
-	if (pair == NULL)
-		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	pair[0] = req->cot_carry;
-	memset(&pair[1], 0, sizeof pair[1]); /* TREE_NONE */
-	memset(&req->cot_carry, 0, sizeof req->cot_carry);
-	req->cot_carry.kind = TREE_TUPLE;
-	req->cot_carry.count = 2;
-	req->cot_carry.items = pair;
-	return 0;
+	return scan_pair(req, &req->cot_carry, &none, err);
 }
 
 static void op_grad(struct request *req)

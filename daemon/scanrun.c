@@ -295,21 +295,28 @@ void scan_run_start(struct run_job *j, struct request *req)
  * carry is the pair (carry, params), which the body returns as it got it. */
 static int decode_params(struct request *req, struct tree_node *carry, struct proto_err *err)
 {
-	struct tree_node params, *pair;
+	struct tree_node params;
 	int rc = msg_get_tree(&req->msg, "params", false, &params, err);
 
 	if (rc != 0)
 		return rc < 0 ? -1 : 0;
-	pair = msgpack_zone_malloc(req->msg.up.zone, 2 * sizeof *pair);
+	req->params = true;
+	return scan_pair(req, carry, &params, err);
+}
+
+int scan_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
+              struct proto_err *err)
+{
+	struct tree_node *pair = msgpack_zone_malloc(req->msg.up.zone, 2 * sizeof *pair);
+
 	if (pair == NULL)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	pair[0] = *carry;
-	pair[1] = params;
-	memset(carry, 0, sizeof *carry);
-	carry->kind = TREE_TUPLE;
-	carry->count = 2;
-	carry->items = pair;
-	req->params = true;
+	pair[0] = *first;
+	pair[1] = *second;
+	memset(first, 0, sizeof *first);
+	first->kind = TREE_TUPLE;
+	first->count = 2;
+	first->items = pair;
 	return 0;
 }
 

@@ -22,6 +22,10 @@ int scan_validate(const struct adapter *a, const struct tree_node *carry, bool p
 int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                 struct tree_node *inputs, struct proto_err *err);
 
+/* first becomes the tuple (first, second), its nodes in req's zone. */
+int scan_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
+              struct proto_err *err);
+
 /*
  * strategy = chunk: a scan (not a grad) of T > PROTO_CHUNK_STEPS steps, T a
  * multiple of it, asks for the graph of PROTO_CHUNK_STEPS steps instead
