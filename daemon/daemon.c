@@ -12,7 +12,6 @@
 
 #include "busypoll.h"
 #include "log.h"
-#include "sha256.h"
 
 #include <errno.h>
 #include <signal.h>
@@ -338,60 +337,6 @@ static void worker_ready(struct compiler *c, const struct proto_err *err)
 }
 
 /*
- * The ISA flags -march=native specialises code for: part of every cache key
- * (with --target-isa avx2/baseline, only the target's name).  Returns -1
- * when the target needs what this CPU lacks.
- */
-static int read_isa(struct daemon *d)
-{
-	static const char *const flags[] = {" avx2",        " avx512f",  " avx512bw", " avx512vl",
-	                                    " avx512_bf16", " amx_tile", " fma",      " sve"};
-	FILE *f = fopen("/proc/cpuinfo", "re");
-	char line[8192], host[128] = "";
-	bool avx2 = false;
-
-	while (f && fgets(line, sizeof line, f)) {
-		if (strncmp(line, "flags", 5) != 0)
-			continue;
-		for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
-			char pat[32];
-			snprintf(pat, sizeof pat, "%s ", flags[i]);
-			if (strstr(line, pat))
-				strncat(host, flags[i], sizeof host - strlen(host) - 1);
-		}
-		avx2 = strstr(line, " avx2 ") != NULL;
-		break;
-	}
-	if (f)
-		fclose(f);
-	switch (d->cfg.target_isa) {
-	case ISA_NATIVE:
-		snprintf(d->isa, sizeof d->isa, "isa:%s", host);
-		return 0;
-	case ISA_AVX2:
-		snprintf(d->isa, sizeof d->isa, "isa:target=avx2");
-		if (!avx2)
-			log_error("--target-isa avx2: this CPU has no AVX2");
-		return avx2 ? 0 : -1;
-	case ISA_BASELINE:
-		snprintf(d->isa, sizeof d->isa, "isa:target=baseline");
-		return 0;
-	}
-	return 0;
-}
-
-/* Environment that makes Inductor generate code for --target-isa. */
-static const char *const *target_env(enum target_isa isa)
-{
-	static const char *const avx2[] = {"TORCHINDUCTOR_CPP_MARCH=haswell",
-	                                   "ATEN_CPU_CAPABILITY=avx2", NULL};
-	static const char *const baseline[] = {"TORCHINDUCTOR_CPP_MARCH=x86-64",
-	                                       "ATEN_CPU_CAPABILITY=default", NULL};
-
-	return isa == ISA_AVX2 ? avx2 : isa == ISA_BASELINE ? baseline : NULL;
-}
-
-/*
  * Every connection is a descriptor, plus one memfd it may have passed and not
  * yet attached, plus the descriptors of one read in flight (libuv takes up to
  * 64 per recvmsg; conn.c closes strays at once): raise the soft
@@ -435,31 +380,11 @@ int daemon_block_signals(struct daemon *d)
 	return sigthread_block(&d->sig.set);
 }
 
-/* The worker's part of every cache key: its script and the captured-graph
- * loader beside it (both decide what a graph compiles to; a stand-in worker
- * of the tests has no loader beside it). */
-static int worker_digest(struct daemon *d)
-{
-	char loader[PATH_MAX];
-	const char *files[] = {d->cfg.worker, loader};
-	const char *slash = strrchr(d->cfg.worker, '/');
-	int dir = slash ? (int)(slash - d->cfg.worker + 1) : 0;
-
-	if (snprintf(loader, sizeof loader, "%.*sgraph_loader.py", dir, d->cfg.worker) >=
-	        (int)sizeof loader ||
-	    access(d->cfg.worker, R_OK) != 0 || sha256_files(files, 2, d->worker_sha) != 0) {
-		log_error("compile worker %s: cannot read it (or the graph_loader.py beside it)",
-		          d->cfg.worker);
-		return -1;
-	}
-	return 0;
-}
-
 int daemon_graphs_open(struct daemon *d)
 {
 	struct proto_err err;
 
-	if (read_isa(d) != 0 || worker_digest(d) != 0)
+	if (worker_target_open(d) != 0)
 		return -1;
 	if (cache_open(&d->cache, d->cfg.cache_dir, &err) != 0) {
 		log_error("cache: %s", err.message);
@@ -475,33 +400,11 @@ int daemon_graphs_open(struct daemon *d)
 	return 0;
 }
 
-/*
- * The workers' environment beyond the allow-list: the target's, and
- * Inductor's own cache (its precompiled headers, ~150 MB each, take seconds
- * to build) in the cache directory, so it outlives a restart (PrivateTmp
- * gives every start a new /tmp) -- unless the environment names one.
- */
-static const char *const *worker_env(struct daemon *d)
-{
-	const char *const *target = target_env(d->cfg.target_isa);
-	size_t n = 0;
-
-	for (; target && *target; target++)
-		d->worker_env[n++] = *target;
-	if (getenv("TORCHINDUCTOR_CACHE_DIR") == NULL) {
-		snprintf(d->inductor_dir_env, sizeof d->inductor_dir_env,
-		         "TORCHINDUCTOR_CACHE_DIR=%s/inductor", d->cfg.cache_dir);
-		d->worker_env[n++] = d->inductor_dir_env;
-	}
-	d->worker_env[n] = NULL;
-	return d->worker_env;
-}
-
 int daemon_graphs_start_worker(struct daemon *d,
                                void (*up)(struct daemon *d, const struct proto_err *err))
 {
 	struct compiler_opts o = {d->cfg.python, d->cfg.worker, (double)d->cfg.compile_timeout,
-	                          (unsigned)d->cfg.compile_workers, worker_env(d)};
+	                          (unsigned)d->cfg.compile_workers, worker_target_env(d)};
 
 	d->worker_up = up;
 	d->compiler = compiler_start(d->loop, &o, worker_ready, d);

@@ -269,4 +269,10 @@ void daemon_begin_shutdown(struct daemon *d, const char *why);
 double daemon_pool_wait(const struct daemon *d);
 void daemon_request_done(struct daemon *d);
 
+/* worker_target.c: the ISA and worker digest of every cache key (-1: the
+ * target needs what this CPU lacks, or the worker cannot be read), and the
+ * workers' environment beyond the allow-list (Inductor's target and cache). */
+int worker_target_open(struct daemon *d);
+const char *const *worker_target_env(struct daemon *d);
+
 #endif
