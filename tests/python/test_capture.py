@@ -175,6 +175,26 @@ def test_new_values_of_a_captured_tensor_neither_capture_nor_compile(adapter: An
         assert total_compiles(client) == compiles
 
 
+def test_under_no_grad_leaves_that_require_grad_run_as_plain_values(adapter: Any) -> None:
+    """torch.no_grad() with a carry and a captured tensor that require grad:
+    the scan sends their values, the results carry no autograd history, and
+    the capture is the plain call's (no new trace, no new graph)."""
+    W = W0.clone().requires_grad_()
+    body = make(0.3, W)
+    carry, xs = inputs(13)
+    adapter.scan(body, carry, xs)  # the forms' graph: compiled already
+    capturer = adapter.scan.__self__.capturer
+    seen = capturer.captures
+    carry.requires_grad_()
+    with torch.no_grad():
+        final, ys = adapter.scan(body, carry, xs)
+        want_final, want_ys = eager.scan(body, carry, xs)
+    assert not final.requires_grad and not ys.requires_grad
+    torch.testing.assert_close(final, want_final, **TOL)
+    torch.testing.assert_close(ys, want_ys, **TOL)
+    assert capturer.captures == seen
+
+
 def test_a_graph_break_is_refused_with_torchs_reason(adapter: Any) -> None:
     def breaks(c: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
         if c.sum() > 0:  # data-dependent Python control flow

@@ -24,7 +24,7 @@ import re
 import threading
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Callable, Union
+from typing import Any, Callable, NoReturn, Sequence, Union
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -245,21 +245,25 @@ class _Driver:
                 self.by_body = {k: v for k, v in self.by_body.items() if v != name}
             return self.client.call(op, adapter=self.adapter_for(target), **fields)
 
-    def prepare(self, body: Callable[..., Any], carry_def: Any, inputs_def: Any,
+    def prepare(self, body: Callable[..., Any], carry: Any, carry_def: Any, inputs_def: Any,
                 leaves: list[torch.Tensor], n_carry: int) -> tuple[Target, list[torch.Tensor]]:
         """(what to run, live captured tensors) for this call's body and trees."""
         if not self.capture:
             return body, []
         if not callable(body):
             raise TypeError("body must be a callable body(carry, x) -> (new_carry, y)")
-        check_rows(inputs_def, leaves[n_carry:], self.max_steps)
-        carry = [_plain(t) for t in leaves[:n_carry]]
-        rows = [_plain(t)[0] for t in leaves[n_carry:]]
-        g, args, result = self.capturer.capture(
-            body, unflatten(carry_def, carry, [0]), unflatten(inputs_def, rows, [0]))
+        xs = leaves[n_carry:]
+        rows = _rows(xs, self.max_steps)
+        if rows is None:
+            check_rows(inputs_def, xs, self.max_steps)
+        cs = leaves[:n_carry]
+        if any(t.requires_grad for t in cs):  # the body sees the carry's values only
+            cs = [t.detach() for t in cs]
+            carry = unflatten(carry_def, cs, [0])
+        g, args, result = self.capturer.capture(body, carry, unflatten(inputs_def, rows, [0]))
         if not g.bound:
-            g.bind(args, carry, rows, result, leaves[0].dtype)
-        target = g.document(args, carry + rows, n_carry, carry_def, inputs_def, self.graph_def)
+            g.bind(args, cs, rows, result, leaves[0].dtype)
+        target = g.document(args, cs + rows, n_carry, carry_def, inputs_def, self.graph_def)
         return target, [args[j] for j in g.live]
 
     def scan(self, body: Callable[..., Any], carry: Any, inputs: Any) -> tuple[Any, Any]:
@@ -270,35 +274,43 @@ class _Driver:
         carry_def = flatten(carry, "carry", leaves)
         n_carry = len(leaves)
         inputs_def = flatten(inputs, "inputs", leaves)
-        target, params = self.prepare(body, carry_def, inputs_def, leaves, n_carry)
+        target, params = self.prepare(body, carry, carry_def, inputs_def, leaves, n_carry)
         call = _Call(self, target, carry_def, inputs_def, n_carry, len(params))
         every = leaves + params
         if torch.is_grad_enabled() and any(t.requires_grad for t in every):
             flat = _ScanFunction.apply(call, *every)
             pos = [0]
             return unflatten(call.final_def, list(flat), pos), unflatten(call.outputs_def, list(flat), pos)
-        res = call.run("scan", tuple(every))
+        res = call.send("scan", carry, inputs, params)  # the user's own trees: checked by flatten
         return res["carry"], res["outputs"]
 
 
 Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """t without autograd history (detach only what has it: a scan calls this
-    on every leaf)."""
-    return t.detach() if t.requires_grad else t
+def _rows(xs: list[torch.Tensor], max_steps: int) -> list[torch.Tensor] | None:
+    """Row 0 of every input leaf (what capture traces the step at), or None
+    when check_rows has an error to raise."""
+    if not xs or not xs[0].ndim:
+        return None
+    steps = xs[0].shape[0]
+    if not 1 <= steps <= max_steps:
+        return None
+    rows = []
+    for t in xs:
+        if not t.ndim or t.shape[0] != steps:
+            return None
+        rows.append(t.detach()[0] if t.requires_grad else t[0])
+    return rows
 
 
-def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> None:
-    """The daemon's checks that capture needs first (it traces row 0)."""
+def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> NoReturn:
+    """The daemon's checks that capture needs first (it traces row 0): raises
+    the error of the first input leaf that fails them."""
     if not xs:
         raise TorchloopValueError(
             "NO_INPUTS", "inputs has no tensor leaf: the scan length T comes from the inputs",
             "inputs")
-    steps = xs[0].shape[0] if xs[0].ndim else 0
-    if all(t.ndim and t.shape[0] == steps for t in xs) and 1 <= steps <= max_steps:
-        return
     paths = leaf_paths(inputs_def, "inputs")
     for path, t in zip(paths, xs):
         if t.ndim == 0:
@@ -313,6 +325,7 @@ def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> None:
             raise TorchloopValueError(
                 "TOO_MANY_STEPS", f"{path}: T={t.shape[0]} is outside [1, max_steps={max_steps}]",
                 path)
+    raise AssertionError("check_rows found no error that _rows found")
 
 
 def leaf_paths(tdef: Any, path: str) -> list[str]:
@@ -338,21 +351,23 @@ class _Call:
         self.outputs_def: Any = None
         self.n_final = 0
 
-    def trees(self, leaves: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-        """The request's trees: carry, inputs and (a captured graph's live
-        tensors, which the daemon passes to every step and does not send
-        back) params."""
-        flat = [_plain(t) for t in leaves]
-        n_in = len(flat) - self.n_params
-        trees = {"carry": unflatten(self.carry_def, flat, [0]),
-                 "inputs": unflatten(self.inputs_def, flat[self.n_carry:n_in], [0])}
-        if self.wrapped:
-            trees["params"] = tuple(flat[n_in:])
-        return trees
-
     def run(self, op: str, leaves: tuple[torch.Tensor, ...], **cots: Any) -> dict:
+        """The op over flat leaves (carry, inputs, then the captured tensors)."""
+        n_in = len(leaves) - self.n_params
+        return self.send(op, unflatten(self.carry_def, leaves, [0]),
+                         unflatten(self.inputs_def, leaves[self.n_carry:n_in], [0]),
+                         leaves[n_in:], **cots)
+
+    def send(self, op: str, carry: Any, inputs: Any, params: Sequence[torch.Tensor],
+             **cots: Any) -> dict:
+        """The op over the request's trees: carry, inputs and (a captured
+        graph's live tensors, which the daemon passes to every step and does
+        not send back) params.  The codec sends a tensor's values (detached)."""
         try:
-            return self.driver.send(op, self.target, **self.trees(leaves), **cots)
+            if not self.wrapped:
+                return self.driver.send(op, self.target, carry=carry, inputs=inputs, **cots)
+            return self.driver.send(op, self.target, carry=carry, inputs=inputs,
+                                    params=tuple(params), **cots)
         except TorchloopError as exc:
             if not self.wrapped:
                 raise

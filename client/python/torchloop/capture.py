@@ -283,10 +283,11 @@ class Capturer:
 
     def capture(self, body: object, carry: object, xrow: object) -> tuple[StepGraph, tuple[torch.Tensor, ...], object]:
         """Runs the guards (tracing when they fail); the graph and this call's tensors."""
-        fn, fast = self.compiled(body)
+        fn, fast = self.steps.get(code_key(body)) or self.compiled(body)
         RECORDED.call = None
         grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # the capture's grad mode (a guard)
+        if grad:
+            torch._C._set_grad_enabled(False)  # the capture's grad mode (a guard)
         try:
             result = fast(body, carry, xrow)
             if result is None:
@@ -297,7 +298,8 @@ class Capturer:
             else:
                 self.fast_calls += 1
         finally:
-            torch._C._set_grad_enabled(grad)
+            if grad:
+                torch._C._set_grad_enabled(True)
         rec, RECORDED.call = RECORDED.call, None
         if rec is None:
             raise RuntimeError(
