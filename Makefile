@@ -148,6 +148,7 @@ bench: build
 	$(PY) tests/bench/outvariant.py $(BUILD)/bench/outvariant.json
 	$(PY) tests/bench/bigruns.py $(BUILD) $(BUILD)/bench/bigruns.json
 	$(PY) tests/bench/capture.py $(BUILD) $(BUILD)/bench/capture.json
+	$(PY) tests/bench/checkpoint.py $(BUILD) $(BUILD)/bench/checkpoint.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)
 	$(PY) tests/bench/report.py $(BUILD)/bench docs/performance.md
 	cp $(BUILD)/bench/*.png docs/
@@ -166,6 +167,7 @@ INSTALL_FILES = $(DESTDIR)$(PREFIX)/bin/torchloopd $(DESTDIR)$(PREFIX)/bin/torch
 	$(DESTDIR)$(PREFIX)/include/torchloop.h $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc \
 	$(DESTDIR)$(PREFIX)/lib/torchloopd/compile_worker.py \
 	$(DESTDIR)$(PREFIX)/lib/torchloopd/graph_loader.py \
+	$(DESTDIR)$(PREFIX)/lib/torchloopd/checkpoint.py \
 	$(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.socket \
 	$(DESTDIR)/usr/lib/sysusers.d/torchloopd.conf $(DESTDIR)/usr/lib/tmpfiles.d/torchloopd.conf
 
@@ -178,7 +180,7 @@ install: build $(BUILD)/torchloop.pc
 	install -m 0644 client/torchloop.h $(DESTDIR)$(PREFIX)/include/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PREFIX)/lib|' -e 's|@INCLUDEDIR@|$(PREFIX)/include|' \
 	    -e 's|@VERSION@|$(VERSION)|' -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' client/torchloop.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc
-	install -m 0644 daemon/worker/compile_worker.py daemon/worker/graph_loader.py \
+	install -m 0644 daemon/worker/compile_worker.py daemon/worker/graph_loader.py daemon/worker/checkpoint.py \
 		$(DESTDIR)$(PREFIX)/lib/torchloopd/
 	sed -e 's|/usr/local/bin/torchloopd|$(PREFIX)/bin/torchloopd --worker $(PREFIX)/lib/torchloopd/compile_worker.py --python $(PY)|' \
 	    systemd/torchloopd.service > $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service

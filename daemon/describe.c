@@ -75,7 +75,7 @@ void describe_specs(struct writer *w, const struct adapter *a)
 		                 7 + (sp->state == SPEC_FAILED) + 5 * (sp->state == SPEC_READY));
 		writer_key_str(w, "signature", sp->signature);
 		writer_key_str(w, "key", sp->key);
-		writer_key_str(w, "kind", sp->grad ? "grad" : "scan");
+		writer_key_str(w, "kind", spec_kinds[sp->kind].name);
 		writer_key_str(w, "state", state_name(sp->state));
 		writer_key_f64(w, "compile_seconds", sp->compile_seconds);
 		writer_key_bool(w, "from_cache", sp->from_cache);

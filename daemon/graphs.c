@@ -41,6 +41,21 @@
 
 #define PROGRESS_MS 2000
 
+/* The checkpointed VJP is the scan op's whatever the strategy: no quick tier. */
+const struct spec_kind_info spec_kinds[SPEC_KINDS] = {
+    [SPEC_SCAN] = {"scan", "forward", false, true},
+    [SPEC_GRAD] = {"grad", "vjp", true, true},
+    [SPEC_GRAD_CHECKPOINT] = {"grad_checkpoint", "vjp_checkpoint", true, false},
+};
+
+int spec_kind_parse(const char *s, size_t n)
+{
+	for (int k = 0; k < SPEC_KINDS; k++)
+		if (strlen(spec_kinds[k].name) == n && memcmp(spec_kinds[k].name, s, n) == 0)
+			return k;
+	return -1;
+}
+
 struct load_job {
 	uv_work_t work;
 	struct graphs *g;
@@ -146,7 +161,7 @@ void graphs_invalidate(struct graphs *g, struct specialization *sp, const char *
 {
 	cache_quarantine(g->cache, sp->graph_key[0] ? sp->graph_key : sp->key, why);
 	log_line(LOG_ERROR, 0, sp->adapter->def.name, "%s %s dropped: %s",
-	         sp->grad ? "grad" : "scan", sp->signature, why);
+	         spec_kinds[sp->kind].name, sp->signature, why);
 	unlist_spec(sp);
 }
 
@@ -284,18 +299,18 @@ static void spec_ready(struct graphs *g, struct specialization *sp)
 	sp->state = SPEC_READY;
 	if (sp->from_cache || sp->compile_phases[3] <= 0)
 		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
-		         sp->grad ? "grad" : "scan", sp->signature,
+		         spec_kinds[sp->kind].name, sp->signature,
 		         sp->from_cache ? "from cache" : "compiled", sp->compile_seconds);
 	else
 		log_line(LOG_INFO, 0, sp->adapter->def.name,
 		         "%s %s ready (compiled, %.1f s: set-up %.1f, eager %.1f, export %.1f, "
 		         "inductor %.1f, parity %.1f)",
-		         sp->grad ? "grad" : "scan", sp->signature, sp->compile_seconds,
+		         spec_kinds[sp->kind].name, sp->signature, sp->compile_seconds,
 		         sp->compile_phases[0], sp->compile_phases[1], sp->compile_phases[2],
 		         sp->compile_phases[3], sp->compile_phases[4]);
 	if (sp->note[0])
-		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s: %s",
-		         sp->grad ? "grad" : "scan", sp->signature, sp->note);
+		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s: %s", spec_kinds[sp->kind].name,
+		         sp->signature, sp->note);
 	graphs_ref(sp);
 	release_waiters(sp);
 	graphs_unref(sp);
@@ -308,7 +323,7 @@ static int check_arity(struct specialization *sp, size_t n_in, size_t n_out, str
 	size_t want_in = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
 	size_t want_out = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->y);
 
-	if (sp->grad) {
+	if (spec_grad(sp)) {
 		want_in += want_out;
 		want_out += tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
 	}
@@ -382,7 +397,7 @@ static void fill_expected(struct specialization *sp)
 		return;
 	signature_flatten(&sp->carry, sp->expected, &n);
 	signature_flatten(&sp->inputs, sp->expected, &n);
-	if (sp->grad) {
+	if (spec_grad(sp)) {
 		/* cotangents: final carry (carry's shapes), then stacked outputs */
 		size_t ny = 0;
 		signature_flatten(&sp->carry, sp->expected, &n);
@@ -428,7 +443,7 @@ static void fill_expected_out(struct specialization *sp)
 		return;
 	expect_tree(&sp->carry, 0, sp->expected_out, &n);
 	expect_tree(&sp->y, sp->steps, sp->expected_out, &n);
-	if (sp->grad) {
+	if (spec_grad(sp)) {
 		expect_tree(&sp->carry, 0, sp->expected_out, &n);
 		expect_tree(&sp->inputs, 0, sp->expected_out, &n);
 	}
@@ -645,7 +660,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	                  : strcmp(a->def.strategy, "chunk") == 0 ? "unroll"
 	                                                          : a->def.strategy;
 	j->job.background = j->upgrade;
-	j->job.kind = sp->grad ? "vjp" : "forward";
+	j->job.kind = spec_kinds[sp->kind].job;
 	j->job.carry = &sp->carry;
 	j->job.inputs = &sp->inputs;
 	j->job.dtype = sp->dtype;
@@ -665,7 +680,7 @@ static bool tier_applies(const struct graphs *g, const struct specialization *sp
 {
 	long long min = g->cfg->quick_tier_steps;
 
-	return min > 0 && sp->steps >= min && !sp->batch &&
+	return min > 0 && sp->steps >= min && !sp->batch && spec_kinds[sp->kind].tiered &&
 	       strcmp(sp->adapter->def.strategy, "unroll") == 0;
 }
 
@@ -690,7 +705,7 @@ static void upgrade_over(struct load_job *j, const struct proto_err *err)
 		log_line(LOG_WARN, 0, sp->adapter->def.name,
 		         "%s %s: the unrolled graph failed (%s: %s); the scan op's graph keeps "
 		         "serving",
-		         sp->grad ? "grad" : "scan", sp->signature, proto_code_name(err->code),
+		         spec_kinds[sp->kind].name, sp->signature, proto_code_name(err->code),
 		         err->message);
 		snprintf(sp->note, sizeof sp->note, "quick tier: the unrolled graph failed (%s)",
 		         proto_code_name(err->code));
@@ -717,7 +732,7 @@ static void after_upgrade(struct load_job *j)
 		a->stats.cache_misses++;
 		a->stats.compiles++;
 		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s unrolled, in the background",
-		         sp->grad ? "grad" : "scan", sp->signature);
+		         spec_kinds[sp->kind].name, sp->signature);
 		compiler_submit(j->g->compiler, &j->job);
 		return; /* j lives on until compile_done */
 	}
@@ -745,7 +760,7 @@ static void after_upgrade(struct load_job *j)
 	sp->omp_tries = 0;
 	memset(sp->omp_best_us, 0, sizeof sp->omp_best_us);
 	log_line(LOG_INFO, 0, a->def.name, "%s %s: the unrolled graph took over (%s, %.1f s)",
-	         sp->grad ? "grad" : "scan", sp->signature, j->hit ? "from cache" : "compiled",
+	         spec_kinds[sp->kind].name, sp->signature, j->hit ? "from cache" : "compiled",
 	         sp->compile_seconds);
 	upgrade_over(j, NULL);
 }
@@ -758,7 +773,7 @@ static void start_upgrade(struct graphs *g, struct specialization *sp, struct lo
 	if (j == NULL) {
 		log_line(LOG_WARN, 0, sp->adapter->def.name,
 		         "%s %s: out of memory; the scan op's graph keeps serving",
-		         sp->grad ? "grad" : "scan", sp->signature);
+		         spec_kinds[sp->kind].name, sp->signature);
 		return;
 	}
 	j->upgrade = true;
@@ -818,7 +833,7 @@ static void after_load(uv_work_t *w, int status)
 		a->stats.compiles++;
 		sp->state = SPEC_COMPILING;
 		j->need_compile = false;
-		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s%s", sp->grad ? "grad" : "scan",
+		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s%s", spec_kinds[sp->kind].name,
 		         sp->signature,
 		         j->quick ? " with the scan op first (quick tier), then unrolled" : "");
 		start_progress(j->g, sp);
@@ -904,7 +919,7 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 			/* the scan op could not take it: the unrolled loop may */
 			log_line(LOG_WARN, 0, sp->adapter->def.name,
 			         "%s %s: the quick tier failed (%s: %s); compiling it unrolled",
-			         sp->grad ? "grad" : "scan", sp->signature, proto_code_name(e.code),
+			         spec_kinds[sp->kind].name, sp->signature, proto_code_name(e.code),
 			         e.message);
 			j->quick = false;
 			memcpy(j->key, sp->key, sizeof j->key);
@@ -963,7 +978,7 @@ static void key_for(struct graphs *g, const struct specialization *sp, const cha
 	parts[1] = a->body_sha;
 	parts[2] = bounds;
 	parts[3] = sp->signature;
-	parts[4] = sp->grad ? "vjp" : "forward";
+	parts[4] = spec_kinds[sp->kind].job;
 	parts[5] = torch;
 	parts[6] = AOTI_OPTIONS;
 	parts[7] = strategy;
@@ -987,7 +1002,7 @@ static struct specialization *spec_new(struct graphs *g, struct adapter *a,
 	sp->refs = 1; /* the adapter's list */
 	sp->adapter = a;
 	adapter_ref(a);
-	sp->grad = args->grad;
+	sp->kind = args->kind;
 	sp->batch = args->batch > 0;
 	sp->dtype = args->dtype;
 	sp->steps = args->steps;
@@ -1019,7 +1034,7 @@ static void budget_exhausted(struct adapter *a, struct proto_err *err)
 		if (!counts_against_budget(sp))
 			continue;
 		int w = snprintf(list + len, sizeof list - len, "%s%s %s", len ? "; " : "",
-		                 sp->grad ? "grad" : "scan", sp->signature);
+		                 spec_kinds[sp->kind].name, sp->signature);
 		if (w < 0 || (size_t)w >= sizeof list - len)
 			break;
 		len += (size_t)w;
@@ -1044,7 +1059,7 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 		return;
 	}
 	for (sp = a->specs; sp; sp = sp->next)
-		if (sp->grad == args->grad && strcmp(sp->signature, sig) == 0)
+		if (sp->kind == args->kind && strcmp(sp->signature, sig) == 0)
 			break;
 	if (sp)
 		sp->last_used = ++g->reg.tick;
@@ -1128,7 +1143,7 @@ static void index_append(struct graphs *g, struct specialization *sp)
 	if (writer_init(&w) != 0)
 		return;
 	msgpack_pack_map(&w.pk, 4);
-	writer_key_bool(&w, "grad", sp->grad);
+	writer_key_str(&w, "kind", spec_kinds[sp->kind].name);
 	writer_key_str(&w, "dtype", proto_dtype_name(sp->dtype));
 	writer_str(&w, "carry");
 	shapes_write(&w, &sp->carry);
@@ -1145,7 +1160,7 @@ static void index_append(struct graphs *g, struct specialization *sp)
 }
 
 struct prewarm_rec {
-	bool grad;
+	enum spec_kind kind;
 	enum proto_dtype dtype;
 	struct tree_node carry, inputs;
 };
@@ -1200,8 +1215,17 @@ static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
 	uint32_t n;
 	struct proto_err err;
 
-	rec->grad = false;
-	msg_get_bool(&m->up.data, "grad", &rec->grad, NULL);
+	bool grad = false; /* the index before kinds had names */
+	int kind;
+
+	if (msg_get_str(&m->up.data, "kind", &s, &n, NULL) == 0) {
+		if ((kind = spec_kind_parse(s, n)) < 0)
+			return -1;
+		rec->kind = (enum spec_kind)kind;
+	} else {
+		msg_get_bool(&m->up.data, "grad", &grad, NULL);
+		rec->kind = grad ? SPEC_GRAD : SPEC_SCAN;
+	}
 	if (msg_get_str(&m->up.data, "dtype", &s, &n, NULL) != 0)
 		return -1;
 	rec->dtype = n == 7 && memcmp(s, "float32", 7) == 0 ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
@@ -1226,7 +1250,7 @@ unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct
 	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
 		struct scan_args args = {
 		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
-		    recs[i].grad};
+		    recs[i].kind};
 		char sig[SPEC_SIG_MAX];
 		struct specialization *sp;
 		struct load_job *j;
@@ -1237,7 +1261,7 @@ unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct
 		                                    args.batch > 0, sig, sizeof sig) != 0)
 			continue;
 		for (sp = a->specs; sp; sp = sp->next)
-			if (sp->grad == args.grad && strcmp(sp->signature, sig) == 0)
+			if (sp->kind == args.kind && strcmp(sp->signature, sig) == 0)
 				break;
 		if (sp != NULL)
 			continue; /* listed twice */

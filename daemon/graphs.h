@@ -63,12 +63,30 @@ struct adapter_stats {
 
 enum spec_state { SPEC_LOADING, SPEC_COMPILING, SPEC_READY, SPEC_FAILED };
 
+/*
+ * What a specialization's graph computes.  Everything that names, keys or
+ * tells a kind apart reads spec_kinds (graphs.c).
+ */
+enum spec_kind { SPEC_SCAN, SPEC_GRAD, SPEC_GRAD_CHECKPOINT, SPEC_KINDS };
+
+struct spec_kind_info {
+	const char *name; /* protocol (describe, compile's kind, the index): "scan", ... */
+	const char *job;  /* the worker's job kind and the cache key's part: "forward", ... */
+	bool grad;        /* a VJP graph: cotangents in, gradients out */
+	bool tiered;      /* the quick tier may serve it while the unrolled graph builds */
+};
+
+extern const struct spec_kind_info spec_kinds[SPEC_KINDS];
+
+/* The kind whose protocol name is s[0..n), or -1. */
+int spec_kind_parse(const char *s, size_t n);
+
 struct specialization {
 	struct adapter *adapter; /* holds a reference */
 	struct specialization *next;
 	int refs;
 	enum spec_state state;
-	bool grad;  /* kind: forward ("scan") or vjp ("grad") */
+	enum spec_kind kind;
 	bool batch; /* one graph for every batch size: shapes hold SHAPES_BATCH */
 	char key[CACHE_KEY_HEX];
 	char *signature; /* in zone */
@@ -110,6 +128,12 @@ struct specialization {
 	int lock_fd;               /* the cache lock of key while it is built */
 	const struct cache *cache; /* where that lock is */
 };
+
+/* A VJP graph: cotangents in, gradients out. */
+static inline bool spec_grad(const struct specialization *sp)
+{
+	return spec_kinds[sp->kind].grad;
+}
 
 struct adapter {
 	struct adapter_def def;
@@ -201,7 +225,7 @@ struct scan_args {
 	enum proto_dtype dtype;
 	int64_t steps;
 	int64_t batch; /* dynamic = batch adapters: the request's batch size (>= 1); else 0 */
-	bool grad;
+	enum spec_kind kind;
 };
 
 /*

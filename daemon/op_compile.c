@@ -22,7 +22,7 @@ static void compile_ready(struct request *req, struct specialization *sp)
 		return;
 	}
 	writer_key_str(&out->w, "signature", sp->signature);
-	writer_key_str(&out->w, "kind", sp->grad ? "grad" : "scan");
+	writer_key_str(&out->w, "kind", spec_kinds[sp->kind].name);
 	writer_key_bool(&out->w, "from_cache", sp->from_cache);
 	writer_key_f64(&out->w, "compile_seconds", sp->compile_seconds);
 	writer_str(&out->w, "compile_phases");
@@ -65,8 +65,13 @@ static int parse(struct request *req, struct scan_args *args, struct proto_err *
 	else
 		return proto_fail(err, PROTO_E_BAD_DTYPE, "dtype",
 		                  "dtype must be float32 or float64");
-	if (msg_get_str(&req->msg.up.data, "kind", &s, &n, err) == 0)
-		args->grad = n == 4 && memcmp(s, "grad", 4) == 0;
+	if (msg_get_str(&req->msg.up.data, "kind", &s, &n, err) == 0) {
+		int kind = spec_kind_parse(s, n);
+		if (kind < 0)
+			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "kind",
+			                  "kind must be scan, grad or grad_checkpoint");
+		args->kind = (enum spec_kind)kind;
+	}
 	return read_spec(req, "carry", dtype, &req->carry, err) ||
 	               read_spec(req, "inputs", dtype, &req->inputs, err)
 	           ? -1

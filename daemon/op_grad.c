@@ -2,8 +2,8 @@
  * op_grad.c - grad: the scan's outputs plus the vector-Jacobian product
  * for cotangents of (final carry, stacked outputs) with respect to
  * (carry, inputs).  A None cotangent (a whole tree or a leaf) means zero.
- * The vjp graph is its own specialization (kind "grad") and counts against
- * the adapter's budget.
+ * The vjp graph is its own specialization (kind "grad", or with checkpoint
+ * "grad_checkpoint") and counts against the adapter's budget.
  */
 #include "scanrun.h"
 #include "shm.h"
@@ -160,13 +160,27 @@ static int pair_cot_carry(struct request *req, struct proto_err *err)
 	return scan_pair(req, &req->cot_carry, &none, err);
 }
 
+/* checkpoint: true asks for the checkpointed VJP (carries saved, steps
+ * recomputed): a kind of its own, so a graph of its own. */
+static int grad_kind(struct request *req, enum spec_kind *kind, struct proto_err *err)
+{
+	bool checkpoint = false;
+
+	if (msg_get_bool(&req->msg.up.data, "checkpoint", &checkpoint, err) < 0)
+		return -1;
+	*kind = checkpoint ? SPEC_GRAD_CHECKPOINT : SPEC_GRAD;
+	return 0;
+}
+
 static void op_grad(struct request *req)
 {
 	struct adapter *a;
-	struct scan_args args = {.grad = true};
+	struct scan_args args = {0};
+	enum spec_kind kind;
 	struct proto_err err;
 
-	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	if (grad_kind(req, &kind, &err) != 0 ||
+	    scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
 	    scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
 	    optional_tree(req, "cot_carry", &req->cot_carry, &err) != 0 ||
 	    pair_cot_carry(req, &err) != 0 ||
@@ -175,7 +189,7 @@ static void op_grad(struct request *req)
 		request_fail(req, &err);
 		return;
 	}
-	args.grad = true;
+	args.kind = kind;
 	request_acquire(req, a, &args, grad_ready);
 }
 

@@ -205,9 +205,10 @@ static int put_results(struct outmsg *out, struct reply_ctx *c, const struct spe
 	return put_tree(out, c, "carry", carry, &pos) ||
 	               (params && put_tree(out, c, NULL, params, &pos)) ||
 	               put_tree(out, c, "outputs", &sp->y, &pos) ||
-	               (sp->grad && (put_tree(out, c, "grad_carry", carry, &pos) ||
-	                             (params && put_tree(out, c, "grad_params", params, &pos)) ||
-	                             put_tree(out, c, "grad_inputs", &sp->inputs, &pos)))
+	               (spec_grad(sp) &&
+	                (put_tree(out, c, "grad_carry", carry, &pos) ||
+	                 (params && put_tree(out, c, "grad_params", params, &pos)) ||
+	                 put_tree(out, c, "grad_inputs", &sp->inputs, &pos)))
 	           ? -1
 	           : 0;
 }
@@ -228,7 +229,7 @@ static void reply_run(struct run_job *j, void *arg)
 		return;
 	}
 	c.placed = run_placed(j, &needed);
-	out = request_begin_result(req, (sp->grad ? 4 + req->params : 2) + req->out.set);
+	out = request_begin_result(req, (spec_grad(sp) ? 4 + req->params : 2) + req->out.set);
 	if (out != NULL && req->out.set)
 		writer_key_u64(&out->w, "out_needed", needed);
 	if (out == NULL || put_results(out, &c, sp) != 0) {
@@ -272,8 +273,8 @@ int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *a
 	const int64_t k = PROTO_CHUNK_STEPS;
 
 	req->chunks = 0;
-	if (strcmp(a->def.strategy, "chunk") != 0 || args->grad || args->batch > 0 ||
-	    args->steps <= k || args->steps % k != 0)
+	if (strcmp(a->def.strategy, "chunk") != 0 || spec_kinds[args->kind].grad ||
+	    args->batch > 0 || args->steps <= k || args->steps % k != 0)
 		return 0;
 	if (signature_copy(args->inputs, req->msg.up.zone, &req->chunk_inputs) != 0)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");

@@ -69,24 +69,32 @@ static const char *const *target_env(enum target_isa isa)
 	return isa == ISA_AVX2 ? avx2 : isa == ISA_BASELINE ? baseline : NULL;
 }
 
-/* The worker's part of every cache key: its script and the captured-graph
- * loader beside it (both decide what a graph compiles to; a stand-in worker
- * of the tests has no loader beside it). */
+/* The worker's modules beside its script (install copies them with it). */
+static const char *const worker_modules[] = {"graph_loader.py", "checkpoint.py"};
+#define N_MODULES (sizeof worker_modules / sizeof worker_modules[0])
+
+/* The worker's part of every cache key: its script and its modules (they
+ * decide what a graph compiles to; a stand-in worker of the tests has none
+ * beside it). */
 static int worker_digest(struct daemon *d)
 {
-	char loader[PATH_MAX];
-	const char *files[] = {d->cfg.worker, loader};
+	char paths[N_MODULES][PATH_MAX];
+	const char *files[1 + N_MODULES] = {d->cfg.worker};
 	const char *slash = strrchr(d->cfg.worker, '/');
 	int dir = slash ? (int)(slash - d->cfg.worker + 1) : 0;
 
-	if (snprintf(loader, sizeof loader, "%.*sgraph_loader.py", dir, d->cfg.worker) >=
-	        (int)sizeof loader ||
-	    access(d->cfg.worker, R_OK) != 0 || sha256_files(files, 2, d->worker_sha) != 0) {
-		log_error("compile worker %s: cannot read it (or the graph_loader.py beside it)",
-		          d->cfg.worker);
-		return -1;
+	for (size_t i = 0; i < N_MODULES; i++) {
+		if (snprintf(paths[i], sizeof paths[i], "%.*s%s", dir, d->cfg.worker,
+		             worker_modules[i]) >= (int)sizeof paths[i])
+			goto fail;
+		files[1 + i] = paths[i];
 	}
-	return 0;
+	if (access(d->cfg.worker, R_OK) == 0 &&
+	    sha256_files(files, 1 + N_MODULES, d->worker_sha) == 0)
+		return 0;
+fail:
+	log_error("compile worker %s: cannot read it (or the modules beside it)", d->cfg.worker);
+	return -1;
 }
 
 /*

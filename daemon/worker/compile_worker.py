@@ -9,7 +9,8 @@ and replies with the graph's flat signature. stderr is the worker's log.
 The compiled graph is flat: its inputs are the tensor leaves of carry then
 inputs (None leaves dropped, depth-first, dict order kept), and its outputs
 the tensor leaves of the final carry then of the stacked outputs (then, for
-kind "vjp", the gradients for the carry's and the inputs' tensor leaves).
+kind "vjp" and "vjp_checkpoint", the gradients for the carry's and the
+inputs' tensor leaves; checkpoint.py builds the latter).
 The daemon owns the trees; the graph only sees tensors.
 
 Errors map to protocol codes (proto/protocol.h); nothing falls back to eager.
@@ -38,6 +39,7 @@ import torch
 
 # the loader of captured graphs lives beside this file, however it was started
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoint  # noqa: E402
 import graph_loader  # noqa: E402
 from graph_loader import GraphBody, GraphError  # noqa: E402
 
@@ -297,6 +299,12 @@ def first_path(message: str) -> str:
 Spec = dict[str, Any] | None
 
 
+# Job kinds -> whether the graph is a VJP (takes the cotangents after the
+# inputs, returns the gradients after the outputs); the daemon's spec kinds
+# (daemon/graphs.c, SPEC_KINDS) name them.
+KINDS = {"forward": False, "vjp": True, "vjp_checkpoint": True}
+
+
 @dataclass(frozen=True)
 class Job:
     """One compile (or register-time check) request from the daemon."""
@@ -306,7 +314,7 @@ class Job:
     entry: str
     body_graph: str = ""  # a captured step graph (graph_loader.py) instead of source
     strategy: str = "unroll"
-    kind: str = "forward"  # or "vjp"
+    kind: str = "forward"  # a key of KINDS
     dtype: str = "float64"
     steps: int = 0
     max_batch: int = 0  # dynamic = batch: the largest batch size; specs mark it -1
@@ -322,7 +330,7 @@ class Job:
     def parse(cls, req: dict[str, Any]) -> Job:
         """The fields of a compile/check request; missing optional ones get defaults."""
         try:
-            return cls(
+            job = cls(
                 body_source=str(req.get("body_source", "")),
                 body_file=str(req.get("body_file") or "<adapter>"),
                 entry=str(req.get("entry", "")),
@@ -340,6 +348,9 @@ class Job:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {exc!r}") from exc
+        if job.kind not in KINDS:
+            raise JobError("COMPILE_FAILED", f"malformed job from the daemon: kind {job.kind!r}")
+        return job
 
 
 def parse_sample(sample: object) -> list[bytes] | None:
@@ -481,23 +492,30 @@ class Scan:
         """
         from torch._higher_order_ops.scan import scan_op
 
+        combine, captured = self.flat_step(clone=True)
+        if lifted is None:
+            lifted = captured
+        return tuple(scan_op(combine, flat_tensors(carry), flat_tensors(xs), tuple(lifted)))
+
+    def flat_step(self, clone: bool) -> tuple[Callable[..., list[Any]], list[Any]]:
+        """(the step over flat leaves, the tensors the body captures from its
+        module): step(*carry leaves, *x leaves, *lifted) -> [*new carry, *y].
+        clone: every result a new tensor (the scan op refuses outputs that
+        alias its inputs or each other, `return c, c`)."""
         carry_spec, inputs_spec, body = self.carry_spec, self.inputs_spec, self.body
-        c0, x0 = flat_tensors(carry), flat_tensors(xs)
-        nc, nx = len(c0), len(x0)
+        nc, nx = len(spec_leaves(carry_spec)), len(spec_leaves(inputs_spec))
         captured = captured_tensors(body)
         names = [n for n, _ in captured]
-        if lifted is None:
-            lifted = [t for _, t in captured]
 
-        def combine(*flat: Any) -> list[Any]:
+        def step(*flat: Any) -> list[Any]:
             c = spec_build(carry_spec, list(flat[:nc]), [0])
             x = spec_build(inputs_spec, list(flat[nc : nc + nx]), [0])
             fn = rebound(body, dict(zip(names, flat[nc + nx :]))) if names else body
             new_c, y = fn(c, x)
-            # The op refuses outputs aliasing inputs or each other (`return c, c`).
-            return [t.clone() for t in flat_tensors(new_c)] + [t.clone() for t in flat_tensors(y)]
+            res = flat_tensors(new_c) + flat_tensors(y)
+            return [t.clone() for t in res] if clone else res
 
-        return tuple(scan_op(combine, c0, x0, tuple(lifted)))
+        return step, [t for _, t in captured]
 
 
 def rebound(fn: Callable[..., Any], values: dict[str, Any]) -> Callable[..., Any]:
@@ -1056,7 +1074,7 @@ def batch_dims(carry: Any, inputs: Any, y: Any, steps: int, kind: str,
     carry_s, inputs_s = spec_leaves(carry), spec_leaves(inputs)
     stacked = [[steps] + s for s in spec_leaves(y)]
     ins, results = carry_s + inputs_s, carry_s + stacked
-    if kind == "vjp":
+    if KINDS[kind]:
         ins, results = ins + results, results + ins
     dim = torch.export.Dim("B", min=1, max=max_batch)
     return BatchDims(dim, ins, results)
@@ -1069,7 +1087,7 @@ def capture(
     """torch.export of the flat scan (or make_fx of its VJP, then export), as
     a graph that writes its results into buffers passed after its inputs."""
     module, example = capture_values(scan, args, outs, kind, strict, dyn)
-    results = tuple(outs) + (tuple(args) if kind == "vjp" else ())
+    results = tuple(outs) + (tuple(args) if KINDS[kind] else ())
     bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
     shapes = dyn.of(dyn.inputs + dyn.results) if dyn else None
     try:
@@ -1089,6 +1107,15 @@ def capture_values(
     With a symbolic batch, make_fx traces the VJP symbolically (so no size is
     baked into its views and expands) and lets the body's module-level
     tensors in as real constants."""
+    if kind == "vjp_checkpoint":
+        if not dyn:
+            return capture_checkpointed(scan, args, outs)
+        # torch 2.14's Inductor cannot lower the scan op over a symbolic size
+        scan.notes.append("dynamic = batch: the checkpointed VJP needs the scan op, which "
+                          "torch's Inductor cannot lower over a symbolic batch; compiled "
+                          "the plain VJP (intermediates kept, not recomputed) instead")
+        log(scan.notes[-1])
+        kind = "vjp"
     forward_shapes = dyn.of(dyn.inputs[: len(args)]) if dyn else None
     vjp_shapes = dyn.of(dyn.inputs) if dyn else None
     trace = {"tracing_mode": "symbolic", "_allow_non_fake_inputs": True} if dyn else {}
@@ -1138,6 +1165,33 @@ def capture_values(
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
         raise classify(exc, "capture") from exc
+    return ep.module(), example
+
+
+def capture_checkpointed(scan: Scan, args: list[Any],
+                         outs: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The checkpointed VJP (checkpoint.py): each step's carry saved, the step
+    recomputed in the reverse loop; whatever the adapter's strategy, both
+    loops are the scan op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    nc = scan.n_carry
+    step, captured = scan.flat_step(clone=False)
+    lifted = [t.detach() for t in captured]
+    cot = cotangents(outs)
+    example = tuple(args) + tuple(cot)
+    try:
+        module = checkpoint.checkpointed_vjp(
+            step, nc, len(args) - nc, len(lifted), [*args[:nc], *(a[0] for a in args[nc:]), *lifted])
+        gm = make_fx(module, tracing_mode="fake")(*args, *cot, *lifted)
+        ep = torch.export.export(Wrap(gm, lifted), example, strict=False)
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc, "capture") from exc
+    scan.lowered = "scan"
+    scan.notes.append("checkpointed: the forward loop keeps each step's carry, the reverse "
+                      "loop recomputes the step before its VJP")
     return ep.module(), example
 
 
@@ -1250,7 +1304,7 @@ def parity_reference(scan: Scan, args: list[Any], outs: tuple[Any, ...],
                      kind: str) -> list[Any]:
     """What the artifact must compute, eagerly and without the tracer: the dry
     run's outputs, and for a VJP graph torch.func.vjp of the unrolled loop."""
-    if kind != "vjp":
+    if not KINDS[kind]:
         return list(outs)
     dry = replace(scan, strategy="unroll", tracing=False)
     return list(vjp_module(dry, len(args))(*args, *cotangents(outs)))
@@ -1334,7 +1388,7 @@ def dry_run(scan: Scan, kind: str,
         dry = replace(scan, strategy="unroll")
         outs = dry.forward(*args)
     scan.y_spec = dry.y_spec
-    data = tuple(args) + (tuple(cotangents(outs)) if kind == "vjp" else ())
+    data = tuple(args) + (tuple(cotangents(outs)) if KINDS[kind] else ())
     return args, outs, [data, parity_reference(scan, args, outs, kind)]
 
 
@@ -1417,7 +1471,7 @@ def compile_job(job: Job) -> dict[str, Any]:
         "so": out_path,
         "y": strip_dtype(y_spec),
         "n_inputs": len(example),
-        "n_outputs": len(outs) + (n_in if kind == "vjp" else 0),
+        "n_outputs": len(outs) + (n_in if KINDS[kind] else 0),
         "torch": torch.__version__,
         "compile_seconds": time.monotonic() - started,
         # where it went: import and set-up, the eager dry run (and the parity

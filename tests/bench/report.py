@@ -631,12 +631,13 @@ make build build/bench_c
 .venv/bin/python tests/bench/outvariant.py build/bench/outvariant.json
 .venv/bin/python tests/bench/bigruns.py build build/bench/bigruns.json
 .venv/bin/python tests/bench/capture.py build build/bench/capture.json
+.venv/bin/python tests/bench/checkpoint.py build build/bench/checkpoint.json
 .venv/bin/python tests/bench/bench.py build build/bench
 .venv/bin/python tests/bench/report.py build/bench docs/performance.md
 cp build/bench/*.png docs/
 ```
 
-Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/bench.json`. Timings
+Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/checkpoint.json`, `build/bench/bench.json`. Timings
 are never asserted in tests; they live here.
 """
 
@@ -739,6 +740,34 @@ def optional(bench_dir: str, name: str, default: object) -> object:
         return json.load(f)
 
 
+def checkpoint_section(c: dict) -> str:
+    if not c:
+        return "## Checkpointed backward\n\n(checkpoint.json missing: run `make bench`.)\n"
+    rows = [[name, f"{r['daemon_peak_mib']:.1f}", f"{r['client_peak_mib']:.1f}",
+             f"{r['fwd_bwd_ms']:.1f}"] for name, r in c["rows"].items()]
+    ck, plain = c["rows"][f"checkpointed T={c['T']}"], c["rows"][f"plain T={c['T']}"]
+    return f"""## Checkpointed backward
+
+`tests/bench/checkpoint.py`: `adapter.scan(adapter.checkpoint(body), h0, xs)`
+against the plain body, forward + backward of a step with large
+intermediates (state {c['state'][0]} x {c['state'][1]} float64 through a
+{c['hidden']}-wide hidden layer, captured weights), each in a daemon of its own
+whose graphs are compiled already; peak RSS over the RSS before (VmHWM after
+/proc/PID/clear_refs, malloc returning large blocks at once), p50 of
+{c['rounds']} forward + backward:
+
+{table(["variant", "daemon peak MiB", "client peak MiB", "fwd+bwd ms"], rows)}
+
+Carry {c['carry_mib']:.3f} MiB: the checkpointed backward grows
+{c['checkpointed_growth_per_step_mib']:.3f} MiB per step beyond T = 1 (the plain
+one {c['plain_growth_per_step_mib']:.3f}); at T = {c['T']} it peaks at
+{ck['daemon_peak_mib']:.1f} MiB against the bound carry x T + a T = 1 backward
+= {c['bound_mib']:.1f} MiB (target: within 20 %), the plain one at
+{plain['daemon_peak_mib']:.1f} MiB. Time: {c['time_ratio']:.2f}x the plain
+forward + backward (target: at most 1.6x).
+"""
+
+
 def main() -> None:
     bench_dir, out_md = sys.argv[1], sys.argv[2]
     with open(os.path.join(bench_dir, "bench.json")) as f:
@@ -749,10 +778,11 @@ def main() -> None:
     batch = optional(bench_dir, "batch.json", [])
     big = optional(bench_dir, "bigruns.json", {})
     cap = optional(bench_dir, "capture.json", {})
+    ckpt = optional(bench_dir, "checkpoint.json", {})
     doc = "\n".join([header(b), strategy_section(strategy), tier_section(tier),
                       batch_section(batch),
                      latency_section(b), bigruns_section(big), pyclient_section(b),
-                     capture_section(cap),
+                     capture_section(cap), checkpoint_section(ckpt),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b), time_section(b), history_section()])
     with open(out_md, "w") as f:

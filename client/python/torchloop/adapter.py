@@ -13,7 +13,9 @@ instead (admins only).  Carry, inputs and results are trees of tuples,
 lists, dicts (string keys) and tensors or None; structure round-trips
 exactly.  When a leaf (or a tensor the body captures) requires grad, the
 results are connected to the autograd graph: backward runs the daemon's
-grad op (first order; a double backward raises).
+grad op (first order; a double backward raises).  `adapter.checkpoint(body)`
+marks a body whose backward keeps only each step's carry and recomputes the
+step (the daemon's checkpointed VJP graph).
 """
 
 from __future__ import annotations
@@ -270,12 +272,15 @@ class _Driver:
         if torch.compiler.is_compiling():
             raise RuntimeError("a torchloop scan cannot run inside torch.compile: it is "
                                "compiled already, by the daemon")
+        checkpointed = isinstance(body, Checkpointed)
+        while isinstance(body, Checkpointed):
+            body = body.body
         leaves: list[torch.Tensor] = []
         carry_def = flatten(carry, "carry", leaves)
         n_carry = len(leaves)
         inputs_def = flatten(inputs, "inputs", leaves)
         target, params = self.prepare(body, carry, carry_def, inputs_def, leaves, n_carry)
-        call = _Call(self, target, carry_def, inputs_def, n_carry, len(params))
+        call = _Call(self, target, carry_def, inputs_def, n_carry, len(params), checkpointed)
         every = leaves + params
         if torch.is_grad_enabled() and any(t.requires_grad for t in every):
             flat = _ScanFunction.apply(call, *every)
@@ -342,10 +347,11 @@ class _Call:
     """One scan: what it runs, the trees' structure (results' filled in by run)."""
 
     def __init__(self, driver: _Driver, target: Target, carry_def: Any, inputs_def: Any,
-                 n_carry: int, n_params: int) -> None:
+                 n_carry: int, n_params: int, checkpoint: bool = False) -> None:
         self.driver, self.target = driver, target
         self.carry_def, self.inputs_def, self.n_carry = carry_def, inputs_def, n_carry
         self.n_params = n_params
+        self.checkpoint = checkpoint  # its grad asks for the checkpointed VJP graph
         self.wrapped = isinstance(target, tuple)  # a captured graph: live tensors are params
         self.final_def: Any = None
         self.outputs_def: Any = None
@@ -415,13 +421,40 @@ class _ScanFunction(torch.autograd.Function):
         cots = [g.contiguous() if g is not None else None for g in grads]
         cot_carry = unflatten(call.final_def, cots, [0])
         cot_outputs = unflatten(call.outputs_def, cots[call.n_final:], [0])
+        more = {"checkpoint": True} if call.checkpoint else {}
         res = call.run("grad", tuple(ctx.saved_tensors), cot_carry=cot_carry,
-                       cot_outputs=cot_outputs)
+                       cot_outputs=cot_outputs, **more)
         gleaves: list[torch.Tensor] = []
         flatten(res["grad_carry"], "grad_carry", gleaves)
         flatten(res["grad_inputs"], "grad_inputs", gleaves)
         flatten(res.get("grad_params", ()), "grad_params", gleaves)  # the captured tensors last
         return (None, *gleaves)
+
+
+class Checkpointed:
+    """`adapter.checkpoint(body)`: the same step (called directly it is the
+    body), for which a scan's backward keeps only the carry entering each
+    step and recomputes the step in the reverse loop, instead of keeping
+    every step's intermediates (the daemon's `grad` with `checkpoint`: a
+    graph of its own; the forward graph is the plain body's)."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: Callable[..., Any]) -> None:
+        if not callable(body):
+            raise TypeError("checkpoint needs a callable body(carry, x) -> (new_carry, y)")
+        self.body = body
+
+    def __call__(self, carry: Any, x: Any) -> Any:
+        return self.body(carry, x)
+
+    def __repr__(self) -> str:
+        return f"checkpoint({self.body!r})"
+
+
+def checkpoint(body: Callable[..., Any]) -> Checkpointed:
+    """The LoopAdapter's checkpoint transform (see Checkpointed)."""
+    return Checkpointed(body)
 
 
 def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_ELEMENTS,
@@ -446,4 +479,4 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
         raise ValueError('dynamic="batch" needs capture=False: a captured graph has the '
                          "static shapes it was captured at")
     driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture)
-    return _adapter_class()(scan=driver.scan)
+    return _adapter_class()(scan=driver.scan, checkpoint=checkpoint)

@@ -509,13 +509,16 @@ class Client:
         return res["carry"], res["outputs"]
 
     def grad(self, adapter: str, carry: Any, inputs: Any, cot_carry: Any = None,
-             cot_outputs: Any = None, params: Any = None) -> dict:
+             cot_outputs: Any = None, params: Any = None, checkpoint: bool = False) -> dict:
         """The scan and its vector-Jacobian product: keys carry, outputs, grad_carry,
-        grad_inputs (and grad_params with params)."""
+        grad_inputs (and grad_params with params).  checkpoint: the graph that
+        keeps each step's carry and recomputes the step (its own compile)."""
         fields = {"adapter": adapter, "carry": carry, "inputs": inputs, "cot_carry": cot_carry,
                   "cot_outputs": cot_outputs}
         if params is not None:
             fields["params"] = params
+        if checkpoint:
+            fields["checkpoint"] = True
         res = self._quick("grad", fields)
         if res is None or res is False:
             res = self._general("grad", fields, res is False)

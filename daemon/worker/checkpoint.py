@@ -1,0 +1,129 @@
+"""The checkpointed VJP (job kind "vjp_checkpoint"): carries saved, steps recomputed.
+
+The plain VJP graph (compile_worker.vjp_module) is the unrolled forward and
+its reverse: it keeps every step's intermediates alive until the reverse
+reaches that step, T x (everything the step computes).  A checkpointed one
+keeps only the carry entering each step, T x carry, and recomputes the step
+inside the reverse loop, one step's intermediates at a time:
+
+    forward   scan op over t:        c_{t+1}, y_t = step(c_t, x_t); saves c_t
+    reverse   scan op over T-1..0:   g_t, gx_t = vjp(step at c_t, x_t)(g_{t+1}, gy_t)
+
+Both loops are torch's scan higher-order op, which Inductor lowers to a
+while loop around one step's kernels: the recomputed step cannot be merged
+with the forward's (a common-subexpression pass over an unrolled graph
+would, and keep every intermediate alive again).  The step's VJP is traced
+once with make_fx (torch.func.vjp), an ATen graph the reverse loop calls.
+
+Carry leaves the step hands back unchanged (a captured graph's params, a
+constant the body threads through) are saved once, not per step; their
+gradients add up through the reverse loop like any carry's.  Tensors the body
+captures from its module are the loops' additional inputs (as Scan.hop).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Flat = Callable[..., Any]
+
+
+def checkpointed_vjp(step: Flat, nc: int, nx: int, n_lifted: int,
+                     example: list[Any]) -> Flat:
+    """The flat VJP module over (*carry, *xs, *carry cots, *ys cots, *lifted),
+    returning (*final carry, *stacked ys, *carry grads, *xs grads), as the
+    plain VJP does.  example: one step's (*carry, *x row, *lifted)."""
+    from torch._higher_order_ops.scan import scan_op
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import vjp
+
+    fwd = make_fx(step, tracing_mode="fake")(*example)
+    out = _outputs(fwd)
+    phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    # carry leaves the step returns as they came: constants of both loops
+    passed = [k for k in range(nc) if out[k] is phs[k]]
+    kept = [k for k in range(nc) if k not in passed]
+    ny = len(out) - nc
+
+    def step_vjp(*args: Any) -> tuple[Any, ...]:
+        c, x = args[:nc], args[nc: nc + nx]
+        lifted = args[nc + nx: nc + nx + n_lifted]
+        cots = args[nc + nx + n_lifted:]
+        _, pullback = vjp(lambda *p: tuple(fwd(*p, *lifted)), *c, *x)
+        return tuple(pullback(tuple(cots)))
+
+    joint = make_fx(step_vjp, tracing_mode="fake")(*example, *[_like(o) for o in out])
+    fwd_fresh, joint_fresh = _fresh(fwd), _fresh(joint)
+
+    def carry_of(var: tuple[Any, ...], const: tuple[Any, ...]) -> list[Any]:
+        c: list[Any] = [None] * nc
+        for k, v in zip(kept, var):
+            c[k] = v
+        for k, v in zip(passed, const):
+            c[k] = v
+        return c
+
+    def module(*args: Any) -> tuple[Any, ...]:
+        c0, xs = list(args[:nc]), list(args[nc: nc + nx])
+        cot_c = list(args[nc + nx: nc + nx + nc])
+        cot_ys = list(args[2 * nc + nx: 2 * nc + nx + ny])
+        lifted = tuple(args[2 * nc + nx + ny:])
+        const = tuple(c0[k] for k in passed)
+        nk = len(kept)
+
+        def forward_step(*f: Any) -> list[Any]:
+            var, x = f[:nk], f[nk: nk + nx]
+            cst, lift = f[nk + nx: nk + nx + len(passed)], f[nk + nx + len(passed):]
+            res = fwd_fresh(*carry_of(var, cst), *x, *lift)
+            # the new carry, y, and the carry this step started from (saved)
+            return [res[k] for k in kept] + list(res[nc:]) + [v.clone() for v in var]
+
+        res = scan_op(forward_step, [c0[k] for k in kept], xs, const + lifted)
+        final = carry_of(res[:nk], const)
+        ys, saved = res[nk: nk + ny], res[nk + ny:]
+        stacked = [*saved, *xs, *cot_ys]
+
+        def reverse_step(*f: Any) -> list[Any]:
+            g, index = f[:nc], f[nc].reshape(1)
+            rows = [t.index_select(0, index).squeeze(0) for t in f[nc + 1: nc + 1 + len(stacked)]]
+            cst = f[nc + 1 + len(stacked): nc + 1 + len(stacked) + len(passed)]
+            lift = f[nc + 1 + len(stacked) + len(passed):]
+            return list(joint_fresh(*carry_of(rows[:nk], cst), *rows[nk: nk + nx], *lift,
+                                    *g, *rows[nk + nx:]))
+
+        # the reverse loop reads step T-1-t's rows where they lie (a reversed
+        # copy of the saved carries would be T x carry more)
+        order = torch.arange(xs[0].shape[0] - 1, -1, -1, dtype=torch.int64)
+        back = scan_op(reverse_step, cot_c, [order], tuple(stacked) + const + lifted)
+        grad_xs = [torch.flip(t, [0]) for t in back[nc:]]
+        return tuple(final) + tuple(ys) + tuple(back[:nc]) + tuple(grad_xs)
+
+    return module
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    return list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+
+
+def _fresh(gm: torch.fx.GraphModule) -> Flat:
+    """gm, with a copy of each result that aliases an input or an earlier
+    result (the scan op refuses those); the others are new tensors already."""
+    out = _outputs(gm)
+    aliased = []
+    for i, node in enumerate(out):
+        schema = getattr(node.target, "_schema", None)
+        view = schema is not None and any(r.alias_info is not None for r in schema.returns)
+        aliased.append(node.op == "placeholder" or view or node in out[:i])
+
+    def run(*args: Any) -> list[Any]:
+        res = gm(*args)
+        return [t.clone() if a else t for t, a in zip(res, aliased)]
+
+    return run
+
+
+def _like(node: Any) -> Any:
+    val = node.meta["val"]
+    return torch.empty(val.shape, dtype=val.dtype)
