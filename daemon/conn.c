@@ -234,16 +234,6 @@ void conn_close(struct conn *c)
 	uv_close((uv_handle_t *)&c->handle, conn_closed);
 }
 
-void conns_close_all(struct daemon *d)
-{
-	while (d->conns)
-		conn_close(d->conns);
-	if (d->conn_sweep.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d->conn_sweep))
-		uv_close((uv_handle_t *)&d->conn_sweep, NULL);
-	if (d->resume_idle.type == UV_IDLE && !uv_is_closing((uv_handle_t *)&d->resume_idle))
-		uv_close((uv_handle_t *)&d->resume_idle, NULL);
-}
-
 struct outmsg *outmsg_new(struct conn *c)
 {
 	struct outmsg *out = calloc(1, sizeof *out);

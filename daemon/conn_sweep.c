@@ -3,8 +3,9 @@
  * that stopped arriving for frame-timeout seconds, or that takes longer
  * than its deadline (frame-timeout plus 1 s per MiB: a trickle is closed,
  * not held), replies that stopped leaving (FRAME_TIMEOUT), and connections
- * idle (nothing in flight, nothing sent) for idle-timeout seconds.  Loop
- * thread only.
+ * idle (nothing in flight, nothing sent) for idle-timeout seconds; and at
+ * shutdown, every connection closed once its queued replies have left (a
+ * drained request's reply is delivered, not cancelled).  Loop thread only.
  */
 #include "daemon.h"
 
@@ -100,4 +101,50 @@ void conns_start_sweep(struct daemon *d)
 	uv_timer_init(d->loop, &d->conn_sweep);
 	d->conn_sweep.data = d;
 	uv_timer_start(&d->conn_sweep, on_sweep, SWEEP_MS, SWEEP_MS);
+}
+
+static void shut_down(uv_shutdown_t *req, int status)
+{
+	struct conn *c = req->data;
+
+	(void)status; /* written or not, the connection goes */
+	free(req);
+	conn_close(c);
+	conn_unref(c);
+}
+
+/* Closes c once the replies queued on it are written (uv_shutdown waits for
+ * them); at once when none are, or the shutdown cannot start.  The exit grace
+ * timer bounds a client that never reads. */
+static void close_when_written(struct conn *c)
+{
+	uv_stream_t *s = (uv_stream_t *)&c->handle;
+	uv_shutdown_t *req;
+
+	if (uv_stream_get_write_queue_size(s) == 0 || (req = malloc(sizeof *req)) == NULL) {
+		conn_close(c);
+		return;
+	}
+	uv_read_stop(s);
+	req->data = c;
+	conn_ref(c);
+	if (uv_shutdown(req, s, shut_down) != 0) {
+		free(req);
+		conn_unref(c);
+		conn_close(c);
+	}
+}
+
+void conns_close_all(struct daemon *d)
+{
+	struct conn *c, *next;
+
+	for (c = d->conns; c; c = next) {
+		next = c->next;
+		close_when_written(c);
+	}
+	if (d->conn_sweep.type == UV_TIMER && !uv_is_closing((uv_handle_t *)&d->conn_sweep))
+		uv_close((uv_handle_t *)&d->conn_sweep, NULL);
+	if (d->resume_idle.type == UV_IDLE && !uv_is_closing((uv_handle_t *)&d->resume_idle))
+		uv_close((uv_handle_t *)&d->resume_idle, NULL);
 }

@@ -193,6 +193,22 @@ json_t *h_call_json(struct tl_client *c, const char *op, const char *name)
 	return j;
 }
 
+long h_rss_kib(pid_t pid)
+{
+	char path[64], line[256];
+	long kib = -1;
+	FILE *f;
+
+	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+	f = fopen(path, "r");
+	while (f && fgets(line, sizeof line, f))
+		if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return kib;
+}
+
 uint64_t h_stat(struct tl_client *c, const char *key)
 {
 	json_t *j = h_call_json(c, "stats", NULL);

@@ -49,6 +49,8 @@ void hd_register_strategy(struct tl_client *c, const char *name, const char *bod
 json_t *h_call_json(struct tl_client *c, const char *op, const char *name);
 /* A top-level number of the stats op. */
 uint64_t h_stat(struct tl_client *c, const char *key);
+/* VmRSS of pid in KiB (-1 if unreadable). */
+long h_rss_kib(pid_t pid);
 /* A counter of the adapter's describe output (e.g. "compiles"). */
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
 

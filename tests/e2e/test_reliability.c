@@ -187,22 +187,6 @@ static bool pid_gone(pid_t pid, int timeout_s)
 	return false;
 }
 
-static long rss_kib(pid_t pid)
-{
-	char path[64], line[256];
-	long kib = -1;
-	FILE *f;
-
-	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-	f = fopen(path, "r");
-	while (f && fgets(line, sizeof line, f))
-		if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
-			break;
-	if (f)
-		fclose(f);
-	return kib;
-}
-
 /* A scan in a thread of its own (its own connection). */
 struct bg {
 	const char *sock, *adapter;
@@ -502,7 +486,7 @@ Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
 	scan_sum_ok(c, "rel.pipe", 3);
 	for (int k = 0; k < 5; k++)
 		scan_sum_ok(c, "rel.pipe", 3); /* runs inline from now on */
-	before = rss_kib(d.pid);
+	before = h_rss_kib(d.pid);
 	p.frame = scan_frame("rel.pipe", &p.len);
 	p.fd = raw_connect(d.sock);
 	pthread_create(&p.th, NULL, send_all, &p);
@@ -511,7 +495,7 @@ Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
 	cr_assert_geq(h_stat(c, "memory_pauses"), 1, "the non-reading client was paused");
 	sleep(1);
 	queued = h_stat(c, "queued_bytes");
-	after = rss_kib(d.pid);
+	after = h_rss_kib(d.pid);
 	cr_log_info("paused after %llu requests: RSS +%ld KiB holding %llu accounted bytes",
 	            (unsigned long long)h_stat(c, "requests"), after - before,
 	            (unsigned long long)queued);
@@ -704,7 +688,7 @@ Test(reliability, trickled_frames_are_held_to_the_caps_and_closed_by_their_deadl
 	int closed = 0;
 
 	c = up(&d, NULL, args);
-	base = rss_kib(d.pid);
+	base = h_rss_kib(d.pid);
 	frame_put_header(head, 6u << 20);
 	for (int i = 0; i < 10; i++) {
 		t.fd[i] = raw_connect(d.sock);
@@ -720,7 +704,7 @@ Test(reliability, trickled_frames_are_held_to_the_caps_and_closed_by_their_deadl
 	cr_assert_lt(admitted, 10, "not all: they would be 50 MiB");
 	pthread_create(&th, NULL, trickle, &t);
 	sleep(3);
-	rss = rss_kib(d.pid);
+	rss = h_rss_kib(d.pid);
 	cr_assert_leq(h_stat(c, "queued_bytes"), 16u << 20, "within --max-queued-memory");
 	cr_assert_lt(rss - base, 24 * 1024, "RSS grew %ld KiB (caps: 16 MiB)", rss - base);
 	cr_assert_geq(h_stat(c, "memory_pauses"), 1, "the rest wait before their body");

@@ -345,60 +345,6 @@ Test(service, a_restart_on_a_warm_cache_scans_without_compiling)
 	teardown(&f);
 }
 
-/* A daemon listening on sock (the same path across restarts). */
-static void start_on(struct hd *d, const char *sock)
-{
-	const char *const args[] = {"--no-probe", "--socket", sock, NULL};
-
-	hd_start(d, NULL, args);
-	snprintf(d->sock, sizeof d->sock, "%s", sock);
-	hd_wait_ready(d, 120);
-}
-
-/*
- * libtorchloop's opt-in retry (tl_set_reconnect): across a daemon restart,
- * a health and a register on the same client go through, sent again once on
- * a new connection, and the scan after them is right; a client without it
- * gets IO; an unregister is never sent again.
- */
-Test(service, a_libtorchloop_client_with_reconnect_goes_on_across_restarts)
-{
-	struct fixture f = {0};
-	struct tl_client *plain;
-	struct tl_error err;
-	char dir[512], sock[600];
-	int ready;
-
-	h_tmpdir(dir, sizeof dir, "rs");
-	snprintf(sock, sizeof sock, "%s/sock", dir);
-	start_on(&f.d, sock);
-	f.c = hd_connect(&f.d);
-	plain = hd_connect(&f.d);
-	tl_set_reconnect(f.c, 60000);
-	fixture_trees(&f);
-	hd_register(f.c, "t4.cumsum", CUMSUM, "body", 12, 64, 3);
-	scan_ok(&f, f.c);
-	cr_assert_eq(hd_stop(&f.d), 0);
-	start_on(&f.d, sock);
-	cr_assert_eq(tl_health(f.c, &ready, &err), 0, "%s %s", err.code, err.message);
-	cr_assert(ready);
-	cr_assert_eq(tl_resent(f.c), 1, "the health was sent again");
-	cr_assert_eq(tl_health(plain, &ready, &err), -1, "a client without reconnect");
-	cr_assert_str_eq(err.code, "IO", "%s", err.message);
-	cr_assert_eq(hd_stop(&f.d), 0);
-	start_on(&f.d, sock);
-	hd_register(f.c, "t4.cumsum", CUMSUM, "body", 12, 64, 3); /* sent again */
-	cr_assert_eq(tl_resent(f.c), 2);
-	scan_ok(&f, f.c);
-	cr_assert_eq(hd_stop(&f.d), 0);
-	start_on(&f.d, sock);
-	cr_assert_eq(tl_unregister(f.c, "t4.cumsum", &err), -1, "unregister is not sent again");
-	cr_assert_str_eq(err.code, "IO", "%s", err.message);
-	cr_assert_eq(tl_resent(f.c), 2);
-	tl_close(plain);
-	teardown(&f);
-}
-
 Test(service, preloaded_adapters_have_their_cached_graphs_loaded_before_ready)
 {
 	char cache[512], dir[512];
