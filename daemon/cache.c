@@ -326,6 +326,8 @@ static int parse_meta(const uint8_t *buf, size_t len, const char *key, struct ca
 		memcpy(m->lowered, s, slen);
 	if (msg_get_str(o, "note", &s, &slen, NULL) == 0 && slen < sizeof m->note)
 		memcpy(m->note, s, slen);
+	if (msg_get_i64(o, "step_ops", &v, NULL) == 0 && v > 0 && v <= UINT32_MAX)
+		m->step_ops = (uint32_t)v;
 	{
 		const msgpack_object *cs = msg_obj_field(o, "compile_seconds");
 		if (cs && cs->type == MSGPACK_OBJECT_FLOAT64)
@@ -439,7 +441,7 @@ static int write_meta(const struct cache *c, const char *key, const struct cache
 
 	if (writer_init(&w) != 0)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
-	msgpack_pack_map(&w.pk, 11);
+	msgpack_pack_map(&w.pk, 12);
 	writer_key_u64(&w, "v", 2);
 	writer_key_str(&w, "key", key);
 	writer_key_str(&w, "sha256", m->sha256);
@@ -450,6 +452,7 @@ static int write_meta(const struct cache *c, const char *key, const struct cache
 	writer_key_str(&w, "strategy", m->strategy);
 	writer_key_str(&w, "lowered", m->lowered);
 	writer_key_str(&w, "note", m->note);
+	writer_key_u64(&w, "step_ops", m->step_ops);
 	writer_str(&w, "y");
 	writer_raw(&w, m->y_spec, m->y_spec_len);
 	bytes = writer_flatten(&w, &len, PROTO_FRAME_MAX, err);

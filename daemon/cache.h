@@ -42,6 +42,7 @@ struct cache_meta {
 	char strategy[16];
 	char lowered[16]; /* compile_result's, "" in entries from before it existed */
 	char note[256];
+	uint32_t step_ops; /* compile_result's, 0 in entries from before it existed */
 	/* the worker's output spec ("y"), msgpack, owned (malloc) */
 	uint8_t *y_spec;
 	size_t y_spec_len;

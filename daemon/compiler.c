@@ -364,6 +364,8 @@ static int read_result(const struct msg *m, struct compile_result *res, struct p
 		memcpy(res->lowered, s, n);
 	if (msg_get_str(r, "note", &s, &n, NULL) == 0)
 		snprintf(res->note, sizeof res->note, "%.*s", (int)n, s);
+	if (msg_get_i64(r, "step_ops", &v, NULL) == 0 && v > 0 && v <= UINT32_MAX)
+		res->step_ops = (uint32_t)v;
 	msgpack_sbuffer_init(&sb);
 	msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
 	msgpack_pack_object(&pk, *y);

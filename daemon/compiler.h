@@ -54,6 +54,8 @@ struct compile_result {
 	 * adapter's strategy asked for ("" when it is) */
 	char lowered[16];
 	char note[256];
+	/* the step's ATen calls (a quick tier's upgrade plan estimates from it); 0: unknown */
+	uint32_t step_ops;
 };
 
 struct compile_job;

@@ -43,6 +43,9 @@
 	X("quick-tier-steps", quick_tier_steps, 0, 32, 129,                                        \
 	  "unrolled graphs of this many steps or more are served by the scan op's graph while "    \
 	  "they compile (0 or 129: never)")                                                        \
+	X("upgrade-budget", upgrade_budget, 0, 0, 86400,                                           \
+	  "estimated seconds unrolling may add to a quick tier's upgrade compile; over it the "    \
+	  "scan op runs blocks of unrolled steps (0: no limit, always the unrolled loop)")         \
 	X("max-graphs-per-uid", max_graphs_per_uid, 1, 64, 65536,                                  \
 	  "captured-graph adapters one uid may hold (its least recently used one goes first)")     \
 	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \

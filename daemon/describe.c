@@ -71,8 +71,8 @@ void describe_specs(struct writer *w, const struct adapter *a)
 		n++;
 	msgpack_pack_array(&w->pk, n);
 	for (const struct specialization *sp = a->specs; sp; sp = sp->next) {
-		msgpack_pack_map(&w->pk,
-		                 7 + (sp->state == SPEC_FAILED) + 5 * (sp->state == SPEC_READY));
+		msgpack_pack_map(&w->pk, 7 + (sp->state == SPEC_FAILED) +
+		                             DESCRIBE_LOWERING * (sp->state == SPEC_READY));
 		writer_key_str(w, "signature", sp->signature);
 		writer_key_str(w, "key", sp->key);
 		writer_key_str(w, "kind", spec_kinds[sp->kind].name);
@@ -88,6 +88,24 @@ void describe_specs(struct writer *w, const struct adapter *a)
 	}
 }
 
+/* The quick tier's upgrade: its plan ("unroll", "block<K>", "" for none),
+ * estimate and trial (upgrade.c); nil when no quick graph served. */
+static void describe_upgrade(struct writer *w, const struct upgrade *u)
+{
+	if (!u->planned) {
+		msgpack_pack_nil(&w->pk);
+		return;
+	}
+	msgpack_pack_map(&w->pk, 7);
+	writer_key_str(w, "plan", u->plan);
+	writer_key_u64(w, "step_ops", u->step_ops);
+	writer_key_f64(w, "estimated_seconds", u->estimate_s);
+	writer_key_str(w, "verdict", upgrade_verdict_name(u->verdict));
+	writer_key_u64(w, "trial_runs", u->n[0] + u->n[1]);
+	writer_key_f64(w, "quick_run_us", u->median_us[0]);
+	writer_key_f64(w, "upgrade_run_us", u->median_us[1]);
+}
+
 void describe_lowering(struct writer *w, const struct specialization *sp)
 {
 	writer_key_str(w, "lowered", sp->lowered);
@@ -96,6 +114,8 @@ void describe_lowering(struct writer *w, const struct specialization *sp)
 	writer_key_bool(w, "upgrading", sp->upgrading);
 	/* the cache object serving now: the quick tier's while tier is quick */
 	writer_key_str(w, "graph_key", sp->graph_key[0] ? sp->graph_key : sp->key);
+	writer_str(w, "upgrade");
+	describe_upgrade(w, &sp->upgrade);
 }
 
 void describe_lanes(struct writer *w, const struct compiler *c, bool full)

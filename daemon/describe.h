@@ -8,8 +8,10 @@
 void describe_bounds(struct writer *w, const struct adapter *a);
 /* A map of the compile's phases (seconds; empty for a graph from the cache). */
 void describe_phases(struct writer *w, const struct specialization *sp);
-/* lowered, note, tier ("quick": the scan op's graph serves while the unrolled one
- * is built, "final") and upgrading: four keys. */
+/* lowered, note, tier ("quick": the scan op's graph serves, "final"),
+ * upgrading, graph_key and upgrade (the quick tier's plan and trial, or nil):
+ * DESCRIBE_LOWERING keys. */
+#define DESCRIBE_LOWERING 6
 void describe_lowering(struct writer *w, const struct specialization *sp);
 /* origin ("registered", "file", "restored") and persisted: 2 fields. */
 void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a);

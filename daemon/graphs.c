@@ -25,7 +25,7 @@
  * the loop also reads (compile_seconds) go into the job and are published
  * by the completion callback.
  */
-#include "graphs.h"
+#include "graphs_internal.h"
 
 #include "frame.h"
 #include "log.h"
@@ -41,11 +41,13 @@
 
 #define PROGRESS_MS 2000
 
-/* The checkpointed VJP is the scan op's whatever the strategy: no quick tier. */
+/* The checkpointed VJP is the scan op's whatever the strategy: no quick tier.
+ * A VJP of blocks of steps needs AOTI's proxy executor (torch 2.14), which
+ * the daemon cannot run: a grad's upgrade is unrolled or none. */
 const struct spec_kind_info spec_kinds[SPEC_KINDS] = {
-    [SPEC_SCAN] = {"scan", "forward", false, true},
-    [SPEC_GRAD] = {"grad", "vjp", true, true},
-    [SPEC_GRAD_CHECKPOINT] = {"grad_checkpoint", "vjp_checkpoint", true, false},
+    [SPEC_SCAN] = {"scan", "forward", false, true, true},
+    [SPEC_GRAD] = {"grad", "vjp", true, true, false},
+    [SPEC_GRAD_CHECKPOINT] = {"grad_checkpoint", "vjp_checkpoint", true, false, false},
 };
 
 int spec_kind_parse(const char *s, size_t n)
@@ -56,45 +58,13 @@ int spec_kind_parse(const char *s, size_t n)
 	return -1;
 }
 
-struct load_job {
-	uv_work_t work;
-	struct graphs *g;
-	struct specialization *sp;
-	bool need_compile, hit, lock_busy;
-	double lock_wait_started, compile_seconds;
-	bool prewarm; /* load only; a miss is not compiled */
-	void (*prewarmed)(struct graphs *g);
-	bool quick;                  /* for the quick tier's key (the scan op's graph) */
-	bool upgrade;                /* builds the unrolled graph of a READY quick specialization */
-	char key[CACHE_KEY_HEX];     /* the key this job looks up and commits */
-	struct engine_graph *graph;  /* upgrade: loaded here, swapped in on the loop */
-	char lowered[16], note[256]; /* the cache entry's or compile's, published on the loop */
-	int quarantined;
-	int rc;
-	struct proto_err err;
-	struct compile_result res; /* after a compile: owned copy of the y spec */
-	struct compile_job job;
-	/* the first request's own inputs (signature_sample), for the parity check
-	 * of this job's compile and of its upgrade; NULL: random inputs */
-	uint8_t *sample;
-	size_t sample_len;
-};
-
-struct prewarm_rec;
-static void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j);
-static void key_for(struct graphs *g, const struct specialization *sp, const char *strategy,
-                    char key[CACHE_KEY_HEX]);
-static int prepare_compile(struct load_job *j, struct proto_err *err);
 static void lookup_work(uv_work_t *w);
 static void after_load(uv_work_t *w, int status);
-static void index_append(struct graphs *g, struct specialization *sp);
 static void fill_expected(struct specialization *sp);
 static void fill_expected_out(struct specialization *sp);
-static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
-                        struct prewarm_rec *rec);
 
 /* Lets go of (and removes) the key's lock file, if sp holds it. */
-static void spec_unlock(struct specialization *sp)
+void spec_unlock(struct specialization *sp)
 {
 	if (sp->lock_fd >= 0)
 		cache_unlock(sp->cache, sp->key, sp->lock_fd);
@@ -486,6 +456,7 @@ static void lookup_work(uv_work_t *w)
 	j->compile_seconds = meta.compile_seconds;
 	memcpy(j->lowered, meta.lowered, sizeof j->lowered);
 	memcpy(j->note, meta.note, sizeof j->note);
+	j->step_ops = meta.step_ops;
 	j->rc = load_artifact(j, meta.y_spec, meta.y_spec_len, &j->err);
 	cache_meta_free(&meta);
 	if (j->rc == 0) {
@@ -513,6 +484,7 @@ static void commit_work(uv_work_t *w)
 	memcpy(meta.note, j->res.note, sizeof meta.note);
 	memcpy(j->lowered, j->res.lowered, sizeof j->lowered);
 	memcpy(j->note, j->res.note, sizeof j->note);
+	meta.step_ops = j->step_ops = j->res.step_ops;
 	meta.y_spec = j->res.y_spec;
 	meta.y_spec_len = j->res.y_spec_len;
 	j->rc = cache_commit(j->g->cache, j->key, j->res.so_path, &meta, &j->err);
@@ -641,7 +613,7 @@ static int64_t max_batch(const struct specialization *sp)
 }
 
 /* Fills job for the worker; refuses a definition that crashed the worker twice. */
-static int prepare_compile(struct load_job *j, struct proto_err *err)
+int prepare_compile(struct load_job *j, struct proto_err *err)
 {
 	struct specialization *sp = j->sp;
 	struct adapter *a = sp->adapter;
@@ -656,7 +628,8 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
 	j->job.entry = a->def.entry;
 	/* a chunk graph is an unrolled loop of PROTO_CHUNK_STEPS (or fewer) steps */
-	j->job.strategy = j->quick                                ? "scan"
+	j->job.strategy = j->strategy[0]                          ? j->strategy
+	                  : j->quick                              ? "scan"
 	                  : strcmp(a->def.strategy, "chunk") == 0 ? "unroll"
 	                                                          : a->def.strategy;
 	j->job.background = j->upgrade;
@@ -675,113 +648,13 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	return 0;
 }
 
-/* The unrolled graph is worth a quick tier: long, not cached, one batch size. */
-static bool tier_applies(const struct graphs *g, const struct specialization *sp)
-{
-	long long min = g->cfg->quick_tier_steps;
-
-	return min > 0 && sp->steps >= min && !sp->batch && spec_kinds[sp->kind].tiered &&
-	       strcmp(sp->adapter->def.strategy, "unroll") == 0;
-}
-
-static void free_job(struct load_job *j)
+void free_job(struct load_job *j)
 {
 	engine_unload(j->graph);
 	free(j->res.y_spec);
 	free(j->sample);
 	graphs_unref(j->sp);
 	free(j);
-}
-
-/* An upgrade is over: the unrolled graph took over (err NULL), or the quick
- * tier's graph keeps serving (logged, and in the specialization's note). */
-static void upgrade_over(struct load_job *j, const struct proto_err *err)
-{
-	struct specialization *sp = j->sp;
-
-	sp->upgrading = false;
-	spec_unlock(sp);
-	if (err != NULL) {
-		log_line(LOG_WARN, 0, sp->adapter->def.name,
-		         "%s %s: the unrolled graph failed (%s: %s); the scan op's graph keeps "
-		         "serving",
-		         spec_kinds[sp->kind].name, sp->signature, proto_code_name(err->code),
-		         err->message);
-		snprintf(sp->note, sizeof sp->note, "quick tier: the unrolled graph failed (%s)",
-		         proto_code_name(err->code));
-	}
-	free_job(j);
-}
-
-/* Loop: the upgrade's lookup or commit came back. */
-static void after_upgrade(struct load_job *j)
-{
-	struct specialization *sp = j->sp;
-	struct adapter *a = sp->adapter;
-
-	if (j->rc != 0) {
-		upgrade_over(j, &j->err);
-		return;
-	}
-	if (j->need_compile) {
-		if (prepare_compile(j, &j->err) != 0) {
-			upgrade_over(j, &j->err);
-			return;
-		}
-		j->need_compile = false;
-		a->stats.cache_misses++;
-		a->stats.compiles++;
-		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s unrolled, in the background",
-		         spec_kinds[sp->kind].name, sp->signature);
-		compiler_submit(j->g->compiler, &j->job);
-		return; /* j lives on until compile_done */
-	}
-	/* runs under way keep the graph they started with: it is retired, not freed */
-	sp->retired = sp->graph;
-	sp->graph = j->graph;
-	j->graph = NULL;
-	sp->quick = false;
-	memcpy(sp->graph_key, sp->key, sizeof sp->graph_key);
-	memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
-	memcpy(sp->note, j->note, sizeof sp->note);
-	sp->from_cache = j->hit;
-	if (j->hit) {
-		a->stats.cache_hits++;
-		sp->compile_seconds = j->compile_seconds;
-	} else {
-		sp->compile_seconds = j->res.compile_seconds;
-		memcpy(sp->compile_phases, j->res.phases, sizeof sp->compile_phases);
-		a->stats.compile_seconds += sp->compile_seconds;
-	}
-	/* what the runs measured was the other graph's */
-	sp->runs = 0;
-	sp->run_ema_us = 0;
-	sp->omp_team = 0;
-	sp->omp_tries = 0;
-	memset(sp->omp_best_us, 0, sizeof sp->omp_best_us);
-	log_line(LOG_INFO, 0, a->def.name, "%s %s: the unrolled graph took over (%s, %.1f s)",
-	         spec_kinds[sp->kind].name, sp->signature, j->hit ? "from cache" : "compiled",
-	         sp->compile_seconds);
-	upgrade_over(j, NULL);
-}
-
-/* Loop: builds (or loads) sp's unrolled graph behind its quick tier's. */
-static void start_upgrade(struct graphs *g, struct specialization *sp, struct load_job *quick)
-{
-	struct load_job *j = calloc(1, sizeof *j);
-
-	if (j == NULL) {
-		log_line(LOG_WARN, 0, sp->adapter->def.name,
-		         "%s %s: out of memory; the scan op's graph keeps serving",
-		         spec_kinds[sp->kind].name, sp->signature);
-		return;
-	}
-	j->upgrade = true;
-	j->sample = quick->sample; /* checked on the same inputs as the quick graph */
-	j->sample_len = quick->sample_len;
-	quick->sample = NULL;
-	sp->upgrading = true;
-	start_lookup(g, sp, j);
 }
 
 static void after_load(uv_work_t *w, int status)
@@ -797,7 +670,7 @@ static void after_load(uv_work_t *w, int status)
 		j->rc = -1;
 	}
 	if (j->upgrade) {
-		after_upgrade(j);
+		upgrade_after_load(j);
 		return;
 	}
 	if (j->rc == 0 && j->need_compile && !j->quick && tier_applies(j->g, sp)) {
@@ -835,7 +708,7 @@ static void after_load(uv_work_t *w, int status)
 		j->need_compile = false;
 		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s%s", spec_kinds[sp->kind].name,
 		         sp->signature,
-		         j->quick ? " with the scan op first (quick tier), then unrolled" : "");
+		         j->quick ? " with the scan op first (quick tier), then its upgrade" : "");
 		start_progress(j->g, sp);
 		compiler_submit(j->g->compiler, &j->job);
 		return; /* j lives on until compile_done */
@@ -851,6 +724,7 @@ static void after_load(uv_work_t *w, int status)
 		memcpy(sp->graph_key, j->key, sizeof sp->graph_key);
 		memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
 		memcpy(sp->note, j->note, sizeof sp->note);
+		sp->upgrade.step_ops = j->step_ops;
 		/* the worker lowered the quick compile unrolled (a scan-op VJP torch
 		 * could not export): final already */
 		upgrade = j->quick && strcmp(sp->lowered, "scan") == 0;
@@ -861,7 +735,7 @@ static void after_load(uv_work_t *w, int status)
 		if (j->prewarm)
 			j->prewarmed(j->g);
 		if (upgrade)
-			start_upgrade(j->g, sp, j);
+			upgrade_start(j->g, sp, j);
 	}
 	free_job(j);
 }
@@ -945,24 +819,11 @@ static void compile_done(struct compile_job *cj, const struct compile_result *re
 	uv_queue_work(j->g->loop, &j->work, commit_work, after_load);
 }
 
-/* The leading length of the first tensor leaf (T). */
-static int64_t first_steps(const struct tree_node *n)
-{
-	if (n->kind == TREE_TENSOR)
-		return n->tensor.ndim ? n->tensor.shape[0] : -1;
-	for (uint32_t i = 0; i < n->count; i++) {
-		int64_t t = first_steps(&n->items[i]);
-		if (t != 0)
-			return t;
-	}
-	return 0;
-}
-
 /* ---- acquire ----------------------------------------------------------- */
 
 /* The cache key of sp's graph lowered with this strategy. */
-static void key_for(struct graphs *g, const struct specialization *sp, const char *strategy,
-                    char key[CACHE_KEY_HEX])
+void key_for(struct graphs *g, const struct specialization *sp, const char *strategy,
+             char key[CACHE_KEY_HEX])
 {
 	struct adapter *a = sp->adapter;
 	const struct worker_info *wi = compiler_info(g->compiler);
@@ -988,8 +849,8 @@ static void key_for(struct graphs *g, const struct specialization *sp, const cha
 	cache_key(parts, 11, key);
 }
 
-static struct specialization *spec_new(struct graphs *g, struct adapter *a,
-                                       const struct scan_args *args, const char *sig)
+struct specialization *spec_new(struct graphs *g, struct adapter *a, const struct scan_args *args,
+                                const char *sig)
 {
 	struct specialization *sp = calloc(1, sizeof *sp);
 	size_t n = strlen(sig);
@@ -1092,188 +953,15 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 	add_waiter(sp, w);
 	if (!sp->batch) /* a symbolic-batch graph is checked at its probe sizes */
 		j->sample = signature_sample(args->carry, args->inputs, &j->sample_len);
-	start_lookup(g, sp, j);
+	start_lookup(g, sp, j, NULL);
 }
 
-static void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j)
+void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j, const char *key)
 {
 	j->g = g;
 	j->sp = sp;
-	memcpy(j->key, sp->key, sizeof j->key);
+	memcpy(j->key, key ? key : sp->key, sizeof j->key);
 	j->work.data = j;
 	graphs_ref(sp);
 	uv_queue_work(g->loop, &j->work, lookup_work, after_load);
-}
-
-/* ---- the warm-start index -------------------------------------------------- */
-
-/*
- * index/<identity>.idx lists, one msgpack record per line of history, the
- * specializations compiled for one adapter identity (name, body, bounds,
- * strategy).  At start-up, a preloaded adapter's graphs are loaded from the
- * cache before the daemon declares itself ready.
- */
-void graphs_index_path(const struct graphs *g, const struct adapter *a, char *out, size_t size)
-{
-	char bounds[128], id[CACHE_KEY_HEX];
-	const char *parts[4];
-
-	snprintf(bounds, sizeof bounds, "%lld;%lld;%s%s", (long long)a->def.max_steps,
-	         (long long)a->def.max_elements, a->def.strategy,
-	         adapter_batched(a) ? ";dynamic=batch" : "");
-	parts[0] = a->def.name;
-	parts[1] = a->body_sha;
-	parts[2] = bounds;
-	parts[3] = TORCHLOOP_VERSION;
-	cache_key(parts, 4, id);
-	snprintf(out, size, "%s/index/%s.idx", g->cache->dir, id);
-}
-
-/* Pool: appends one record (a length-prefixed msgpack map). */
-static void index_append(struct graphs *g, struct specialization *sp)
-{
-	char path[PATH_MAX];
-	struct writer w;
-	struct proto_err err;
-	uint8_t *bytes;
-	size_t len;
-	FILE *f;
-
-	graphs_index_path(g, sp->adapter, path, sizeof path);
-	if (writer_init(&w) != 0)
-		return;
-	msgpack_pack_map(&w.pk, 4);
-	writer_key_str(&w, "kind", spec_kinds[sp->kind].name);
-	writer_key_str(&w, "dtype", proto_dtype_name(sp->dtype));
-	writer_str(&w, "carry");
-	shapes_write(&w, &sp->carry);
-	writer_str(&w, "inputs");
-	shapes_write(&w, &sp->inputs);
-	bytes = writer_flatten(&w, &len, PROTO_FRAME_MAX, &err);
-	writer_destroy(&w);
-	f = bytes ? fopen(path, "ae") : NULL;
-	if (f) {
-		fwrite(bytes, 1, len, f); /* the frame header is the record's length */
-		fclose(f);
-	}
-	free(bytes);
-}
-
-struct prewarm_rec {
-	enum spec_kind kind;
-	enum proto_dtype dtype;
-	struct tree_node carry, inputs;
-};
-
-/* Reads the index (at start-up, before the loop serves requests). */
-static int index_read(struct graphs *g, struct adapter *a, msgpack_zone *zone,
-                      struct prewarm_rec *recs, int max)
-{
-	char path[PATH_MAX];
-	struct frame_reader r;
-	struct proto_err err;
-	uint8_t buf[65536];
-	size_t n, off, used;
-	int count = 0;
-	FILE *f;
-
-	graphs_index_path(g, a, path, sizeof path);
-	f = fopen(path, "re");
-	if (f == NULL)
-		return 0;
-	frame_reader_init(&r, 1 << 20);
-	while (count < max && (n = fread(buf, 1, sizeof buf, f)) > 0) {
-		for (off = 0; off < n && count < max; off += used) {
-			enum frame_status st =
-			    frame_reader_feed(&r, buf + off, n - off, &used, &err);
-			uint32_t len;
-			uint8_t *body;
-			struct msg m;
-			if (st == FRAME_ERROR)
-				goto done;
-			if (st != FRAME_READY)
-				continue;
-			body = frame_reader_take(&r, &len);
-			/* a record that does not parse is skipped, never counted */
-			if (msg_parse(&m, body, len, MSG_ANY, &err) == 0 &&
-			    index_record(&m, zone, adapter_batched(a), &recs[count]) == 0)
-				count++;
-			msg_destroy(&m);
-			frame_free(body);
-		}
-	}
-done:
-	frame_reader_free(&r);
-	fclose(f);
-	return count;
-}
-
-static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
-                        struct prewarm_rec *rec)
-{
-	const char *s;
-	uint32_t n;
-	struct proto_err err;
-
-	bool grad = false; /* the index before kinds had names */
-	int kind;
-
-	if (msg_get_str(&m->up.data, "kind", &s, &n, NULL) == 0) {
-		if ((kind = spec_kind_parse(s, n)) < 0)
-			return -1;
-		rec->kind = (enum spec_kind)kind;
-	} else {
-		msg_get_bool(&m->up.data, "grad", &grad, NULL);
-		rec->kind = grad ? SPEC_GRAD : SPEC_SCAN;
-	}
-	if (msg_get_str(&m->up.data, "dtype", &s, &n, NULL) != 0)
-		return -1;
-	rec->dtype = n == 7 && memcmp(s, "float32", 7) == 0 ? PROTO_DTYPE_F32 : PROTO_DTYPE_F64;
-	if (msg_field(m, "carry") == NULL || msg_field(m, "inputs") == NULL ||
-	    shapes_read(msg_field(m, "carry"), zone, rec->dtype, batch, &rec->carry, &err) != 0 ||
-	    shapes_read(msg_field(m, "inputs"), zone, rec->dtype, batch, &rec->inputs, &err) != 0)
-		return -1;
-	return 0;
-}
-
-/*
- * Starts loading every indexed specialization of a from the cache; calls
- * done(g) once per started load when it finishes.  Returns how many started.
- */
-unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct graphs *g))
-{
-	struct prewarm_rec recs[PROTO_MAX_BUDGET * 4];
-	msgpack_zone *zone = msgpack_zone_new(4096);
-	unsigned started = 0;
-	int n = zone ? index_read(g, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
-
-	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
-		struct scan_args args = {
-		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
-		    recs[i].kind};
-		char sig[SPEC_SIG_MAX];
-		struct specialization *sp;
-		struct load_job *j;
-		if (recs[i].inputs.kind == TREE_NONE)
-			continue;
-		args.steps = first_steps(&recs[i].inputs);
-		if (args.steps <= 0 || signature_of(args.carry, args.inputs, args.dtype, args.steps,
-		                                    args.batch > 0, sig, sizeof sig) != 0)
-			continue;
-		for (sp = a->specs; sp; sp = sp->next)
-			if (sp->kind == args.kind && strcmp(sp->signature, sig) == 0)
-				break;
-		if (sp != NULL)
-			continue; /* listed twice */
-		sp = spec_new(g, a, &args, sig);
-		j = sp ? calloc(1, sizeof *j) : NULL;
-		if (j == NULL)
-			break;
-		j->prewarm = true;
-		j->prewarmed = done;
-		start_lookup(g, sp, j);
-		started++;
-	}
-	msgpack_zone_free(zone);
-	return started;
 }

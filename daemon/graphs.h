@@ -74,12 +74,35 @@ struct spec_kind_info {
 	const char *job;  /* the worker's job kind and the cache key's part: "forward", ... */
 	bool grad;        /* a VJP graph: cotangents in, gradients out */
 	bool tiered;      /* the quick tier may serve it while the unrolled graph builds */
+	bool blocks;      /* its upgrade may be blocks of unrolled steps (upgrade.c) */
 };
 
 extern const struct spec_kind_info spec_kinds[SPEC_KINDS];
 
 /* The kind whose protocol name is s[0..n), or -1. */
 int spec_kind_parse(const char *s, size_t n);
+
+/*
+ * A quick tier's upgrade (upgrade.c): what is built behind the scan op's
+ * graph, within --upgrade-budget by estimate, and whether it stays -- the
+ * two graphs take turns on the next runs and the upgrade is kept only when
+ * it is faster by a margin.  Loop thread only.
+ */
+enum upgrade_verdict { UPGRADE_PENDING, UPGRADE_TRIAL, UPGRADE_KEPT, UPGRADE_REVERTED };
+#define UPGRADE_TRIAL_RUNS 16
+
+struct upgrade {
+	bool planned;      /* the quick graph served and a plan was made */
+	char plan[24];     /* "unroll", "block<K>", or "" (none: over the budget) */
+	uint32_t step_ops; /* the quick graph's ATen calls a step (0: unknown) */
+	double estimate_s; /* the plan's compile seconds, estimated (the unrolled one's if none) */
+	enum upgrade_verdict verdict;
+	char quick_key[CACHE_KEY_HEX]; /* the scan op's graph's cache key */
+	double quick_seconds;          /* and its compile seconds */
+	unsigned n[2];                 /* trial runs: [0] the quick graph's, [1] the upgrade's */
+	double us[2][UPGRADE_TRIAL_RUNS];
+	double median_us[2];
+};
 
 struct specialization {
 	struct adapter *adapter; /* holds a reference */
@@ -110,6 +133,7 @@ struct specialization {
 	bool quick;                    /* graph is the quick tier's (the scan op) */
 	bool upgrading;                /* the unrolled graph is being built */
 	struct engine_graph *retired;
+	struct upgrade upgrade;
 	double compile_seconds;
 	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
 	char lowered[16], note[256];           /* compile_result's (or the cache entry's) */
@@ -262,6 +286,15 @@ unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct
 unsigned graphs_loaded(const struct graphs *g);
 /* The warm-start index file of a's identity (name, body, bounds, strategy). */
 void graphs_index_path(const struct graphs *g, const struct adapter *a, char *out, size_t size);
+
+/* ---- a quick tier's upgrade (upgrade.c) --------------------------------- */
+
+/* The graph a new run of sp uses: during the upgrade's trial, the quick and
+ * the upgraded graph in turn (*arm 0 or 1); else sp's graph (*arm -1). */
+struct engine_graph *upgrade_run_graph(struct specialization *sp, int *arm);
+/* A run of arm took us (settled OpenMP team: trial < 0): the trial's data. */
+void upgrade_run_measured(struct specialization *sp, int arm, int team_trial, double us);
+const char *upgrade_verdict_name(enum upgrade_verdict v);
 
 /* ---- runs (run.c) ---------------------------------------------------- */
 

@@ -15,7 +15,7 @@
 
 static void compile_ready(struct request *req, struct specialization *sp)
 {
-	struct outmsg *out = request_begin_result(req, 10);
+	struct outmsg *out = request_begin_result(req, 5 + DESCRIBE_LOWERING);
 
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");

@@ -27,6 +27,7 @@ struct run_job {
 	/* sp's graph when the run was made: a quick tier's upgrade may replace
 	 * sp->graph on the loop meanwhile (the old one is kept, see graphs.h) */
 	struct engine_graph *graph;
+	int arm; /* the upgrade's trial: which graph this is (upgrade_run_graph) */
 	struct engine_tensor *in;
 	size_t n_in;
 	/* the graph's signature: the specialization's, or for a symbolic batch
@@ -255,6 +256,7 @@ static void after_run(uv_work_t *w, int status)
 	(void)status;
 	if (j->rc == 0) {
 		team_result(sp, j->g->cfg, j->team_trial, j->run_us);
+		upgrade_run_measured(sp, j->arm, j->team_trial, j->run_us);
 		adapter_record_latency(sp->adapter, j->run_us);
 		sp->run_ema_us =
 		    sp->runs++ == 0 ? j->run_us : 0.8 * sp->run_ema_us + 0.2 * j->run_us;
@@ -295,7 +297,7 @@ struct run_job *run_new(struct graphs *g, struct specialization *sp, int64_t bat
 	}
 	j->g = g;
 	j->sp = sp;
-	j->graph = sp->graph;
+	j->graph = upgrade_run_graph(sp, &j->arm);
 	graphs_ref(sp);
 	if (area)
 		j->area = *area;

@@ -70,7 +70,7 @@ static const char *const *target_env(enum target_isa isa)
 }
 
 /* The worker's modules beside its script (install copies them with it). */
-static const char *const worker_modules[] = {"graph_loader.py", "checkpoint.py"};
+static const char *const worker_modules[] = {"graph_loader.py", "checkpoint.py", "blocked.py"};
 #define N_MODULES (sizeof worker_modules / sizeof worker_modules[0])
 
 /* The worker's part of every cache key: its script and its modules (they

@@ -40,6 +40,7 @@ import torch
 # the loader of captured graphs lives beside this file, however it was started
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint  # noqa: E402
+from blocked import block_size, blocked, graph_ops  # noqa: E402
 import graph_loader  # noqa: E402
 from graph_loader import GraphBody, GraphError  # noqa: E402
 
@@ -350,6 +351,12 @@ class Job:
             raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {exc!r}") from exc
         if job.kind not in KINDS:
             raise JobError("COMPILE_FAILED", f"malformed job from the daemon: kind {job.kind!r}")
+        k = block_size(job.strategy)
+        if job.strategy not in ("unroll", "scan") and (
+                not 2 <= k < max(job.steps, 2) or job.kind != "forward"):
+            raise JobError("COMPILE_FAILED",
+                           f"malformed job from the daemon: strategy {job.strategy!r} "
+                           f"for {job.steps} steps")
         return job
 
 
@@ -466,6 +473,11 @@ class Scan:
         xs = spec_build(self.inputs_spec, list(flat[self.n_carry :]), [0])
         if self.strategy == "unroll":
             return self.unrolled(carry, xs)
+        k = block_size(self.strategy)
+        if k:
+            step, captured = self.flat_step(clone=False)
+            return blocked(step, self.n_carry, self.steps, k, flat_tensors(carry),
+                           flat_tensors(xs), captured if lifted is None else lifted)
         return self.hop(carry, xs, lifted)
 
     def unrolled(self, carry: Any, xs: Any) -> tuple[Any, ...]:
@@ -1119,7 +1131,7 @@ def capture_values(
     forward_shapes = dyn.of(dyn.inputs[: len(args)]) if dyn else None
     vjp_shapes = dyn.of(dyn.inputs) if dyn else None
     trace = {"tracing_mode": "symbolic", "_allow_non_fake_inputs": True} if dyn else {}
-    use_scan = scan.strategy == "scan"
+    use_scan = scan.strategy != "unroll"  # the scan op's, or blocks of it
     if use_scan and dyn:
         # torch 2.14's Inductor fails on the scan op over a symbolic size
         # ("InductorError: KeyError: s39", forward and VJP alike): the unrolled
@@ -1155,12 +1167,12 @@ def capture_values(
                 gm = make_fx(vjp_module(unrolled, len(args)), **trace)(*args, *cot)
                 ep = torch.export.export(Wrap(gm), example, strict=False,
                                          dynamic_shapes=vjp_shapes)
-            scan.lowered = "scan" if use_scan and not scan.notes else "unroll"
+            scan.lowered = scan.strategy if use_scan and not scan.notes else "unroll"
         else:
             example = tuple(args)
             ep = torch.export.export(FlatModule(scan if use_scan else unrolled), example,
                                      strict=strict, dynamic_shapes=forward_shapes)
-            scan.lowered = "scan" if use_scan else "unroll"
+            scan.lowered = scan.strategy if use_scan else "unroll"
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
@@ -1481,7 +1493,17 @@ def compile_job(job: Job) -> dict[str, Any]:
         # how the loop was lowered, and why when not as the strategy asked
         "lowered": scan.lowered,
         "note": "; ".join(scan.notes),
+        # the step's size in ATen calls: what the daemon's upgrade plan
+        # estimates an unrolled compile from
+        "step_ops": step_ops(module, scan.lowered, steps),
     }
+
+
+def step_ops(module: torch.nn.Module, lowered: str, steps: int) -> int:
+    """ATen calls of one step of the captured loop."""
+    k = block_size(lowered)
+    per = k + steps % k if k else 1 if lowered == "scan" else steps
+    return graph_ops(module) // max(per, 1)
 
 
 def hold_lifted(module: torch.nn.Module, tensors: list[Any]) -> list[str]:
@@ -1502,7 +1524,7 @@ class FlatModule(torch.nn.Module):
         self.scan = scan
         # the scan op takes the body's captured tensors as inputs
         self.lifted = hold_lifted(self, [t for _, t in captured_tensors(scan.body)]
-                                  if scan.strategy == "scan" else [])
+                                  if scan.strategy != "unroll" else [])
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         lifted = [getattr(self, n) for n in self.lifted] if self.lifted else None

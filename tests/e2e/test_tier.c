@@ -23,6 +23,7 @@
 
 #include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -395,7 +396,7 @@ Test(tier, an_unrolled_compile_that_fails_leaves_the_scan_op_serving)
 	sp = await_upgrade(r.c, "tier.nounroll");
 	cr_assert_str_eq(str(sp, "tier"), "quick");
 	cr_assert_str_eq(str(sp, "lowered"), "scan");
-	cr_assert(strstr(str(sp, "note"), "the unrolled graph failed (UNSUPPORTED_OP)") != NULL,
+	cr_assert(strstr(str(sp, "note"), "the upgrade (unroll) failed (UNSUPPORTED_OP)") != NULL,
 	          "note: %s", str(sp, "note"));
 	json_decref(sp);
 	refused_scan(&r, NULL);
@@ -403,4 +404,115 @@ Test(tier, an_unrolled_compile_that_fails_leaves_the_scan_op_serving)
 	             "the scan op's, the failed one");
 	cr_assert_eq(hd_counter(r.c, "tier.nounroll", "graphs"), 1);
 	refused_stop(&r);
+}
+
+/* The adapter's specialization of kind (caller decrefs). */
+static json_t *spec_of_kind(struct tl_client *c, const char *adapter, const char *kind)
+{
+	json_t *desc = h_call_json(c, "describe", adapter), *found = NULL, *sp;
+	size_t i;
+
+	json_array_foreach(json_object_get(desc, "specializations"), i, sp)
+	{
+		if (strcmp(str(sp, "kind"), kind) == 0)
+			found = json_incref(sp);
+	}
+	json_decref(desc);
+	cr_assert_not_null(found, "no %s specialization", kind);
+	return found;
+}
+
+static double num(json_t *o, const char *key)
+{
+	json_t *v = json_object_get(o, key);
+
+	cr_assert(json_is_number(v), "describe has no number %s", key);
+	return json_number_value(v);
+}
+
+/*
+ * --upgrade-budget 1: unrolling ema's 64 steps would add more than a second
+ * to the compile (by the daemon's estimate from the step's ATen calls), so
+ * the upgrade is the scan op over blocks of K unrolled steps; the blocked
+ * graph then takes turns with the scan op's on the next runs and stays only
+ * when faster (either verdict is consistent with the medians it reports).
+ * A grad over the same budget gets no upgrade (a VJP is not built in
+ * blocks): the scan op's VJP keeps serving.  Every reply matches eager.
+ */
+Test(tier, an_upgrade_over_its_budget_is_built_in_blocks_and_kept_only_when_faster)
+{
+	const char *args[] = {"--no-probe", "--quick-tier-steps", "4", "--upgrade-budget", "1",
+	                      NULL};
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
+	struct tl_client *c;
+	struct tl_reply *r;
+	struct tl_error err;
+	char cache[512], plan[32], verdict[16] = "trial";
+	json_t *sp, *up;
+	struct hd d;
+
+	h_tmpdir(cache, sizeof cache, "tcache");
+	ema_trees(b, &bb, 64, 51, &carry, &inputs);
+	ema_trees(b, &bb, 64, 53, &cot_c, &cot_y);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, "tier.ema", EMA, "body", 64, 4096, 2);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, "quick");
+	sp = await_upgrade(c, "tier.ema");
+	up = json_object_get(sp, "upgrade");
+	snprintf(plan, sizeof plan, "%s", str(up, "plan"));
+	cr_assert(strncmp(plan, "block", 5) == 0 && atoi(plan + 5) >= 4 && atoi(plan + 5) <= 32,
+	          "plan %s", plan);
+	cr_assert_gt(num(up, "step_ops"), 0);
+	cr_assert_str_eq(str(sp, "tier"), "final");
+	cr_assert_str_eq(str(sp, "lowered"), plan);
+	cr_assert_str_eq(str(up, "verdict"), "trial");
+	json_decref(sp);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, NULL);
+
+	/* the trial: 16 runs of each graph (runs that try an OpenMP team do not count) */
+	for (int i = 0; i < 400 && strcmp(verdict, "trial") == 0; i++) {
+		cr_assert_eq(tl_scan(c, "tier.ema", carry, inputs, &r, &err), 0, "%s", err.message);
+		tl_reply_free(r);
+		sp = spec_of_kind(c, "tier.ema", "scan");
+		snprintf(verdict, sizeof verdict, "%s",
+		         str(json_object_get(sp, "upgrade"), "verdict"));
+		json_decref(sp);
+	}
+	sp = spec_of_kind(c, "tier.ema", "scan");
+	up = json_object_get(sp, "upgrade");
+	cr_assert_eq(num(up, "trial_runs"), 32, "verdict %s", verdict);
+	if (strcmp(verdict, "kept") == 0) {
+		cr_assert_leq(num(up, "upgrade_run_us"), 0.9 * num(up, "quick_run_us"));
+		cr_assert_str_eq(str(sp, "tier"), "final");
+		cr_assert_str_eq(str(sp, "lowered"), plan);
+	} else {
+		cr_assert_str_eq(verdict, "reverted");
+		cr_assert_gt(num(up, "upgrade_run_us"), 0.9 * num(up, "quick_run_us"));
+		cr_assert_str_eq(str(sp, "tier"), "quick");
+		cr_assert_str_eq(str(sp, "lowered"), "scan");
+	}
+	cr_assert(strstr(str(sp, "note"), plan) != NULL, "note: %s", str(sp, "note"));
+	json_decref(sp);
+	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, NULL);
+
+	/* a grad over the budget: no upgrade */
+	check_grad(c, b, "tbq", carry, inputs, cot_c, cot_y, NULL);
+	sp = spec_of_kind(c, "tier.ema", "grad");
+	up = json_object_get(sp, "upgrade");
+	cr_assert_str_eq(str(up, "plan"), "");
+	cr_assert_str_eq(str(sp, "tier"), "quick");
+	cr_assert(!json_is_true(json_object_get(sp, "upgrading")));
+	cr_assert(strstr(str(sp, "note"), "--upgrade-budget=1") != NULL, "note: %s",
+	          str(sp, "note"));
+	json_decref(sp);
+	check_grad(c, b, "tbq2", carry, inputs, cot_c, cot_y, NULL);
+	cr_assert_eq(hd_counter(c, "tier.ema", "compiles"), 3, "quick + blocked scan, quick grad");
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
 }

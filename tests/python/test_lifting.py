@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +19,7 @@ sys.path.insert(0, str(ROOT / "daemon" / "worker"))
 import compile_worker as w  # noqa: E402
 
 SOURCE = '''
+import pytest
 import torch
 
 W = torch.tensor([[2.0, 0.0], [1.0, 3.0]], dtype=torch.float64)
@@ -105,3 +107,40 @@ def test_a_body_without_captured_tensors_is_called_as_it_is():
         want.append(y)
     torch.testing.assert_close(final, c)
     torch.testing.assert_close(ys, torch.stack(want))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 6])
+def test_blocks_of_unrolled_steps_are_the_loop_with_or_without_a_tail(k: int) -> None:
+    """strategy block<K> (daemon/worker/blocked.py): the scan op over 6 // k
+    blocks, 6 % k steps after, lifted tensors reaching the helper in both."""
+    body = _body()
+    carry, xs = _inputs()
+    weight = torch.tensor([[0.0, -1.0], [1.0, 0.5]], dtype=torch.float64)
+    scale = torch.tensor(0.25, dtype=torch.float64)
+    final, ys = _scan(body, carry, xs, f"block{k}").forward(carry, xs, lifted=[scale, weight])
+    want_c, want_y = _by_hand(carry, xs, weight, scale)
+    torch.testing.assert_close(final, want_c, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ys, want_y, rtol=1e-12, atol=1e-12)
+    # the module's own tensors when nothing is lifted; the export the worker compiles
+    g = body.__globals__
+    scan = _scan(body, carry, xs, f"block{k}")
+    ep = torch.export.export(w.FlatModule(scan), (carry, xs), strict=False)
+    got_c, got_y = ep.module()(carry, xs)
+    want_c, want_y = _by_hand(carry, xs, g["W"], g["S"])
+    torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    # the step's ATen calls: the scan op's graph counts its loop's own (clones) too
+    ops = w.step_ops(ep.module(), f"block{k}", 6)
+    quick = w.step_ops(torch.export.export(w.FlatModule(_scan(body, carry, xs)), (carry, xs),
+                                           strict=False).module(), "scan", 6)
+    assert 5 <= ops <= quick  # clamp, matmul, mul, add, sum at least
+
+
+@pytest.mark.parametrize("strategy,kind", [("block1", "forward"), ("block6", "forward"),
+                                           ("block3", "vjp"), ("blocks", "forward"),
+                                           ("block03", "forward")])
+def test_a_block_strategy_the_daemon_never_sends_is_a_malformed_job(strategy: str,
+                                                                     kind: str) -> None:
+    with pytest.raises(w.JobError, match="malformed job"):
+        w.Job.parse({"body_source": "", "entry": "body", "strategy": strategy, "kind": kind,
+                     "steps": 6})
