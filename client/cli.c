@@ -76,10 +76,13 @@ static const struct command {
      "scan ADAPTER --carry TREE --inputs TREE --out DIR\n"
      "  run a scan; DIR gets one .npy per leaf and tree.json"},
     {"grad", "an ADAPTER", run_scan,
-     "grad ADAPTER --carry TREE --inputs TREE [--cot-carry TREE] [--cot-outputs TREE] --out DIR\n"
-     "  scan plus the vector-Jacobian product (None or absent cotangents are zero)"},
+     "grad ADAPTER --carry TREE --inputs TREE [--cot-carry TREE] [--cot-outputs TREE]\n"
+     "         [--checkpoint] --out DIR\n"
+     "  scan plus the vector-Jacobian product (None or absent cotangents are zero);\n"
+     "  --checkpoint: keep each step's carry only and recompute the step backward"},
     {"compile", "an ADAPTER", run_compile,
-     "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64] [--grad]\n"
+     "compile ADAPTER --carry TREE --inputs TREE [--dtype float32|float64]\n"
+     "         [--grad [--checkpoint]]\n"
      "  warm a specialization; leaves may be .npy files or shape:AxB strings"},
     {"stats", NULL, run_json, "stats [--prometheus]\n  counters per adapter"},
     {"shutdown", NULL, run_json, "shutdown\n  stop the daemon after in-flight requests (admin)"},
@@ -198,7 +201,7 @@ struct sub_opts {
 	const char *carry, *inputs, *cot_carry, *cot_outputs, *out, *body, *entry, *strategy,
 	    *dynamic;
 	int64_t max_steps, max_elements, budget;
-	bool live, prometheus, grad;
+	bool live, prometheus, grad, checkpoint;
 	const char *dtype;
 };
 
@@ -215,13 +218,25 @@ static int parse_int_opt(const char *name, const char *v, int64_t *out)
 
 static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
 {
-	static const struct option opts[] = {
-	    {"carry", 1, 0, 'c'},       {"inputs", 1, 0, 'i'},       {"cot-carry", 1, 0, 'C'},
-	    {"cot-outputs", 1, 0, 'O'}, {"out", 1, 0, 'o'},          {"body", 1, 0, 'b'},
-	    {"entry", 1, 0, 'e'},       {"strategy", 1, 0, 's'},     {"dynamic", 1, 0, 'y'},
-	    {"max-steps", 1, 0, 'S'},   {"max-elements", 1, 0, 'E'}, {"budget", 1, 0, 'B'},
-	    {"live", 0, 0, 'l'},        {"prometheus", 0, 0, 'p'},   {"grad", 0, 0, 'g'},
-	    {"dtype", 1, 0, 'd'},       {"help", 0, 0, 'h'},         {0, 0, 0, 0}};
+	static const struct option opts[] = {{"carry", 1, 0, 'c'},
+	                                     {"inputs", 1, 0, 'i'},
+	                                     {"cot-carry", 1, 0, 'C'},
+	                                     {"cot-outputs", 1, 0, 'O'},
+	                                     {"out", 1, 0, 'o'},
+	                                     {"body", 1, 0, 'b'},
+	                                     {"entry", 1, 0, 'e'},
+	                                     {"strategy", 1, 0, 's'},
+	                                     {"dynamic", 1, 0, 'y'},
+	                                     {"max-steps", 1, 0, 'S'},
+	                                     {"max-elements", 1, 0, 'E'},
+	                                     {"budget", 1, 0, 'B'},
+	                                     {"live", 0, 0, 'l'},
+	                                     {"prometheus", 0, 0, 'p'},
+	                                     {"grad", 0, 0, 'g'},
+	                                     {"dtype", 1, 0, 'd'},
+	                                     {"help", 0, 0, 'h'},
+	                                     {"checkpoint", 0, 0, 'k'},
+	                                     {0, 0, 0, 0}};
 	int opt, rc = EXIT_OK;
 
 	optind = 1;
@@ -272,6 +287,9 @@ static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
 			break;
 		case 'g':
 			o->grad = true;
+			break;
+		case 'k':
+			o->checkpoint = true;
 			break;
 		case 'd':
 			o->dtype = optarg;
@@ -356,6 +374,8 @@ static int cmd_run(struct cli *c, const struct sub_opts *o, const char *adapter,
 	if (!o->carry || !o->inputs || !o->out)
 		return usage_error("%s: --carry, --inputs and --out are required",
 		                   grad ? "grad" : "scan");
+	if (o->checkpoint && !grad)
+		return usage_error("scan: --checkpoint is grad's");
 	if ((rc = parse_tree(c, "--carry", o->carry, false, &carry)) ||
 	    (rc = parse_tree(c, "--inputs", o->inputs, false, &inputs)) ||
 	    (grad && o->cot_carry &&
@@ -364,8 +384,10 @@ static int cmd_run(struct cli *c, const struct sub_opts *o, const char *adapter,
 	     (rc = parse_tree(c, "--cot-outputs", o->cot_outputs, false, &co))) ||
 	    (rc = connect_client(c)))
 		return rc;
-	rc = grad ? tl_grad(c->client, adapter, carry, inputs, cc, co, &r, &err)
-	          : tl_scan(c->client, adapter, carry, inputs, &r, &err);
+	rc = !grad ? tl_scan(c->client, adapter, carry, inputs, &r, &err)
+	     : o->checkpoint
+	         ? tl_grad_checkpoint(c->client, adapter, carry, inputs, cc, co, &r, &err)
+	         : tl_grad(c->client, adapter, carry, inputs, cc, co, &r, &err);
 	if (isatty(2))
 		fprintf(stderr, "\r\033[K");
 	if (rc != 0)
@@ -386,13 +408,19 @@ static int cmd_compile(struct cli *c, const struct sub_opts *o, const char *adap
 		return usage_error("compile: --carry and --inputs are required");
 	if (o->dtype && strcmp(o->dtype, "float32") && strcmp(o->dtype, "float64"))
 		return usage_error("compile: --dtype is float32 or float64");
+	if (o->checkpoint && !o->grad)
+		return usage_error("compile: --checkpoint needs --grad");
 	c->tj.dtype = o->dtype && strcmp(o->dtype, "float32") == 0 ? TL_FLOAT32 : TL_FLOAT64;
 	c->tj.have_dtype = o->dtype != NULL;
 	if ((rc = parse_tree(c, "--carry", o->carry, true, &carry)) ||
 	    (rc = parse_tree(c, "--inputs", o->inputs, true, &inputs)) || (rc = connect_client(c)))
 		return rc;
 	if (tl_compile(c->client, adapter, carry, inputs,
-	               c->tj.have_dtype ? c->tj.dtype : TL_FLOAT64, o->grad, &r, &err) != 0)
+	               c->tj.have_dtype ? c->tj.dtype : TL_FLOAT64,
+	               !o->grad        ? TL_GRAPH_SCAN
+	               : o->checkpoint ? TL_GRAPH_GRAD_CHECKPOINT
+	                               : TL_GRAPH_GRAD,
+	               &r, &err) != 0)
 		return daemon_error(c, &err);
 	if (isatty(2))
 		fprintf(stderr, "\r\033[K");

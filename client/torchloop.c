@@ -951,9 +951,10 @@ static void remember_hint(struct tl_client *c, const char *adapter, int grad, ui
 	h->needed = needed;
 }
 
+/* op ("scan", "grad") over trees named keys; checkpoint: grad's field. */
 static int run_op(struct tl_client *c, const char *op, const char *adapter,
                   const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
-                  struct tl_reply **out, struct tl_error *err)
+                  bool checkpoint, struct tl_reply **out, struct tl_error *err)
 {
 	struct writer w;
 	struct stage st = {.c = c};
@@ -961,9 +962,11 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 	int grad = strcmp(op, "grad") == 0, rc;
 	const struct out_hint *h;
 
-	if (begin(c, &w, op, 1 + n + (c->shm != NULL), &id, err) != 0)
+	if (begin(c, &w, op, 1 + n + (c->shm != NULL) + checkpoint, &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "adapter", adapter);
+	if (checkpoint)
+		writer_key_bool(&w, "checkpoint", true);
 	for (uint32_t i = 0; i < n; i++) {
 		writer_str(&w, keys[i]);
 		if (trees[i] == NULL)
@@ -1020,12 +1023,13 @@ int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carr
 	if (carry == NULL || inputs == NULL)
 		return fail(err, "INVALID_ARGUMENT", NULL,
 		            "carry and inputs are required (use tl_none)");
-	return run_op(c, "scan", adapter, trees, keys, 2, out, err);
+	return run_op(c, "scan", adapter, trees, keys, 2, false, out, err);
 }
 
-int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-            const struct tl_tree *inputs, const struct tl_tree *cot_carry,
-            const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err)
+static int grad_op(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                   const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+                   const struct tl_tree *cot_outputs, bool checkpoint, struct tl_reply **out,
+                   struct tl_error *err)
 {
 	const struct tl_tree *trees[] = {carry, inputs, cot_carry, cot_outputs};
 	const char *keys[] = {"carry", "inputs", "cot_carry", "cot_outputs"};
@@ -1033,22 +1037,41 @@ int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carr
 	if (carry == NULL || inputs == NULL)
 		return fail(err, "INVALID_ARGUMENT", NULL,
 		            "carry and inputs are required (use tl_none)");
-	return run_op(c, "grad", adapter, trees, keys, 4, out, err);
+	return run_op(c, "grad", adapter, trees, keys, 4, checkpoint, out, err);
+}
+
+int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+            const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+            const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err)
+{
+	return grad_op(c, adapter, carry, inputs, cot_carry, cot_outputs, false, out, err);
+}
+
+int tl_grad_checkpoint(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                       const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+                       const struct tl_tree *cot_outputs, struct tl_reply **out,
+                       struct tl_error *err)
+{
+	return grad_op(c, adapter, carry, inputs, cot_carry, cot_outputs, true, out, err);
 }
 
 int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-               const struct tl_tree *inputs, enum tl_dtype dtype, int grad, struct tl_reply **out,
-               struct tl_error *err)
+               const struct tl_tree *inputs, enum tl_dtype dtype, enum tl_graph_kind kind,
+               struct tl_reply **out, struct tl_error *err)
 {
+	static const char *const kinds[] = {"scan", "grad", "grad_checkpoint"};
+
 	struct writer w;
 	uint64_t id = 0;
 	int rc;
 
+	if ((unsigned)kind >= sizeof kinds / sizeof kinds[0])
+		return fail(err, "INVALID_ARGUMENT", "kind", "kind must be a tl_graph_kind");
 	if (begin(c, &w, "compile", 5, &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "adapter", adapter);
 	writer_key_str(&w, "dtype", dtype == TL_FLOAT32 ? "float32" : "float64");
-	writer_key_str(&w, "kind", grad ? "grad" : "scan");
+	writer_key_str(&w, "kind", kinds[kind]);
 	writer_str(&w, "carry");
 	shapes_write(&w, CNODE(carry));
 	writer_str(&w, "inputs");

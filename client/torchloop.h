@@ -126,10 +126,19 @@ int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carr
 int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
             const struct tl_tree *inputs, const struct tl_tree *cot_carry,
             const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err);
+/* tl_grad by the checkpointed VJP (a graph of its own, kind grad_checkpoint):
+ * only the carry entering each step is kept, the step is recomputed in the
+ * reverse loop (docs/protocol.md, grad's checkpoint). */
+int tl_grad_checkpoint(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                       const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+                       const struct tl_tree *cot_outputs, struct tl_reply **out,
+                       struct tl_error *err);
+/* What tl_compile warms. */
+enum tl_graph_kind { TL_GRAPH_SCAN, TL_GRAPH_GRAD, TL_GRAPH_GRAD_CHECKPOINT };
 /* Warms a specialization: shape-only trees (tensors' data may be NULL). */
 int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-               const struct tl_tree *inputs, enum tl_dtype dtype, int grad, struct tl_reply **out,
-               struct tl_error *err);
+               const struct tl_tree *inputs, enum tl_dtype dtype, enum tl_graph_kind kind,
+               struct tl_reply **out, struct tl_error *err);
 
 /* list, describe (name), stats, shutdown: the result as JSON text. */
 int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,

@@ -158,26 +158,33 @@ Test(cli, a_grad_writes_gradients_that_match_autograd)
 	snprintf(cot_c, sizeof cot_c, "{\"__tuple__\": [\"%s/ch.npy\", null]}", dir);
 	snprintf(cot_y, sizeof cot_y, "%s/cy.npy", dir);
 	snprintf(out, sizeof out, "%s/out", dir);
-	cr_assert_eq(
-	    cli(d.sock, dir,
-	        (const char *[]){"grad", "t5.rnn", "--carry", carry, "--inputs", inputs,
-	                         "--cot-carry", cot_c, "--cot-outputs", cot_y, "--out", out, NULL}),
-	    0);
 	treejson_init(&tj, b, NULL);
 	treejson_init(&rj, b, NULL);
 	h_reference(dir, "examples/bodies/rnn.py", "cell", load_tree(&tj, "/", carry),
 	            load_tree(&tj, "/", inputs), load_tree(&tj, "/", cot_c),
 	            load_tree(&tj, "/", cot_y), true, false);
-	snprintf(path, sizeof path, "%s/tree.json", out);
-	doc = json_load_file(path, JSON_PRESERVE_ORDER, NULL);
-	cr_assert_not_null(doc);
-	tj.base = out;
-	for (int k = 0; k < 4; k++) {
-		static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
-		h_assert_close(treejson_load(&tj, json_object_get(doc, keys[k]), msg, sizeof msg),
-		               h_load_ref(&rj, dir, keys[k]), 1e-10, 1e-12, keys[k]);
+	/* the plain VJP, then the checkpointed one (a graph of its own) */
+	for (int ckpt = 0; ckpt < 2; ckpt++) {
+		snprintf(out, sizeof out, "%s/out%d", dir, ckpt);
+		cr_assert_eq(
+		    cli(d.sock, dir,
+		        (const char *[]){"grad", "t5.rnn", "--carry", carry, "--inputs", inputs,
+		                         "--cot-carry", cot_c, "--cot-outputs", cot_y, "--out", out,
+		                         ckpt ? "--checkpoint" : NULL, NULL}),
+		    0);
+		snprintf(path, sizeof path, "%s/tree.json", out);
+		doc = json_load_file(path, JSON_PRESERVE_ORDER, NULL);
+		cr_assert_not_null(doc);
+		tj.base = out;
+		for (int k = 0; k < 4; k++) {
+			static const char *const keys[] = {"carry", "outputs", "grad_carry",
+			                                   "grad_inputs"};
+			h_assert_close(
+			    treejson_load(&tj, json_object_get(doc, keys[k]), msg, sizeof msg),
+			    h_load_ref(&rj, dir, keys[k]), 1e-10, 1e-12, keys[k]);
+		}
+		json_decref(doc);
 	}
-	json_decref(doc);
 	treejson_free(&tj);
 	treejson_free(&rj);
 	tl_builder_free(b);
@@ -215,6 +222,10 @@ static const struct usage_case USAGE[] = {
     {{"register", "t5.x", "--body", "b.py", "--max-steps", "many", NULL}, "integer"},
     {{"describe", NULL}, "needs a NAME"},
     {{"list", "extra", NULL}, "unexpected argument"},
+    {{"scan", "t5.x", "--carry", "c.npy", "--inputs", "c.npy", "--out", "o", "--checkpoint", NULL},
+     "grad's"},
+    {{"compile", "t5.x", "--carry", "c.npy", "--inputs", "c.npy", "--checkpoint", NULL},
+     "needs --grad"},
 };
 
 #define N_USAGE (sizeof USAGE / sizeof USAGE[0])

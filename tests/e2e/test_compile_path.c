@@ -509,9 +509,9 @@ Test(compile_path, an_artifact_that_disagrees_with_the_eager_scan_is_refused)
 		struct trees t4;
 		build(&t4, CUMSUM, TL_FLOAT64, 4);
 		for (int k = 0; k < 2; k++) {
-			cr_assert_eq(
-			    tl_compile(c, "t3.wrong", t4.carry, t4.inputs, TL_FLOAT64, 0, &r, &err),
-			    -1, "accepted");
+			cr_assert_eq(tl_compile(c, "t3.wrong", t4.carry, t4.inputs, TL_FLOAT64,
+			                        TL_GRAPH_SCAN, &r, &err),
+			             -1, "accepted");
 			cr_assert_str_eq(err.code, "MISCOMPILE", "%s: %s", err.code, err.message);
 			cr_assert(strstr(err.message, "run on random inputs"), "%s", err.message);
 		}

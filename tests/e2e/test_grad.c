@@ -1,7 +1,8 @@
 /*
  * test_grad.c - first-order autograd over the socket.  float64 gradients of
  * the example bodies (tensor, dict and tuple carries, None leaves, captured
- * constants) at T=1 and T=max_steps, with both compile strategies, against torch.autograd on an
+ * constants) at T=1 and T=max_steps, with both compile strategies and the
+ * checkpointed VJP (tl_grad_checkpoint), against torch.autograd on an
  * eager loop
  * (<= 1e-10) and central finite differences (<= 1e-6), both computed by
  * tests/helpers/eager_ref.py; and mismatched cotangent trees.
@@ -24,6 +25,7 @@ struct gcase {
 	int kind; /* 0 tensor carry, 1 dict (lorenz), 2 tuple with None (rnn) */
 	int64_t steps;
 	const char *strategy; /* NULL: unroll (the default); "scan": torch's scan op */
+	bool checkpoint;      /* tl_grad_checkpoint: carries kept, steps recomputed */
 };
 
 static const struct gcase CASES[] = {
@@ -42,6 +44,8 @@ static const struct gcase CASES[] = {
     /* strategy scan with module-level weights the body captures: they are the
      * scan op's additional inputs, the graph's constants */
     {"t6.rnn_scan", "examples/bodies/rnn.py", "cell", 2, MAX_STEPS, "scan"},
+    /* libtorchloop's checkpointed VJP (a dict carry with a None cotangent) */
+    {"t6.lorenz_ckpt", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS, NULL, true},
 };
 
 #define N_CASES (sizeof CASES / sizeof CASES[0])
@@ -113,8 +117,9 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 	c = hd_connect(&d);
 	hd_register_strategy(c, gc->adapter, gc->file, gc->entry, gc->strategy, MAX_STEPS, 65536,
 	                     8);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c, cot_y, &r, &err), 0, "%s: %s %s",
-	             gc->adapter, err.code, err.message);
+	cr_assert_eq((gc->checkpoint ? tl_grad_checkpoint : tl_grad)(c, gc->adapter, carry, inputs,
+	                                                             cot_c, cot_y, &r, &err),
+	             0, "%s: %s %s", gc->adapter, err.code, err.message);
 	h_assert_grad_matches_reference(r, b, "gref", gc->file, gc->entry, carry, inputs, cot_c,
 	                                cot_y);
 	cr_assert_eq(hd_counter(c, gc->adapter, "graphs"), 1,
@@ -125,12 +130,18 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 		json_t *sp = json_array_get(json_object_get(desc, "specializations"), 0);
 		const char *lowered = json_string_value(json_object_get(sp, "lowered"));
 		const char *note = json_string_value(json_object_get(sp, "note"));
-		const char *want = gc->strategy ? "scan" : "unroll";
+		const char *want = gc->strategy || gc->checkpoint ? "scan" : "unroll";
 		cr_assert_not_null(lowered);
 		cr_assert_not_null(note);
 		cr_assert_str_eq(lowered, want, "%s: lowered %s (%s)", gc->adapter, lowered, note);
-		/* every case is lowered as its strategy asks: no note */
-		cr_assert_str_eq(note, "", "%s", note);
+		/* every case is lowered as its strategy asks: no note, but the
+		 * checkpointed graph's, which says what it is */
+		cr_assert_str_eq(json_string_value(json_object_get(sp, "kind")),
+		                 gc->checkpoint ? "grad_checkpoint" : "grad");
+		if (gc->checkpoint)
+			cr_assert(strstr(note, "checkpointed") != NULL, "%s", note);
+		else
+			cr_assert_str_eq(note, "", "%s", note);
 		json_decref(desc);
 	}
 	tl_reply_free(r);

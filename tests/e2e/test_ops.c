@@ -56,7 +56,14 @@ Test(ops, every_op_answers)
 	        json_array_get(json_object_get(j, "specializations"), 0), "signature")),
 	    "float64 T=3 carry=[4] inputs=[3,4]");
 	json_decref(j);
-	cr_assert_eq(tl_compile(f.c, "t4.cumsum", f.carry_t, f.inputs_t, TL_FLOAT64, 0, &r, &err),
+	/* a kind outside enum tl_graph_kind is refused before anything is sent */
+	cr_assert_eq(tl_compile(f.c, "t4.cumsum", f.carry_t, f.inputs_t, TL_FLOAT64,
+	                        (enum tl_graph_kind)7, &r, &err),
+	             -1);
+	cr_assert_str_eq(err.code, "INVALID_ARGUMENT");
+	cr_assert_str_eq(err.path, "kind");
+	cr_assert_eq(tl_compile(f.c, "t4.cumsum", f.carry_t, f.inputs_t, TL_FLOAT64, TL_GRAPH_SCAN,
+	                        &r, &err),
 	             0, "%s", err.message);
 	tl_reply_free(r);
 	j = h_call_json(f.c, "stats", NULL);
@@ -416,7 +423,8 @@ Test(ops, a_compile_request_warms_a_specialization_from_shapes_alone)
 
 	setup(&f, NULL);
 	cr_assert_eq(tl_compile(f.c, "t4.cumsum", tl_tensor(f.b, TL_FLOAT64, 1, cs, NULL),
-	                        tl_tensor(f.b, TL_FLOAT64, 2, xs, NULL), TL_FLOAT64, 0, &r, &err),
+	                        tl_tensor(f.b, TL_FLOAT64, 2, xs, NULL), TL_FLOAT64, TL_GRAPH_SCAN,
+	                        &r, &err),
 	             0, "%s", err.message);
 	tl_reply_free(r);
 	scan_ok(&f, f.c);

@@ -486,7 +486,7 @@ Test(service, admin_ops_from_another_uid_are_refused_but_scans_work)
 		         tl_compile(c, "t4.cumsum",
 		                    tl_tensor(b, TL_FLOAT64, 1, (int64_t[]){5}, NULL),
 		                    tl_tensor(b, TL_FLOAT64, 2, (int64_t[]){3, 5}, NULL),
-		                    TL_FLOAT64, 0, &r, &err)
+		                    TL_FLOAT64, TL_GRAPH_SCAN, &r, &err)
 		             ? err.code
 		             : "OK");
 		if (write(fds[1], out, sizeof out) != sizeof out)
