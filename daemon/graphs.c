@@ -41,24 +41,80 @@
 
 #define PROGRESS_MS 2000
 
-/* The checkpointed VJP is the scan op's whatever the strategy: no quick tier.
- * A VJP of blocks of steps needs AOTI's proxy executor (torch 2.14), which
- * the daemon cannot run: a grad's upgrade is unrolled or none. */
-const struct spec_kind_info spec_kinds[SPEC_KINDS] = {
-    [SPEC_SCAN] = {"scan", "forward", false, true, true},
-    [SPEC_GRAD] = {"grad", "vjp", true, true, false},
-    [SPEC_GRAD_CHECKPOINT] = {"grad_checkpoint", "vjp_checkpoint", true, false, false},
-};
+static void lookup_work(uv_work_t *w);
+/* ---- a quick tier's upgrade: built here, decided in upgrade.c ---------- */
 
-int spec_kind_parse(const char *s, size_t n)
+/* The upgrade is over: it took over (err NULL), or the quick graph keeps serving. */
+static void upgrade_over(struct load_job *j, const struct proto_err *err)
 {
-	for (int k = 0; k < SPEC_KINDS; k++)
-		if (strlen(spec_kinds[k].name) == n && memcmp(spec_kinds[k].name, s, n) == 0)
-			return k;
-	return -1;
+	j->sp->upgrading = false;
+	spec_unlock(j->sp);
+	if (err != NULL)
+		upgrade_failed(j->sp, err);
+	free_job(j);
 }
 
-static void lookup_work(uv_work_t *w);
+/* Loop: the upgrade's lookup or commit came back. */
+static void after_upgrade(struct load_job *j)
+{
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+
+	if (j->rc != 0) {
+		upgrade_over(j, &j->err);
+		return;
+	}
+	if (j->need_compile) {
+		if (prepare_compile(j, &j->err) != 0) {
+			upgrade_over(j, &j->err);
+			return;
+		}
+		j->need_compile = false;
+		a->stats.cache_misses++;
+		a->stats.compiles++;
+		log_line(LOG_INFO, 0, a->def.name,
+		         "compiling %s %s as %s, in the background (estimated %.0f s)",
+		         spec_kinds[sp->kind].name, sp->signature, sp->upgrade.plan,
+		         sp->upgrade.estimate_s);
+		compiler_submit(j->g->compiler, &j->job);
+		return; /* j lives on until compile_done */
+	}
+	upgrade_take_over(j);
+	upgrade_over(j, NULL);
+}
+
+/* sp's quick graph now serves: builds (or loads) what upgrade_plan picks. */
+static void start_upgrade(struct graphs *g, struct specialization *sp, struct load_job *quick)
+{
+	struct load_job *j;
+	char key[CACHE_KEY_HEX];
+
+	if (!upgrade_plan(g, sp)) {
+		spec_unlock(sp);
+		return;
+	}
+	j = calloc(1, sizeof *j);
+	if (j == NULL) {
+		log_line(LOG_WARN, 0, sp->adapter->def.name,
+		         "%s %s: out of memory; the scan op's graph keeps serving",
+		         spec_kinds[sp->kind].name, sp->signature);
+		spec_unlock(sp);
+		return;
+	}
+	j->upgrade = true;
+	j->sample = quick->sample; /* checked on the same inputs as the quick graph */
+	j->sample_len = quick->sample_len;
+	quick->sample = NULL;
+	sp->upgrading = true;
+	if (strcmp(sp->upgrade.plan, "unroll") == 0) {
+		start_lookup(g, sp, j, NULL);
+		return;
+	}
+	memcpy(j->strategy, sp->upgrade.plan, sizeof j->strategy);
+	key_for(g, sp, j->strategy, key);
+	start_lookup(g, sp, j, key);
+}
+
 static void after_load(uv_work_t *w, int status);
 static void fill_expected(struct specialization *sp);
 static void fill_expected_out(struct specialization *sp);
@@ -670,7 +726,7 @@ static void after_load(uv_work_t *w, int status)
 		j->rc = -1;
 	}
 	if (j->upgrade) {
-		upgrade_after_load(j);
+		after_upgrade(j);
 		return;
 	}
 	if (j->rc == 0 && j->need_compile && !j->quick && tier_applies(j->g, sp)) {
@@ -735,7 +791,7 @@ static void after_load(uv_work_t *w, int status)
 		if (j->prewarm)
 			j->prewarmed(j->g);
 		if (upgrade)
-			upgrade_start(j->g, sp, j);
+			start_upgrade(j->g, sp, j);
 	}
 	free_job(j);
 }
@@ -964,4 +1020,59 @@ void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *
 	j->work.data = j;
 	graphs_ref(sp);
 	uv_queue_work(g->loop, &j->work, lookup_work, after_load);
+}
+
+/* The leading length of the first tensor leaf (T). */
+static int64_t first_steps(const struct tree_node *n)
+{
+	if (n->kind == TREE_TENSOR)
+		return n->tensor.ndim ? n->tensor.shape[0] : -1;
+	for (uint32_t i = 0; i < n->count; i++) {
+		int64_t t = first_steps(&n->items[i]);
+		if (t != 0)
+			return t;
+	}
+	return 0;
+}
+
+/*
+ * Starts loading every indexed specialization of a from the cache; calls
+ * done(g) once per started load when it finishes.  Returns how many started.
+ */
+unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct graphs *g))
+{
+	struct prewarm_rec recs[PROTO_MAX_BUDGET * 4];
+	msgpack_zone *zone = msgpack_zone_new(4096);
+	unsigned started = 0;
+	int n = zone ? index_read(g, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
+
+	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
+		struct scan_args args = {
+		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
+		    recs[i].kind};
+		char sig[SPEC_SIG_MAX];
+		struct specialization *sp;
+		struct load_job *j;
+		if (recs[i].inputs.kind == TREE_NONE)
+			continue;
+		args.steps = first_steps(&recs[i].inputs);
+		if (args.steps <= 0 || signature_of(args.carry, args.inputs, args.dtype, args.steps,
+		                                    args.batch > 0, sig, sizeof sig) != 0)
+			continue;
+		for (sp = a->specs; sp; sp = sp->next)
+			if (sp->kind == args.kind && strcmp(sp->signature, sig) == 0)
+				break;
+		if (sp != NULL)
+			continue; /* listed twice */
+		sp = spec_new(g, a, &args, sig);
+		j = sp ? calloc(1, sizeof *j) : NULL;
+		if (j == NULL)
+			break;
+		j->prewarm = true;
+		j->prewarmed = done;
+		start_lookup(g, sp, j, NULL);
+		started++;
+	}
+	msgpack_zone_free(zone);
+	return started;
 }

@@ -17,19 +17,6 @@
 
 #pragma GCC poison request conn outmsg daemon
 
-/* The leading length of the first tensor leaf (T). */
-static int64_t first_steps(const struct tree_node *n)
-{
-	if (n->kind == TREE_TENSOR)
-		return n->tensor.ndim ? n->tensor.shape[0] : -1;
-	for (uint32_t i = 0; i < n->count; i++) {
-		int64_t t = first_steps(&n->items[i]);
-		if (t != 0)
-			return t;
-	}
-	return 0;
-}
-
 void graphs_index_path(const struct graphs *g, const struct adapter *a, char *out, size_t size)
 {
 	char bounds[128], id[CACHE_KEY_HEX];
@@ -76,18 +63,12 @@ void index_append(struct graphs *g, struct specialization *sp)
 	free(bytes);
 }
 
-struct prewarm_rec {
-	enum spec_kind kind;
-	enum proto_dtype dtype;
-	struct tree_node carry, inputs;
-};
-
 static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
                         struct prewarm_rec *rec);
 
 /* Reads the index (at start-up, before the loop serves requests). */
-static int index_read(struct graphs *g, struct adapter *a, msgpack_zone *zone,
-                      struct prewarm_rec *recs, int max)
+int index_read(struct graphs *g, struct adapter *a, msgpack_zone *zone, struct prewarm_rec *recs,
+               int max)
 {
 	char path[PATH_MAX];
 	struct frame_reader r;
@@ -154,46 +135,4 @@ static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
 	    shapes_read(msg_field(m, "inputs"), zone, rec->dtype, batch, &rec->inputs, &err) != 0)
 		return -1;
 	return 0;
-}
-
-/*
- * Starts loading every indexed specialization of a from the cache; calls
- * done(g) once per started load when it finishes.  Returns how many started.
- */
-unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct graphs *g))
-{
-	struct prewarm_rec recs[PROTO_MAX_BUDGET * 4];
-	msgpack_zone *zone = msgpack_zone_new(4096);
-	unsigned started = 0;
-	int n = zone ? index_read(g, a, zone, recs, (int)(sizeof recs / sizeof recs[0])) : 0;
-
-	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
-		struct scan_args args = {
-		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
-		    recs[i].kind};
-		char sig[SPEC_SIG_MAX];
-		struct specialization *sp;
-		struct load_job *j;
-		if (recs[i].inputs.kind == TREE_NONE)
-			continue;
-		args.steps = first_steps(&recs[i].inputs);
-		if (args.steps <= 0 || signature_of(args.carry, args.inputs, args.dtype, args.steps,
-		                                    args.batch > 0, sig, sizeof sig) != 0)
-			continue;
-		for (sp = a->specs; sp; sp = sp->next)
-			if (sp->kind == args.kind && strcmp(sp->signature, sig) == 0)
-				break;
-		if (sp != NULL)
-			continue; /* listed twice */
-		sp = spec_new(g, a, &args, sig);
-		j = sp ? calloc(1, sizeof *j) : NULL;
-		if (j == NULL)
-			break;
-		j->prewarm = true;
-		j->prewarmed = done;
-		start_lookup(g, sp, j, NULL);
-		started++;
-	}
-	msgpack_zone_free(zone);
-	return started;
 }

@@ -47,17 +47,27 @@ void spec_unlock(struct specialization *sp);
 struct specialization *spec_new(struct graphs *g, struct adapter *a, const struct scan_args *args,
                                 const char *sig);
 
-/* upgrade.c */
+/* upgrade.c: the policy, which never calls back here (tests/python/test_layers.py) */
 /* The unrolled graph is worth a quick tier: long, not cached, one batch size. */
 bool tier_applies(const struct graphs *g, const struct specialization *sp);
-/* sp's quick graph now serves: plans its upgrade and starts it (or not). */
-void upgrade_start(struct graphs *g, struct specialization *sp, struct load_job *quick);
-/* Loop: the upgrade's lookup or commit came back. */
-void upgrade_after_load(struct load_job *j);
-/* The upgrade is over: it took over (err NULL), or the quick graph keeps serving. */
-void upgrade_over(struct load_job *j, const struct proto_err *err);
+/* sp's quick graph serves: fills sp->upgrade's plan; false when there is no upgrade. */
+bool upgrade_plan(const struct graphs *g, struct specialization *sp);
+/* The upgrade j loaded serves from now on, on trial beside the quick graph. */
+void upgrade_take_over(struct load_job *j);
+/* The upgrade failed: logged, and in sp's note. */
+void upgrade_failed(struct specialization *sp, const struct proto_err *err);
 
-/* graphs_index.c (pool) */
+/* graphs_index.c: the warm-start index, which never calls back here */
+/* One specialization the index lists. */
+struct prewarm_rec {
+	enum spec_kind kind;
+	enum proto_dtype dtype;
+	struct tree_node carry, inputs;
+};
+/* Pool: appends sp to its adapter's index. */
 void index_append(struct graphs *g, struct specialization *sp);
+/* Reads a's index at start-up: at most max records (shapes in zone). */
+int index_read(struct graphs *g, struct adapter *a, msgpack_zone *zone, struct prewarm_rec *recs,
+               int max);
 
 #endif

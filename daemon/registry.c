@@ -149,8 +149,9 @@ static int parse_file(const char *dir, const char *file, enum adapter_origin ori
 		}
 		*eq = '\0';
 		if (set_field(def, trim(t), trim(eq + 1), body, sizeof body) != 0) {
-			proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s:%d: bad setting '%s'", path,
-			           lineno, trim(t)); /* t points into text: before it is freed */
+			proto_fail(err, PROTO_E_INVALID_ARGUMENT, NULL, "%s:%d: bad setting '%s'",
+			           path, lineno,
+			           trim(t)); /* t points into text: before it is freed */
 			free(text);
 			return -1;
 		}

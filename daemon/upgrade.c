@@ -1,6 +1,8 @@
 /*
  * upgrade.c - a quick tier's upgrade: what replaces the scan op's graph of a
- * long unrolled specialization, and whether the replacement stays.
+ * long unrolled specialization, and whether the replacement stays.  The
+ * policy only: graphs.c builds and loads what it picks, and nothing here
+ * calls back into graphs.c (tests/python/test_layers.py).
  *
  * Plan.  The unrolled loop runs fastest but its compile grows with T x the
  * step's size (134 s for a 128-step RK4 of 76 ATen calls a step here); the
@@ -105,22 +107,20 @@ static void plan(const struct graphs *g, struct specialization *sp)
 	         sp->signature, sp->note);
 }
 
-void upgrade_over(struct load_job *j, const struct proto_err *err)
+bool upgrade_plan(const struct graphs *g, struct specialization *sp)
 {
-	struct specialization *sp = j->sp;
+	plan(g, sp);
+	return sp->upgrade.plan[0] != '\0';
+}
 
-	sp->upgrading = false;
-	spec_unlock(sp);
-	if (err != NULL) {
-		log_line(LOG_WARN, 0, sp->adapter->def.name,
-		         "%s %s: the upgrade (%s) failed (%s: %s); the scan op's graph keeps "
-		         "serving",
-		         spec_kinds[sp->kind].name, sp->signature, sp->upgrade.plan,
-		         proto_code_name(err->code), err->message);
-		snprintf(sp->note, sizeof sp->note, "quick tier: the upgrade (%s) failed (%s)",
-		         sp->upgrade.plan, proto_code_name(err->code));
-	}
-	free_job(j);
+void upgrade_failed(struct specialization *sp, const struct proto_err *err)
+{
+	log_line(LOG_WARN, 0, sp->adapter->def.name,
+	         "%s %s: the upgrade (%s) failed (%s: %s); the scan op's graph keeps serving",
+	         spec_kinds[sp->kind].name, sp->signature, sp->upgrade.plan,
+	         proto_code_name(err->code), err->message);
+	snprintf(sp->note, sizeof sp->note, "quick tier: the upgrade (%s) failed (%s)",
+	         sp->upgrade.plan, proto_code_name(err->code));
 }
 
 /* What the runs measured was the other graph's. */
@@ -133,8 +133,7 @@ static void forget_runs(struct specialization *sp)
 	memset(sp->omp_best_us, 0, sizeof sp->omp_best_us);
 }
 
-/* The upgrade is loaded: it serves, beside the quick graph, for the trial. */
-static void take_over(struct load_job *j)
+void upgrade_take_over(struct load_job *j)
 {
 	struct specialization *sp = j->sp;
 	struct adapter *a = sp->adapter;
@@ -166,66 +165,6 @@ static void take_over(struct load_job *j)
 	         "%s %s: the upgrade (%s) took over, on trial (%s, %.1f s; estimated %.1f s)",
 	         spec_kinds[sp->kind].name, sp->signature, u->plan,
 	         j->hit ? "from cache" : "compiled", sp->compile_seconds, u->estimate_s);
-}
-
-void upgrade_after_load(struct load_job *j)
-{
-	struct specialization *sp = j->sp;
-	struct adapter *a = sp->adapter;
-
-	if (j->rc != 0) {
-		upgrade_over(j, &j->err);
-		return;
-	}
-	if (j->need_compile) {
-		if (prepare_compile(j, &j->err) != 0) {
-			upgrade_over(j, &j->err);
-			return;
-		}
-		j->need_compile = false;
-		a->stats.cache_misses++;
-		a->stats.compiles++;
-		log_line(LOG_INFO, 0, a->def.name,
-		         "compiling %s %s as %s, in the background (estimated %.0f s)",
-		         spec_kinds[sp->kind].name, sp->signature, sp->upgrade.plan,
-		         sp->upgrade.estimate_s);
-		compiler_submit(j->g->compiler, &j->job);
-		return; /* j lives on until compile_done */
-	}
-	take_over(j);
-	upgrade_over(j, NULL);
-}
-
-void upgrade_start(struct graphs *g, struct specialization *sp, struct load_job *quick)
-{
-	struct load_job *j;
-	char key[CACHE_KEY_HEX];
-
-	plan(g, sp);
-	if (sp->upgrade.plan[0] == '\0') {
-		spec_unlock(sp);
-		return;
-	}
-	j = calloc(1, sizeof *j);
-	if (j == NULL) {
-		log_line(LOG_WARN, 0, sp->adapter->def.name,
-		         "%s %s: out of memory; the scan op's graph keeps serving",
-		         spec_kinds[sp->kind].name, sp->signature);
-		spec_unlock(sp);
-		return;
-	}
-	j->upgrade = true;
-	j->sample = quick->sample; /* checked on the same inputs as the quick graph */
-	j->sample_len = quick->sample_len;
-	quick->sample = NULL;
-	sp->upgrading = true;
-	if (strcmp(sp->upgrade.plan, "unroll") == 0) {
-		start_lookup(g, sp, j, NULL);
-		return;
-	}
-	memcpy(j->strategy, sp->upgrade.plan, sizeof j->strategy);
-	key_for(g, sp, j->strategy, key);
-	start_lookup(g, sp, j, key);
 }
 
 /* ---- the trial ----------------------------------------------------------- */
