@@ -2,6 +2,9 @@
 every batch size -- dimension 0 of the carry's leaves, 1 of the inputs'.
 Scans and backward at several batch sizes (1 included) against the eager
 loop and eager autograd; the daemon's describe counts one graph per kind.
+A checkpointed backward under dynamic = batch is the plain VJP over a
+symbolic batch (torch's Inductor cannot lower the scan op over one), and
+says so.
 """
 
 from __future__ import annotations
@@ -66,3 +69,24 @@ def test_leaves_of_other_batch_sizes_raise_a_value_error_with_the_path(daemon: s
 def test_an_unknown_dynamic_mode_is_refused_before_connecting() -> None:
     with pytest.raises(ValueError, match='dynamic must be "none" or "batch"'):
         torchloop.loop_adapter(dynamic="rows", socket="/nonexistent/sock")
+
+
+def test_a_checkpointed_backward_over_a_symbolic_batch_is_the_plain_vjp_and_says_so(
+        daemon: str) -> None:
+    adapter = torchloop.loop_adapter(max_steps=4, max_elements=4096, socket=daemon,
+                                     dynamic="batch", name="py.dynamic.rnn")
+    for i, batch in enumerate((3, 1)):
+        carry, inputs = trees(batch, 30 + i)
+        final, ys = adapter.scan(adapter.checkpoint(bodies.rnn), carry, inputs)
+        want_final, want_ys = eager.scan(bodies.rnn, carry, inputs)
+        torch.testing.assert_close(final[0], want_final[0], rtol=1e-12, atol=1e-12)
+        got = torch.autograd.grad(loss(final, ys), (carry[0], inputs["f"]))
+        want = torch.autograd.grad(loss(want_final, want_ys), (carry[0], inputs["f"]))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    with torchloop.Client(daemon) as client:
+        described = client.describe("py.dynamic.rnn")
+    (ckpt,) = [s for s in described["specializations"] if s["kind"] == "grad_checkpoint"]
+    assert ckpt["lowered"] == "unroll"
+    assert "dynamic = batch: the checkpointed VJP needs the scan op" in ckpt["note"]
+
