@@ -67,14 +67,14 @@ static double unrolled_seconds(const struct specialization *sp, int64_t n)
 }
 
 /*
- * Fills sp->upgrade's plan: "unroll" when its unrolled steps fit the budget
+ * Fills sp->upgrade's plan (false: none): "unroll" when its unrolled steps fit the budget
  * (or with no budget, or a step of unknown size), else "block<K>" for the
  * largest K whose K + T % K unrolled steps fit, else "" (the quick graph
  * stays; the note says why).  The quick compile's seconds are not part of
  * the test (they say more about the machine's load than about the body),
  * only of the estimate shown.
  */
-static void plan(const struct graphs *g, struct specialization *sp)
+bool upgrade_plan(const struct graphs *g, struct specialization *sp)
 {
 	struct upgrade *u = &sp->upgrade;
 	double budget = (double)g->cfg->upgrade_budget;
@@ -85,13 +85,13 @@ static void plan(const struct graphs *g, struct specialization *sp)
 	u->estimate_s = sp->compile_seconds + unrolled_seconds(sp, t);
 	if (budget <= 0 || u->step_ops == 0 || unrolled_seconds(sp, t) <= budget) {
 		snprintf(u->plan, sizeof u->plan, "unroll");
-		return;
+		return true;
 	}
 	for (int k = (int)(t / 2); spec_kinds[sp->kind].blocks && k >= MIN_BLOCK; k--) {
 		if (unrolled_seconds(sp, k + t % k) <= budget) {
 			snprintf(u->plan, sizeof u->plan, "block%d", k);
 			u->estimate_s = sp->compile_seconds + unrolled_seconds(sp, k + t % k);
-			return;
+			return true;
 		}
 	}
 	u->plan[0] = '\0';
@@ -105,12 +105,7 @@ static void plan(const struct graphs *g, struct specialization *sp)
 	         (long long)t, u->step_ops, unrolled_seconds(sp, t), g->cfg->upgrade_budget, why);
 	log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s: %s", spec_kinds[sp->kind].name,
 	         sp->signature, sp->note);
-}
-
-bool upgrade_plan(const struct graphs *g, struct specialization *sp)
-{
-	plan(g, sp);
-	return sp->upgrade.plan[0] != '\0';
+	return false;
 }
 
 void upgrade_failed(struct specialization *sp, const struct proto_err *err)

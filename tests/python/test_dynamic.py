@@ -9,6 +9,8 @@ says so.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 import torch
 
@@ -32,21 +34,28 @@ def loss(final: tuple, ys: dict) -> torch.Tensor:
     return (h * h).sum() + ys["y"].pow(3).sum() + (ys["h2"][0] * 0.25).sum()
 
 
+def check(adapter: torchloop.LoopAdapter, body: Callable[..., Any], batch: int,
+          seed: int) -> None:
+    """One scan and its backward at this batch size against the eager loop
+    (body may be adapter.checkpoint(bodies.rnn): the eager loop runs rnn)."""
+    carry, inputs = trees(batch, seed)
+    final, ys = adapter.scan(body, carry, inputs)
+    want_final, want_ys = eager.scan(bodies.rnn, carry, inputs)
+    torch.testing.assert_close(final[0], want_final[0], rtol=1e-12, atol=1e-12)
+    assert final[1] is None and ys["skip"] is None
+    torch.testing.assert_close(ys["y"], want_ys["y"], rtol=1e-12, atol=1e-12)
+    assert ys["y"].shape == (T, batch, 1)
+    got = torch.autograd.grad(loss(final, ys), (carry[0], inputs["f"]))
+    want = torch.autograd.grad(loss(want_final, want_ys), (carry[0], inputs["f"]))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
 def test_one_graph_per_kind_serves_every_batch_size(daemon: str) -> None:
     adapter = torchloop.loop_adapter(max_steps=4, max_elements=4096, socket=daemon,
                                      dynamic="batch", name="py.dynamic.rnn")
     for i, batch in enumerate(BATCHES):
-        carry, inputs = trees(batch, 10 + i)
-        final, ys = adapter.scan(bodies.rnn, carry, inputs)
-        want_final, want_ys = eager.scan(bodies.rnn, carry, inputs)
-        torch.testing.assert_close(final[0], want_final[0], rtol=1e-12, atol=1e-12)
-        assert final[1] is None and ys["skip"] is None
-        torch.testing.assert_close(ys["y"], want_ys["y"], rtol=1e-12, atol=1e-12)
-        assert ys["y"].shape == (T, batch, 1)
-        got = torch.autograd.grad(loss(final, ys), (carry[0], inputs["f"]))
-        want = torch.autograd.grad(loss(want_final, want_ys), (carry[0], inputs["f"]))
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        check(adapter, bodies.rnn, batch, 10 + i)
     with torchloop.Client(daemon) as client:
         described = client.describe("py.dynamic.rnn")
     assert described["dynamic"] == "batch"
@@ -76,14 +85,7 @@ def test_a_checkpointed_backward_over_a_symbolic_batch_is_the_plain_vjp_and_says
     adapter = torchloop.loop_adapter(max_steps=4, max_elements=4096, socket=daemon,
                                      dynamic="batch", name="py.dynamic.rnn")
     for i, batch in enumerate((3, 1)):
-        carry, inputs = trees(batch, 30 + i)
-        final, ys = adapter.scan(adapter.checkpoint(bodies.rnn), carry, inputs)
-        want_final, want_ys = eager.scan(bodies.rnn, carry, inputs)
-        torch.testing.assert_close(final[0], want_final[0], rtol=1e-12, atol=1e-12)
-        got = torch.autograd.grad(loss(final, ys), (carry[0], inputs["f"]))
-        want = torch.autograd.grad(loss(want_final, want_ys), (carry[0], inputs["f"]))
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+        check(adapter, adapter.checkpoint(bodies.rnn), batch, 30 + i)
     with torchloop.Client(daemon) as client:
         described = client.describe("py.dynamic.rnn")
     (ckpt,) = [s for s in described["specializations"] if s["kind"] == "grad_checkpoint"]
