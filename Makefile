@@ -162,25 +162,28 @@ $(BUILD)/torchloop.pc: client/torchloop.pc.in proto/protocol.h
 
 PREFIX      ?= /usr/local
 SYSTEMD_DIR ?= /etc/systemd/system
-# the compile worker and the modules beside it (daemon/worker_target.c digests the same list)
-WORKER_PY := compile_worker.py graph_loader.py checkpoint.py blocked.py
+# the compile worker's script and its package (daemon/worker_target.c digests the
+# package's every module)
+WORKER_PKG := $(wildcard daemon/worker/torchloop_worker/*.py)
 INSTALL_FILES = $(DESTDIR)$(PREFIX)/bin/torchloopd $(DESTDIR)$(PREFIX)/bin/torchloop \
 	$(DESTDIR)$(PREFIX)/lib/libtorchloop.so $(DESTDIR)$(PREFIX)/lib/libtorchloop.a \
 	$(DESTDIR)$(PREFIX)/include/torchloop.h $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc \
-	$(addprefix $(DESTDIR)$(PREFIX)/lib/torchloopd/,$(WORKER_PY)) \
+	$(DESTDIR)$(PREFIX)/lib/torchloopd/compile_worker.py \
+	$(patsubst daemon/worker/%,$(DESTDIR)$(PREFIX)/lib/torchloopd/%,$(WORKER_PKG)) \
 	$(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.socket \
 	$(DESTDIR)/usr/lib/sysusers.d/torchloopd.conf $(DESTDIR)/usr/lib/tmpfiles.d/torchloopd.conf
 
 install: build $(BUILD)/torchloop.pc
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include \
-		$(DESTDIR)$(PREFIX)/lib/torchloopd $(DESTDIR)$(SYSTEMD_DIR) $(DESTDIR)/usr/lib/sysusers.d \
+		$(DESTDIR)$(PREFIX)/lib/torchloopd/torchloop_worker $(DESTDIR)$(SYSTEMD_DIR) $(DESTDIR)/usr/lib/sysusers.d \
 		$(DESTDIR)/usr/lib/tmpfiles.d $(DESTDIR)$(PREFIX)/share/torchloopd/examples
 	install -m 0755 $(BUILD)/torchloopd $(BUILD)/torchloop $(DESTDIR)$(PREFIX)/bin/
 	install -m 0644 $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a $(DESTDIR)$(PREFIX)/lib/
 	install -m 0644 client/torchloop.h $(DESTDIR)$(PREFIX)/include/
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PREFIX)/lib|' -e 's|@INCLUDEDIR@|$(PREFIX)/include|' \
 	    -e 's|@VERSION@|$(VERSION)|' -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' client/torchloop.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc
-	install -m 0644 $(addprefix daemon/worker/,$(WORKER_PY)) $(DESTDIR)$(PREFIX)/lib/torchloopd/
+	install -m 0644 daemon/worker/compile_worker.py $(DESTDIR)$(PREFIX)/lib/torchloopd/
+	install -m 0644 $(WORKER_PKG) $(DESTDIR)$(PREFIX)/lib/torchloopd/torchloop_worker/
 	sed -e 's|/usr/local/bin/torchloopd|$(PREFIX)/bin/torchloopd --worker $(PREFIX)/lib/torchloopd/compile_worker.py --python $(PY)|' \
 	    systemd/torchloopd.service > $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service
 	install -m 0644 systemd/torchloopd.socket $(DESTDIR)$(SYSTEMD_DIR)/

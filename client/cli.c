@@ -14,6 +14,7 @@
 #include <jansson.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -216,90 +217,74 @@ static int parse_int_opt(const char *name, const char *v, int64_t *out)
 	return EXIT_OK;
 }
 
+/* The subcommands' options: one row each, what it sets in struct sub_opts. */
+enum sub_opt_kind { OPT_STR, OPT_INT, OPT_FLAG };
+#define SUB_OPT(name, kind, field)                                                                 \
+	{                                                                                          \
+		name, kind, offsetof(struct sub_opts, field)                                       \
+	}
+static const struct sub_opt {
+	const char *name;
+	enum sub_opt_kind kind;
+	size_t off;
+} sub_opt_table[] = {
+    SUB_OPT("carry", OPT_STR, carry),
+    SUB_OPT("inputs", OPT_STR, inputs),
+    SUB_OPT("cot-carry", OPT_STR, cot_carry),
+    SUB_OPT("cot-outputs", OPT_STR, cot_outputs),
+    SUB_OPT("out", OPT_STR, out),
+    SUB_OPT("body", OPT_STR, body),
+    SUB_OPT("entry", OPT_STR, entry),
+    SUB_OPT("strategy", OPT_STR, strategy),
+    SUB_OPT("dynamic", OPT_STR, dynamic),
+    SUB_OPT("dtype", OPT_STR, dtype),
+    SUB_OPT("max-steps", OPT_INT, max_steps),
+    SUB_OPT("max-elements", OPT_INT, max_elements),
+    SUB_OPT("budget", OPT_INT, budget),
+    SUB_OPT("live", OPT_FLAG, live),
+    SUB_OPT("prometheus", OPT_FLAG, prometheus),
+    SUB_OPT("grad", OPT_FLAG, grad),
+    SUB_OPT("checkpoint", OPT_FLAG, checkpoint),
+};
+#define N_SUB_OPTS (sizeof sub_opt_table / sizeof sub_opt_table[0])
+#define OPT_FIRST  256 /* getopt_long values: 256 + row (past any character) */
+#define OPT_HELP   (OPT_FIRST + (int)N_SUB_OPTS)
+
+static int set_sub_opt(struct sub_opts *o, const struct sub_opt *t, const char *arg)
+{
+	char *field = (char *)o + t->off;
+
+	if (t->kind == OPT_STR)
+		memcpy(field, &arg, sizeof arg);
+	else if (t->kind == OPT_FLAG)
+		*(bool *)(void *)field = true;
+	else
+		return parse_int_opt(t->name, arg, (int64_t *)(void *)field);
+	return EXIT_OK;
+}
+
 static int parse_sub(int argc, char **argv, struct sub_opts *o, const char *cmd)
 {
-	static const struct option opts[] = {{"carry", 1, 0, 'c'},
-	                                     {"inputs", 1, 0, 'i'},
-	                                     {"cot-carry", 1, 0, 'C'},
-	                                     {"cot-outputs", 1, 0, 'O'},
-	                                     {"out", 1, 0, 'o'},
-	                                     {"body", 1, 0, 'b'},
-	                                     {"entry", 1, 0, 'e'},
-	                                     {"strategy", 1, 0, 's'},
-	                                     {"dynamic", 1, 0, 'y'},
-	                                     {"max-steps", 1, 0, 'S'},
-	                                     {"max-elements", 1, 0, 'E'},
-	                                     {"budget", 1, 0, 'B'},
-	                                     {"live", 0, 0, 'l'},
-	                                     {"prometheus", 0, 0, 'p'},
-	                                     {"grad", 0, 0, 'g'},
-	                                     {"dtype", 1, 0, 'd'},
-	                                     {"help", 0, 0, 'h'},
-	                                     {"checkpoint", 0, 0, 'k'},
-	                                     {0, 0, 0, 0}};
+	struct option opts[N_SUB_OPTS + 2];
 	int opt, rc = EXIT_OK;
 
+	for (size_t i = 0; i < N_SUB_OPTS; i++)
+		opts[i] = (struct option){sub_opt_table[i].name,
+		                          sub_opt_table[i].kind == OPT_FLAG ? no_argument
+		                                                            : required_argument,
+		                          NULL, OPT_FIRST + (int)i};
+	opts[N_SUB_OPTS] = (struct option){"help", no_argument, NULL, OPT_HELP};
+	opts[N_SUB_OPTS + 1] = (struct option){0, 0, 0, 0};
 	optind = 1;
 	opterr = 0;
 	while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1 && rc == EXIT_OK) {
-		switch (opt) {
-		case 'c':
-			o->carry = optarg;
-			break;
-		case 'i':
-			o->inputs = optarg;
-			break;
-		case 'C':
-			o->cot_carry = optarg;
-			break;
-		case 'O':
-			o->cot_outputs = optarg;
-			break;
-		case 'o':
-			o->out = optarg;
-			break;
-		case 'b':
-			o->body = optarg;
-			break;
-		case 'e':
-			o->entry = optarg;
-			break;
-		case 's':
-			o->strategy = optarg;
-			break;
-		case 'y':
-			o->dynamic = optarg;
-			break;
-		case 'S':
-			rc = parse_int_opt("max-steps", optarg, &o->max_steps);
-			break;
-		case 'E':
-			rc = parse_int_opt("max-elements", optarg, &o->max_elements);
-			break;
-		case 'B':
-			rc = parse_int_opt("budget", optarg, &o->budget);
-			break;
-		case 'l':
-			o->live = true;
-			break;
-		case 'p':
-			o->prometheus = true;
-			break;
-		case 'g':
-			o->grad = true;
-			break;
-		case 'k':
-			o->checkpoint = true;
-			break;
-		case 'd':
-			o->dtype = optarg;
-			break;
-		case 'h':
+		if (opt == OPT_HELP) {
 			print_help(stdout, cmd);
 			return -1;
-		default:
-			return usage_error("%s: unknown option '%s'", cmd, argv[optind - 1]);
 		}
+		if (opt < OPT_FIRST || opt >= OPT_HELP)
+			return usage_error("%s: unknown option '%s'", cmd, argv[optind - 1]);
+		rc = set_sub_opt(o, &sub_opt_table[opt - OPT_FIRST], optarg);
 	}
 	return rc;
 }

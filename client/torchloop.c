@@ -4,7 +4,7 @@
  * written with writev straight from the caller's tensor buffers; replies are
  * read into one aligned buffer that the reply's trees point into.
  */
-#include "torchloop.h"
+#include "tl_internal.h"
 
 #include "busypoll.h"
 #include "frame.h"
@@ -27,66 +27,7 @@
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
-
-/* Replies are read through this buffer: one read(2) takes a header and a
- * small body (or a progress event and the reply); larger bodies are read
- * straight into their aligned buffer. */
-#define TL_RBUF 16384
-
-/* What the daemon said an op's outputs need in the region (out_needed), so
- * the next request of the same adapter and op names an area that fits. */
-#define TL_HINTS 16
-struct out_hint {
-	char adapter[64];
-	int grad;
-	uint64_t needed;
-};
-
-struct tl_client {
-	int fd;
-	int timeout_ms;
-	uint32_t rb_off, rb_len;
-	uint8_t rbuf[TL_RBUF];
-	uint64_t next_id;
-	tl_progress_fn progress;
-	void *user;
-	struct shm_region *shm; /* attached region, or NULL */
-	uint64_t shm_threshold;
-	struct out_hint hints[TL_HINTS];
-	unsigned next_hint;
-	struct busypoll poll; /* waits for replies poll first (tl_set_busy_poll) */
-	bool poll_reply;      /* this request's reply is worth polling for */
-	uint64_t polled;      /* reads that polling served (tl_polled_reads) */
-	/* tl_set_reconnect: sending a request again on a new connection */
-	char path[sizeof(((struct sockaddr_un *)0)->sun_path) + 1];
-	int reconnect_ms; /* 0: never */
-	bool retryable;   /* this request gives the same result run twice */
-	bool broken;      /* the connection broke (EOF, reset, EPIPE) */
-	uint64_t got;     /* bytes of this request's reply read so far */
-	uint64_t resent;  /* requests sent again (tl_resent) */
-};
-
-struct tl_builder {
-	msgpack_zone *zone;
-};
-
-struct tl_reply {
-	uint8_t *body;
-	struct msg msg;
-	struct tree_node trees[4];
-	const char *names[4];
-	int n;
-	struct shm_region *shm; /* holds a reference while area is in use */
-	uint64_t area;          /* the output area's block, or UINT64_MAX */
-};
-
-#define NODE(t)  ((struct tree_node *)(t))
-#define CNODE(t) ((const struct tree_node *)(t))
-
-static int fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static int fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
+int tlc_fail(struct tl_error *err, const char *code, const char *path, const char *fmt, ...)
 {
 	va_list ap;
 
@@ -100,14 +41,13 @@ static int fail(struct tl_error *err, const char *code, const char *path, const 
 	return -1;
 }
 
-static void ok(struct tl_error *err)
+void tlc_ok(struct tl_error *err)
 {
 	if (err) {
 		snprintf(err->code, sizeof err->code, "OK");
 		err->message[0] = err->path[0] = '\0';
 	}
 }
-
 /* ---- connection ---------------------------------------------------------- */
 
 static void default_path(char *out, size_t size)
@@ -143,7 +83,7 @@ static int open_socket(const char *p, int timeout_ms, int *out, struct tl_error 
 	memcpy(sa.sun_path, p, strlen(p) + 1);
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0)
-		return fail(err, "CONNECT", NULL, "socket: %s", strerror(errno));
+		return tlc_fail(err, "CONNECT", NULL, "socket: %s", strerror(errno));
 	rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
 	if (rc != 0 && (errno == EINPROGRESS || errno == EAGAIN)) {
 		rc = wait_fd(fd, POLLOUT, timeout_ms > 0 ? timeout_ms : 5000);
@@ -156,7 +96,7 @@ static int open_socket(const char *p, int timeout_ms, int *out, struct tl_error 
 	if (rc != 0) {
 		int e = errno;
 		close(fd);
-		return fail(err, "CONNECT", NULL, "cannot connect to %s: %s", p, strerror(e));
+		return tlc_fail(err, "CONNECT", NULL, "cannot connect to %s: %s", p, strerror(e));
 	}
 	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
 	*out = fd;
@@ -172,8 +112,8 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 	if (path == NULL || *path == '\0')
 		default_path(p, sizeof p);
 	else if (strlen(path) >= sizeof p - 1)
-		return fail(err, "CONNECT", NULL, "socket path longer than %zu bytes",
-		            sizeof p - 2);
+		return tlc_fail(err, "CONNECT", NULL, "socket path longer than %zu bytes",
+		                sizeof p - 2);
 	else
 		snprintf(p, sizeof p, "%s", path);
 	if (open_socket(p, timeout_ms, &fd, err) != 0)
@@ -181,7 +121,7 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 	c = calloc(1, sizeof *c);
 	if (c == NULL) {
 		close(fd);
-		return fail(err, "IO", NULL, "out of memory");
+		return tlc_fail(err, "IO", NULL, "out of memory");
 	}
 	c->fd = fd;
 	c->poll_reply = true;
@@ -189,7 +129,7 @@ int tl_connect(const char *path, int timeout_ms, struct tl_client **out, struct 
 	const char *bp = getenv("TORCHLOOP_BUSY_POLL_US");
 	tl_set_busy_poll(c, bp && *bp ? atoi(bp) : TL_BUSY_POLL_US_DEFAULT);
 	*out = c;
-	ok(err);
+	tlc_ok(err);
 	return 0;
 }
 
@@ -257,165 +197,6 @@ void tl_set_progress(struct tl_client *c, tl_progress_fn fn, void *user)
 	c->user = user;
 }
 
-/* ---- builders -------------------------------------------------------------- */
-
-struct tl_builder *tl_builder_new(void)
-{
-	struct tl_builder *b = calloc(1, sizeof *b);
-
-	if (b && (b->zone = msgpack_zone_new(4096)) == NULL) {
-		free(b);
-		return NULL;
-	}
-	return b;
-}
-
-void tl_builder_free(struct tl_builder *b)
-{
-	if (b) {
-		msgpack_zone_free(b->zone);
-		free(b);
-	}
-}
-
-static struct tree_node *node(struct tl_builder *b, enum tree_kind kind, size_t n)
-{
-	struct tree_node *t = msgpack_zone_malloc(b->zone, sizeof *t);
-
-	if (t == NULL || n > UINT32_MAX)
-		return NULL;
-	memset(t, 0, sizeof *t);
-	t->kind = kind;
-	t->count = (uint32_t)n;
-	if (n && (t->items = msgpack_zone_malloc(b->zone, n * sizeof *t->items)) == NULL)
-		return NULL;
-	return t;
-}
-
-struct tl_tree *tl_tensor(struct tl_builder *b, enum tl_dtype dtype, int ndim, const int64_t *shape,
-                          const void *data)
-{
-	struct tree_node *t;
-
-	if (ndim < 0 || ndim > PROTO_MAX_NDIM || (dtype != TL_FLOAT32 && dtype != TL_FLOAT64))
-		return NULL;
-	t = node(b, TREE_TENSOR, 0);
-	if (t == NULL)
-		return NULL;
-	t->tensor.dtype = (enum proto_dtype)dtype;
-	t->tensor.ndim = (uint32_t)ndim;
-	for (int i = 0; i < ndim; i++) {
-		if (shape[i] < 0)
-			return NULL;
-		t->tensor.shape[i] = shape[i];
-	}
-	if (tree_tensor_sizes(&t->tensor) != 0)
-		return NULL;
-	t->tensor.data = data;
-	return (struct tl_tree *)t;
-}
-
-struct tl_tree *tl_none(struct tl_builder *b)
-{
-	return (struct tl_tree *)node(b, TREE_NONE, 0);
-}
-
-static struct tl_tree *seq(struct tl_builder *b, enum tree_kind kind, size_t n,
-                           struct tl_tree *const *items)
-{
-	struct tree_node *t = node(b, kind, n);
-
-	for (size_t i = 0; t && i < n; i++) {
-		if (items[i] == NULL)
-			return NULL;
-		t->items[i] = *NODE(items[i]);
-	}
-	return (struct tl_tree *)t;
-}
-
-struct tl_tree *tl_tuple(struct tl_builder *b, size_t n, struct tl_tree *const *items)
-{
-	return seq(b, TREE_TUPLE, n, items);
-}
-
-struct tl_tree *tl_list(struct tl_builder *b, size_t n, struct tl_tree *const *items)
-{
-	return seq(b, TREE_LIST, n, items);
-}
-
-struct tl_tree *tl_dict(struct tl_builder *b, size_t n, const char *const *keys,
-                        struct tl_tree *const *items)
-{
-	struct tree_node *t = (struct tree_node *)seq(b, TREE_DICT, n, items);
-
-	if (t == NULL ||
-	    (n && (t->keys = msgpack_zone_malloc(b->zone, n * sizeof *t->keys)) == NULL))
-		return NULL;
-	for (size_t i = 0; i < n; i++) {
-		size_t len = strlen(keys[i]);
-		char *copy = msgpack_zone_malloc(b->zone, len + 1);
-		if (copy == NULL || len > PROTO_MAX_KEY_BYTES)
-			return NULL;
-		memcpy(copy, keys[i], len + 1);
-		t->keys[i] = (struct tree_key){copy, (uint32_t)len};
-	}
-	return (struct tl_tree *)t;
-}
-
-/* ---- reading trees ------------------------------------------------------------- */
-
-enum tl_kind tl_tree_kind(const struct tl_tree *t)
-{
-	return (enum tl_kind)CNODE(t)->kind;
-}
-size_t tl_tree_len(const struct tl_tree *t)
-{
-	return CNODE(t)->count;
-}
-enum tl_dtype tl_tree_dtype(const struct tl_tree *t)
-{
-	return (enum tl_dtype)CNODE(t)->tensor.dtype;
-}
-int tl_tree_ndim(const struct tl_tree *t)
-{
-	return (int)CNODE(t)->tensor.ndim;
-}
-const int64_t *tl_tree_shape(const struct tl_tree *t)
-{
-	return CNODE(t)->tensor.shape;
-}
-const void *tl_tree_data(const struct tl_tree *t)
-{
-	return CNODE(t)->tensor.data;
-}
-size_t tl_tree_nbytes(const struct tl_tree *t)
-{
-	return (size_t)CNODE(t)->tensor.nbytes;
-}
-
-const struct tl_tree *tl_tree_item(const struct tl_tree *t, size_t i)
-{
-	return i < CNODE(t)->count ? (const struct tl_tree *)&CNODE(t)->items[i] : NULL;
-}
-
-const char *tl_tree_key(const struct tl_tree *t, size_t i, size_t *len)
-{
-	if (CNODE(t)->kind != TREE_DICT || i >= CNODE(t)->count)
-		return NULL;
-	*len = CNODE(t)->keys[i].len;
-	return CNODE(t)->keys[i].ptr;
-}
-
-const struct tl_tree *tl_tree_get(const struct tl_tree *t, const char *key)
-{
-	size_t n = strlen(key);
-
-	for (size_t i = 0; CNODE(t)->kind == TREE_DICT && i < CNODE(t)->count; i++)
-		if (CNODE(t)->keys[i].len == n && memcmp(CNODE(t)->keys[i].ptr, key, n) == 0)
-			return (const struct tl_tree *)&CNODE(t)->items[i];
-	return NULL;
-}
-
 /* ---- transport ----------------------------------------------------------------- */
 
 /* Sends the frame in w; pass_fd >= 0 rides on its first bytes (SCM_RIGHTS). */
@@ -431,11 +212,11 @@ static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, str
 	int cnt;
 
 	if (iov == NULL)
-		return fail(err, "IO", NULL, "out of memory");
+		return tlc_fail(err, "IO", NULL, "out of memory");
 	cnt = writer_finish(w, iov, n, PROTO_FRAME_MAX, &perr);
 	if (cnt < 0) {
 		free(iov);
-		return fail(err, proto_code_name(perr.code), NULL, "%s", perr.message);
+		return tlc_fail(err, proto_code_name(perr.code), NULL, "%s", perr.message);
 	}
 	while (off < (size_t)cnt) {
 		/* sendmsg with MSG_NOSIGNAL, not writev: a daemon that closed must give
@@ -462,7 +243,8 @@ static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, str
 		if (k < 0) {
 			c->broken = errno == EPIPE || errno == ECONNRESET;
 			free(iov);
-			return fail(err, "IO", NULL, "write to torchloopd: %s", strerror(errno));
+			return tlc_fail(err, "IO", NULL, "write to torchloopd: %s",
+			                strerror(errno));
 		}
 		while (off < (size_t)cnt && (size_t)k >= iov[off].iov_len)
 			k -= (ssize_t)iov[off++].iov_len;
@@ -483,8 +265,8 @@ static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, st
 	/* poll first (proto/busypoll.h), then sleep in read(2) */
 	for (bool polling = adapt && c->poll.window_ns > 0;;) {
 		if (!polling && c->timeout_ms > 0 && wait_fd(c->fd, POLLIN, c->timeout_ms) == 0)
-			return fail(err, "IO", NULL, "no reply from torchloopd within %d ms",
-			            c->timeout_ms);
+			return tlc_fail(err, "IO", NULL, "no reply from torchloopd within %d ms",
+			                c->timeout_ms);
 		*got = polling ? recv(c->fd, p, n, MSG_DONTWAIT) : read(c->fd, p, n);
 		if (*got < 0 && (errno == EINTR || (polling && errno == EAGAIN))) {
 			polling = polling && busypoll_now_ns() - t0 < c->poll.window_ns;
@@ -492,8 +274,8 @@ static int read_some(struct tl_client *c, uint8_t *p, size_t n, ssize_t *got, st
 		}
 		if (*got <= 0) {
 			c->broken = *got == 0 || errno == ECONNRESET;
-			return fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
-			            *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
+			return tlc_fail(err, "IO", NULL, "torchloopd closed the connection%s%s",
+			                *got < 0 ? ": " : "", *got < 0 ? strerror(errno) : "");
 		}
 		c->got += (uint64_t)*got;
 		if (!polling && adapt)
@@ -568,15 +350,15 @@ static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, stru
 		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 |
 		      head[3];
 		if (len > PROTO_FRAME_MAX)
-			return fail(err, "FRAME_TOO_LARGE", NULL, "reply of %u bytes", len);
+			return tlc_fail(err, "FRAME_TOO_LARGE", NULL, "reply of %u bytes", len);
 		r->body = frame_alloc(len);
 		if (r->body == NULL)
-			return fail(err, "IO", NULL, "out of memory for a %u-byte reply", len);
+			return tlc_fail(err, "IO", NULL, "out of memory for a %u-byte reply", len);
 		if (read_full(c, r->body, len, err) != 0)
 			return -1;
 		if (msg_parse(&r->msg, r->body, len, MSG_REPLY, &perr) != 0)
-			return fail(err, proto_code_name(perr.code), NULL, "bad reply: %s",
-			            perr.message);
+			return tlc_fail(err, proto_code_name(perr.code), NULL, "bad reply: %s",
+			                perr.message);
 		if (!r->msg.is_event && (!r->msg.has_id || r->msg.id == id))
 			return 0;
 		if (r->msg.is_event)
@@ -631,14 +413,14 @@ static bool resend_refused(struct tl_client *c, struct tl_reply *r, struct tl_er
 
 /* Sends the request in w (already begun with nfields), with pass_fd when
  * >= 0, and reads the reply. */
-static int roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint64_t id,
-                        struct tl_reply **out, struct tl_error *err)
+int tlc_roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint64_t id,
+                     struct tl_reply **out, struct tl_error *err)
 {
 	struct tl_reply *r = calloc(1, sizeof *r);
 	int rc;
 
 	if (r == NULL)
-		return fail(err, "IO", NULL, "out of memory");
+		return tlc_fail(err, "IO", NULL, "out of memory");
 	r->area = UINT64_MAX;
 	c->got = 0;
 	c->broken = false;
@@ -669,7 +451,7 @@ static int roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint
 		tl_reply_free(r);
 		return -1;
 	}
-	ok(err);
+	tlc_ok(err);
 	if (out)
 		*out = r;
 	else
@@ -677,20 +459,20 @@ static int roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint
 	return 0;
 }
 
-static int roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
-                     struct tl_error *err)
+int tlc_roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
+                  struct tl_error *err)
 {
-	return roundtrip_fd(c, w, -1, id, out, err);
+	return tlc_roundtrip_fd(c, w, -1, id, out, err);
 }
 
-static int begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields,
-                 uint64_t *id, struct tl_error *err)
+int tlc_begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields, uint64_t *id,
+              struct tl_error *err)
 {
 	static const char *const again[] = {"hello",    "health",  "list", "describe", "stats",
 	                                    "register", "compile", "scan", "grad"};
 
 	if (writer_init(w) != 0)
-		return fail(err, "IO", NULL, "out of memory");
+		return tlc_fail(err, "IO", NULL, "out of memory");
 	c->retryable = false;
 	for (size_t i = 0; i < sizeof again / sizeof again[0]; i++)
 		c->retryable = c->retryable || strcmp(op, again[i]) == 0;
@@ -707,10 +489,10 @@ int tl_hello(struct tl_client *c, struct tl_error *err)
 	uint64_t id = 0;
 	int rc;
 
-	if (begin(c, &w, "hello", 1, &id, err) != 0)
+	if (tlc_begin(c, &w, "hello", 1, &id, err) != 0)
 		return -1;
 	writer_key_u64(&w, "protocol", TL_PROTOCOL);
-	rc = roundtrip(c, &w, id, NULL, err);
+	rc = tlc_roundtrip(c, &w, id, NULL, err);
 	writer_destroy(&w);
 	return rc;
 }
@@ -748,9 +530,9 @@ int tl_health(struct tl_client *c, int *ready, struct tl_error *err)
 	uint64_t id = 0;
 	int rc;
 
-	if (begin(c, &w, "health", 0, &id, err) != 0)
+	if (tlc_begin(c, &w, "health", 0, &id, err) != 0)
 		return -1;
-	rc = roundtrip(c, &w, id, &r, err);
+	rc = tlc_roundtrip(c, &w, id, &r, err);
 	writer_destroy(&w);
 	if (rc == 0) {
 		*ready = tl_reply_number(r, "ready") == 1;
@@ -765,7 +547,7 @@ int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl
 	uint64_t id = 0;
 	int rc;
 
-	if (begin(c, &w, "register", 9, &id, err) != 0)
+	if (tlc_begin(c, &w, "register", 9, &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "name", def->name ? def->name : "");
 	writer_key_str(&w, "body_source", def->body_source ? def->body_source : "");
@@ -778,7 +560,7 @@ int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl
 	               def->max_elements ? def->max_elements : PROTO_DEFAULT_ELEMENTS);
 	writer_key_i64(&w, "recompile_budget",
 	               def->recompile_budget ? def->recompile_budget : PROTO_DEFAULT_BUDGET);
-	rc = roundtrip(c, &w, id, NULL, err);
+	rc = tlc_roundtrip(c, &w, id, NULL, err);
 	writer_destroy(&w);
 	return rc;
 }
@@ -789,16 +571,16 @@ int tl_unregister(struct tl_client *c, const char *name, struct tl_error *err)
 	uint64_t id = 0;
 	int rc;
 
-	if (begin(c, &w, "unregister", 1, &id, err) != 0)
+	if (tlc_begin(c, &w, "unregister", 1, &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "name", name);
-	rc = roundtrip(c, &w, id, NULL, err);
+	rc = tlc_roundtrip(c, &w, id, NULL, err);
 	writer_destroy(&w);
 	return rc;
 }
 
 /* After a successful scan/grad: decode the result's trees (views). */
-static int read_trees(struct tl_reply *r, struct tl_error *err)
+int tlc_read_trees(struct tl_reply *r, struct tl_error *err)
 {
 	static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
 	const msgpack_object *res = msg_field(&r->msg, "result");
@@ -815,7 +597,8 @@ static int read_trees(struct tl_reply *r, struct tl_error *err)
 			continue;
 		if (tree_decode_in(o, r->msg.up.zone, keys[i], r->shm ? &region : NULL,
 		                   &r->trees[r->n], &perr) != 0)
-			return fail(err, proto_code_name(perr.code), perr.path, "%s", perr.message);
+			return tlc_fail(err, proto_code_name(perr.code), perr.path, "%s",
+			                perr.message);
 		r->names[r->n++] = keys[i];
 	}
 	return 0;
@@ -827,380 +610,4 @@ const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key)
 		if (strcmp(r->names[i], key) == 0)
 			return (const struct tl_tree *)&r->trees[i];
 	return NULL;
-}
-
-/* ---- shared memory ------------------------------------------------------------ */
-
-/* Below this many bytes a tensor travels inline: measured with
- * `build/bench_c --threshold` (docs/performance.md). */
-#define TL_SHM_THRESHOLD_DEFAULT (8u << 10)
-
-int tl_shm_attach(struct tl_client *c, size_t bytes, struct tl_error *err)
-{
-	struct shm_region *r;
-	struct writer w;
-	uint64_t id = 0;
-	int rc;
-
-	if (c->shm != NULL)
-		return fail(err, "SHM_ALREADY_ATTACHED", NULL,
-		            "this client has a region already; connect again for another");
-	r = shm_region_new(bytes);
-	if (r == NULL)
-		return fail(err, "IO", NULL, "memfd of %zu bytes: %s", bytes, strerror(errno));
-	if (begin(c, &w, "attach", 1, &id, err) != 0) {
-		shm_region_unref(r);
-		return -1;
-	}
-	writer_key_u64(&w, "size", r->size);
-	rc = roundtrip_fd(c, &w, r->fd, id, NULL, err);
-	writer_destroy(&w);
-	close(r->fd); /* the daemon holds its own mapping now */
-	r->fd = -1;
-	if (rc != 0) {
-		shm_region_unref(r);
-		return -1;
-	}
-	c->shm = r;
-	if (c->shm_threshold == 0)
-		c->shm_threshold = TL_SHM_THRESHOLD_DEFAULT;
-	return 0;
-}
-
-size_t tl_shm_size(const struct tl_client *c)
-{
-	return c->shm ? (size_t)c->shm->size : 0;
-}
-
-void tl_shm_set_threshold(struct tl_client *c, size_t bytes)
-{
-	c->shm_threshold = bytes ? bytes : 1;
-}
-
-void *tl_shm_alloc(struct tl_client *c, size_t nbytes)
-{
-	uint64_t off = c->shm ? shm_region_alloc(c->shm, nbytes) : UINT64_MAX;
-
-	return off == UINT64_MAX ? NULL : c->shm->base + off;
-}
-
-void tl_shm_free(struct tl_client *c, void *p)
-{
-	uint64_t off;
-
-	if (p && c->shm && shm_region_contains(c->shm, p, 0, &off))
-		shm_region_free(c->shm, off);
-}
-
-/* Request tensors of at least the threshold go by reference: in place when
- * the caller's buffer lies in the region, else copied into a staged block. */
-struct stage {
-	struct tl_client *c;
-	uint64_t *blocks;
-	size_t n, cap;
-	uint64_t bytes; /* of tensors sent by reference */
-};
-
-static int stage_place(const struct tree_tensor *t, uint64_t *offset, void *arg)
-{
-	struct stage *st = arg;
-	struct shm_region *r = st->c->shm;
-	uint64_t off;
-
-	if (r == NULL || t->nbytes < st->c->shm_threshold || t->data == NULL)
-		return 0;
-	if (!shm_region_contains(r, t->data, t->nbytes, &off) || off % PROTO_TENSOR_ALIGN) {
-		if (st->n == st->cap) {
-			size_t cap = st->cap ? st->cap * 2 : 8;
-			uint64_t *b = realloc(st->blocks, cap * sizeof *b);
-			if (b == NULL)
-				return 0;
-			st->blocks = b;
-			st->cap = cap;
-		}
-		off = shm_region_alloc(r, t->nbytes);
-		if (off == UINT64_MAX)
-			return 0; /* region full: inline */
-		memcpy(r->base + off, t->data, t->nbytes);
-		st->blocks[st->n++] = off;
-	}
-	st->bytes += t->nbytes;
-	*offset = off;
-	return 1;
-}
-
-static struct out_hint *find_hint(struct tl_client *c, const char *adapter, int grad)
-{
-	for (unsigned i = 0; i < TL_HINTS; i++)
-		if (c->hints[i].adapter[0] && c->hints[i].grad == grad &&
-		    strncmp(c->hints[i].adapter, adapter, sizeof c->hints[i].adapter) == 0)
-			return &c->hints[i];
-	return NULL;
-}
-
-static void remember_hint(struct tl_client *c, const char *adapter, int grad, uint64_t needed)
-{
-	struct out_hint *h = find_hint(c, adapter, grad);
-
-	if (strlen(adapter) >= sizeof h->adapter)
-		return;
-	if (h == NULL)
-		h = &c->hints[c->next_hint++ % TL_HINTS];
-	snprintf(h->adapter, sizeof h->adapter, "%s", adapter);
-	h->grad = grad;
-	h->needed = needed;
-}
-
-/* op ("scan", "grad") over trees named keys; checkpoint: grad's field. */
-static int run_op(struct tl_client *c, const char *op, const char *adapter,
-                  const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
-                  bool checkpoint, struct tl_reply **out, struct tl_error *err)
-{
-	struct writer w;
-	struct stage st = {.c = c};
-	uint64_t id = 0, area = UINT64_MAX, area_size = 0;
-	int grad = strcmp(op, "grad") == 0, rc;
-	const struct out_hint *h;
-
-	if (begin(c, &w, op, 1 + n + (c->shm != NULL) + checkpoint, &id, err) != 0)
-		return -1;
-	writer_key_str(&w, "adapter", adapter);
-	if (checkpoint)
-		writer_key_bool(&w, "checkpoint", true);
-	for (uint32_t i = 0; i < n; i++) {
-		writer_str(&w, keys[i]);
-		if (trees[i] == NULL)
-			msgpack_pack_nil(&w.pk);
-		else
-			tree_encode_placed(&w, CNODE(trees[i]), stage_place, &st);
-	}
-	if (c->shm) {
-		/* outputs like the inputs unless the daemon told us better */
-		h = find_hint(c, adapter, grad);
-		area_size = h ? h->needed : (grad ? 2 : 1) * (st.bytes ? st.bytes : 1);
-		area = area_size ? shm_region_alloc(c->shm, area_size) : UINT64_MAX;
-		writer_str(&w, "out");
-		if (area == UINT64_MAX) {
-			msgpack_pack_nil(&w.pk);
-		} else {
-			msgpack_pack_map(&w.pk, 3);
-			writer_key_u64(&w, "offset", area);
-			writer_key_u64(&w, "size", area_size);
-			writer_key_u64(&w, "min_bytes", c->shm_threshold);
-		}
-	}
-	c->poll_reply = w.pos + st.bytes < BUSYPOLL_MAX_REQUEST;
-	rc = roundtrip(c, &w, id, out, err);
-	c->poll_reply = true;
-	writer_destroy(&w);
-	for (size_t i = 0; i < st.n; i++)
-		shm_region_free(c->shm, st.blocks[i]);
-	free(st.blocks);
-	if (rc == 0 && c->shm) {
-		double needed = tl_reply_number(*out, "out_needed");
-		(*out)->shm = c->shm;
-		shm_region_ref(c->shm);
-		(*out)->area = area;
-		if (!isnan(needed) && (uint64_t)needed != area_size)
-			remember_hint(c, adapter, grad, (uint64_t)needed);
-	} else if (area != UINT64_MAX) {
-		shm_region_free(c->shm, area);
-	}
-	if (rc == 0 && read_trees(*out, err) != 0) {
-		tl_reply_free(*out);
-		*out = NULL;
-		return -1;
-	}
-	return rc;
-}
-
-int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-            const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
-{
-	const struct tl_tree *trees[] = {carry, inputs};
-	const char *keys[] = {"carry", "inputs"};
-
-	if (carry == NULL || inputs == NULL)
-		return fail(err, "INVALID_ARGUMENT", NULL,
-		            "carry and inputs are required (use tl_none)");
-	return run_op(c, "scan", adapter, trees, keys, 2, false, out, err);
-}
-
-static int grad_op(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-                   const struct tl_tree *inputs, const struct tl_tree *cot_carry,
-                   const struct tl_tree *cot_outputs, bool checkpoint, struct tl_reply **out,
-                   struct tl_error *err)
-{
-	const struct tl_tree *trees[] = {carry, inputs, cot_carry, cot_outputs};
-	const char *keys[] = {"carry", "inputs", "cot_carry", "cot_outputs"};
-
-	if (carry == NULL || inputs == NULL)
-		return fail(err, "INVALID_ARGUMENT", NULL,
-		            "carry and inputs are required (use tl_none)");
-	return run_op(c, "grad", adapter, trees, keys, 4, checkpoint, out, err);
-}
-
-int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-            const struct tl_tree *inputs, const struct tl_tree *cot_carry,
-            const struct tl_tree *cot_outputs, struct tl_reply **out, struct tl_error *err)
-{
-	return grad_op(c, adapter, carry, inputs, cot_carry, cot_outputs, false, out, err);
-}
-
-int tl_grad_checkpoint(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-                       const struct tl_tree *inputs, const struct tl_tree *cot_carry,
-                       const struct tl_tree *cot_outputs, struct tl_reply **out,
-                       struct tl_error *err)
-{
-	return grad_op(c, adapter, carry, inputs, cot_carry, cot_outputs, true, out, err);
-}
-
-int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-               const struct tl_tree *inputs, enum tl_dtype dtype, enum tl_graph_kind kind,
-               struct tl_reply **out, struct tl_error *err)
-{
-	static const char *const kinds[] = {"scan", "grad", "grad_checkpoint"};
-
-	struct writer w;
-	uint64_t id = 0;
-	int rc;
-
-	if ((unsigned)kind >= sizeof kinds / sizeof kinds[0])
-		return fail(err, "INVALID_ARGUMENT", "kind", "kind must be a tl_graph_kind");
-	if (begin(c, &w, "compile", 5, &id, err) != 0)
-		return -1;
-	writer_key_str(&w, "adapter", adapter);
-	writer_key_str(&w, "dtype", dtype == TL_FLOAT32 ? "float32" : "float64");
-	writer_key_str(&w, "kind", kinds[kind]);
-	writer_str(&w, "carry");
-	shapes_write(&w, CNODE(carry));
-	writer_str(&w, "inputs");
-	shapes_write(&w, CNODE(inputs));
-	rc = roundtrip(c, &w, id, out, err);
-	writer_destroy(&w);
-	return rc;
-}
-
-/* ---- JSON of a result (list, describe, stats) ------------------------------------- */
-
-struct jbuf {
-	char *p;
-	size_t len, cap;
-};
-
-static void jput(struct jbuf *b, const char *s, size_t n)
-{
-	if (b->len + n + 1 > b->cap) {
-		size_t cap = (b->cap + n + 1) * 2;
-		char *p = realloc(b->p, cap);
-		if (p == NULL)
-			return;
-		b->p = p;
-		b->cap = cap;
-	}
-	memcpy(b->p + b->len, s, n);
-	b->len += n;
-	b->p[b->len] = '\0';
-}
-
-static void jstr(struct jbuf *b, const char *s, size_t n)
-{
-	jput(b, "\"", 1);
-	for (size_t i = 0; i < n; i++) {
-		unsigned char ch = (unsigned char)s[i];
-		char esc[8];
-		if (ch == '"' || ch == '\\') {
-			esc[0] = '\\';
-			esc[1] = (char)ch;
-			jput(b, esc, 2);
-		} else if (ch < 0x20) {
-			snprintf(esc, sizeof esc, "\\u%04x", ch);
-			jput(b, esc, 6);
-		} else {
-			jput(b, (const char *)&s[i], 1);
-		}
-	}
-	jput(b, "\"", 1);
-}
-
-static void jvalue(struct jbuf *b, const msgpack_object *o)
-{
-	char num[64];
-
-	switch (o->type) {
-	case MSGPACK_OBJECT_NIL:
-		jput(b, "null", 4);
-		return;
-	case MSGPACK_OBJECT_BOOLEAN:
-		jput(b, o->via.boolean ? "true" : "false", o->via.boolean ? 4 : 5);
-		return;
-	case MSGPACK_OBJECT_POSITIVE_INTEGER:
-		jput(b, num,
-		     (size_t)snprintf(num, sizeof num, "%llu", (unsigned long long)o->via.u64));
-		return;
-	case MSGPACK_OBJECT_NEGATIVE_INTEGER:
-		jput(b, num, (size_t)snprintf(num, sizeof num, "%lld", (long long)o->via.i64));
-		return;
-	case MSGPACK_OBJECT_FLOAT32:
-	case MSGPACK_OBJECT_FLOAT64:
-		jput(b, num,
-		     (size_t)snprintf(num, sizeof num, isfinite(o->via.f64) ? "%.17g" : "null",
-		                      o->via.f64));
-		return;
-	case MSGPACK_OBJECT_STR:
-		jstr(b, o->via.str.ptr, o->via.str.size);
-		return;
-	case MSGPACK_OBJECT_ARRAY:
-		jput(b, "[", 1);
-		for (uint32_t i = 0; i < o->via.array.size; i++) {
-			if (i)
-				jput(b, ",", 1);
-			jvalue(b, &o->via.array.ptr[i]);
-		}
-		jput(b, "]", 1);
-		return;
-	case MSGPACK_OBJECT_MAP:
-		jput(b, "{", 1);
-		for (uint32_t i = 0; i < o->via.map.size; i++) {
-			const msgpack_object *k = &o->via.map.ptr[i].key;
-			if (i)
-				jput(b, ",", 1);
-			if (k->type == MSGPACK_OBJECT_STR)
-				jstr(b, k->via.str.ptr, k->via.str.size);
-			else
-				jstr(b, "?", 1);
-			jput(b, ":", 1);
-			jvalue(b, &o->via.map.ptr[i].val);
-		}
-		jput(b, "}", 1);
-		return;
-	default:
-		jput(b, "null", 4);
-		return;
-	}
-}
-
-int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,
-                 struct tl_error *err)
-{
-	struct writer w;
-	struct tl_reply *r;
-	struct jbuf b = {0};
-	uint64_t id = 0;
-	int rc;
-
-	if (begin(c, &w, op, name ? 1 : 0, &id, err) != 0)
-		return -1;
-	if (name)
-		writer_key_str(&w, "name", name);
-	rc = roundtrip(c, &w, id, &r, err);
-	writer_destroy(&w);
-	if (rc != 0)
-		return -1;
-	jvalue(&b, msg_field(&r->msg, "result"));
-	tl_reply_free(r);
-	if (b.p == NULL)
-		return fail(err, "IO", NULL, "out of memory");
-	*json = b.p;
-	return 0;
 }

@@ -17,6 +17,7 @@
 #include "shapes.h"
 #include "writer.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -322,15 +323,27 @@ static void read_hello(struct slot *s, const struct msg *m)
 	msg_get_bool(r, "cxx11_abi", &wi->cxx11_abi, NULL);
 	msg_get_bool(r, "torch_ok", &ok, NULL);
 	wi->torch_ok = ok;
+	wi->protocol = 0;
+	msg_get_i64(r, "protocol", &wi->protocol, NULL);
 	s->hello = true;
 	s->idle_since = uv_now(c->loop);
 	c->start_failures = 0;
 	if (c->ready) {
 		compiler_ready_cb ready = c->ready;
 		c->ready = NULL;
-		proto_fail(&err, PROTO_E_INTERNAL, NULL,
-		           "Compiled loops require Torch >= 2.14 (found %s)", wi->torch);
-		ready(c, ok ? NULL : &err);
+		if (wi->protocol != WORKER_PROTOCOL)
+			proto_fail(&err, PROTO_E_INTERNAL, NULL,
+			           "the compile worker speaks protocol %" PRId64
+			           ", this daemon %d (a worker from another build? --worker)",
+			           wi->protocol, WORKER_PROTOCOL);
+		else
+			proto_fail(&err, PROTO_E_INTERNAL, NULL,
+			           "Compiled loops require Torch >= 2.14 (found %s)", wi->torch);
+		ready(c, ok && wi->protocol == WORKER_PROTOCOL ? NULL : &err);
+	} else if (wi->protocol != WORKER_PROTOCOL) {
+		log_error("compile worker %d speaks protocol %" PRId64 ", this daemon %d: its "
+		          "jobs will fail",
+		          wproc_pid(s->p), wi->protocol, WORKER_PROTOCOL);
 	}
 }
 

@@ -36,10 +36,11 @@
 #include "tree.h"
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <uv.h>
 
 #define COMPILE_PHASES 5
-/* The worker's phase names, in order (compile_worker.py compile_job). */
+/* The worker's phase names, in order (torchloop_worker/compile.py compile_job). */
 extern const char *const COMPILE_PHASE_NAMES[COMPILE_PHASES];
 
 struct compile_result {
@@ -101,7 +102,12 @@ struct lane_stats {
 	uint64_t promoted;  /* background: jobs a waiting request took over */
 };
 
+/* The worker protocol's version (daemon/worker/torchloop_worker/__init__.py
+ * PROTOCOL): a worker that says another at hello fails the daemon's start. */
+#define WORKER_PROTOCOL 1
+
 struct worker_info {
+	int64_t protocol; /* what the worker said at hello (0: nothing) */
 	char torch[64];
 	char torch_git[64];
 	char isa[128]; /* what Inductor targets there (vector ISA, -march) */
@@ -142,7 +148,7 @@ const char *compiler_state(const struct compiler *c);
 unsigned compiler_start_failures(const struct compiler *c);
 /* Descendants killed because they outlived their worker or its timeout. */
 uint64_t compiler_orphans_killed(const struct compiler *c);
-/* Workers replaced after loading RECYCLE_AFTER artifacts (compile_worker.py). */
+/* Workers replaced after loading RECYCLE_AFTER artifacts (daemon/worker/compile_worker.py). */
 uint64_t compiler_recycled(const struct compiler *c);
 /* The first foreground worker's pid (0 when none). */
 pid_t compiler_pid(const struct compiler *c);

@@ -62,9 +62,9 @@ static void finish_shutdown(struct daemon *d)
 	sd_glue_stop(d);
 	if (d->compiler)
 		compiler_stop(d->compiler);
-	runner_close(&d->graphs.runner);
+	graphs_stop_runs(&d->graphs);
 	conns_close_all(d);
-	adapter_clear(&d->graphs.reg);
+	graphs_close(&d->graphs);
 }
 
 /* ---- the pool canary ---------------------------------------------------- */
@@ -390,14 +390,7 @@ int daemon_graphs_open(struct daemon *d)
 		log_error("cache: %s", err.message);
 		return -1;
 	}
-	d->graphs.loop = d->loop;
-	d->graphs.cfg = &d->cfg;
-	d->graphs.cache = &d->cache;
-	d->graphs.worker_sha = d->worker_sha;
-	d->graphs.isa = d->isa;
-	if (runner_start(&d->graphs.runner, d->loop) != 0)
-		log_warn("graph runs with an OpenMP team go to the thread pool");
-	return 0;
+	return graphs_open(&d->graphs, d->loop, &d->cfg, &d->cache, d->worker_sha, d->isa);
 }
 
 int daemon_graphs_start_worker(struct daemon *d,

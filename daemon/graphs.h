@@ -266,6 +266,15 @@ struct graph_waiter {
 	              double elapsed);
 };
 
+/* The layer's parts that are not adapters: the loop, the configuration, the
+ * cache, the parts of every key; starts the OpenMP runner (its failure is
+ * logged: runs then go to the pool).  The compiler is set when it starts. */
+int graphs_open(struct graphs *g, uv_loop_t *loop, const struct config *cfg, struct cache *cache,
+                const char *worker_sha, const char *isa);
+/* At shutdown: no more runs with an OpenMP team (those in flight finish). */
+void graphs_stop_runs(struct graphs *g);
+/* Drops every adapter (and, with their last references, their graphs). */
+void graphs_close(struct graphs *g);
 /* Finds or starts the specialization of args for a; w->done runs when it can
  * run (maybe before this returns) or cannot. */
 void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args *args,

@@ -1,7 +1,8 @@
 /*
- * graphs_internal.h - what the graph layer's own files share (graphs.c: a
- * specialization's lookup, compile and load; upgrade.c: the quick tier's
- * upgrade; graphs_index.c: the warm-start index).  Nothing outside the
+ * graphs_internal.h - what the graph layer's own files share (graphs.c:
+ * specializations created; specs.c: their life; coldpath.c and
+ * coldpath_pool.c: the cold path's state machine; upgrade.c: the quick
+ * tier's upgrade policy; graphs_index.c: the warm-start index).  Nothing outside the
  * layer includes it: its callers see graphs.h.
  */
 #ifndef TORCHLOOP_GRAPHS_INTERNAL_H
@@ -9,20 +10,36 @@
 
 #include "graphs.h"
 
+/* The cold path's stages (coldpath.c's table; docs/architecture.md). */
+enum load_stage {
+	STAGE_LOOKUP,    /* pool: cache lookup, flock tried, dlopen on a hit */
+	STAGE_LOCK_WAIT, /* loop timer: another holder compiles this key */
+	STAGE_COMPILE,   /* the worker builds it */
+	STAGE_COMMIT,    /* pool: commit to the cache, dlopen */
+	STAGES
+};
+
+/* What a job is for. */
+enum load_purpose {
+	LOAD_REQUEST, /* requests wait on the specialization */
+	LOAD_PREWARM, /* start-up: load only; a miss is not compiled unless requests joined */
+	LOAD_UPGRADE, /* builds the upgrade of a READY quick specialization */
+};
+
 /* A lookup of one key in the cache, then its compile and load when missing. */
 struct load_job {
 	uv_work_t work;
 	struct graphs *g;
 	struct specialization *sp;
-	bool need_compile, hit, lock_busy;
+	enum load_stage stage;
+	enum load_purpose purpose;
+	bool quick;          /* for the quick tier's key (the scan op's graph) */
+	bool hit, lock_busy; /* what LOOKUP found (neither: a miss) */
 	double lock_wait_started, compile_seconds;
-	bool prewarm; /* load only; a miss is not compiled */
-	void (*prewarmed)(struct graphs *g);
-	bool quick;                  /* for the quick tier's key (the scan op's graph) */
-	bool upgrade;                /* builds the upgrade of a READY quick specialization */
-	char key[CACHE_KEY_HEX];     /* the key this job looks up and commits */
-	char strategy[24];           /* the worker's strategy for it ("" : the adapter's) */
-	struct engine_graph *graph;  /* upgrade: loaded here, swapped in on the loop */
+	void (*prewarmed)(struct graphs *g); /* LOAD_PREWARM: called once, when it is over */
+	char key[CACHE_KEY_HEX];             /* the key this job looks up and commits */
+	char strategy[24];                   /* the worker's strategy for it ("" : the adapter's) */
+	struct engine_graph *graph;          /* upgrade: loaded here, swapped in on the loop */
 	char lowered[16], note[256]; /* the cache entry's or compile's, published on the loop */
 	uint32_t step_ops;           /* likewise */
 	int quarantined;
@@ -36,16 +53,34 @@ struct load_job {
 	size_t sample_len;
 };
 
-/* graphs.c */
-/* Looks key (NULL: sp's own) up on the pool; j's owner is then after_load. */
+/* coldpath.c: the state machine */
+/* Starts j at LOOKUP of key (NULL: sp's own); j is coldpath.c's from then on. */
 void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j, const char *key);
-void key_for(struct graphs *g, const struct specialization *sp, const char *strategy,
-             char key[CACHE_KEY_HEX]);
-int prepare_compile(struct load_job *j, struct proto_err *err);
-void free_job(struct load_job *j);
-void spec_unlock(struct specialization *sp);
+
+/* coldpath_pool.c: the stages' pool work, which never calls back into coldpath.c */
+void lookup_work(uv_work_t *w);
+void commit_work(uv_work_t *w);
+
+/* specs.c: a specialization's life, below the cold path and graphs.c */
 struct specialization *spec_new(struct graphs *g, struct adapter *a, const struct scan_args *args,
                                 const char *sig);
+/* The cache key of sp's graph lowered with this strategy. */
+void spec_key(struct graphs *g, const struct specialization *sp, const char *strategy,
+              char key[CACHE_KEY_HEX]);
+/* Lets go of (and removes) the key's lock file, if sp holds it. */
+void spec_unlock(struct specialization *sp);
+/* Counts against the adapter's recompilation budget (not FAILED). */
+bool spec_counts(const struct specialization *sp);
+/* Off its adapter's list (and the budget), one reference dropped. */
+void spec_unlist(struct specialization *sp);
+void spec_add_waiter(struct specialization *sp, struct graph_waiter *w);
+/* A compile starts: tell every waiter, then every 2 s. */
+void spec_start_progress(struct graphs *g, struct specialization *sp);
+/* The ends: the waiters get the graph, or the error (remembered unless transient). */
+void spec_ready(struct graphs *g, struct specialization *sp);
+void spec_failed(struct graphs *g, struct specialization *sp, const struct proto_err *err);
+/* Stacked outputs over max_elements at batch size 1 (err filled). */
+bool spec_outputs_too_large(struct specialization *sp, struct proto_err *err);
 
 /* upgrade.c: the policy, which never calls back here (tests/python/test_layers.py) */
 /* The unrolled graph is worth a quick tier: long, not cached, one batch size. */

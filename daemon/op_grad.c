@@ -130,8 +130,6 @@ static void grad_ready(struct request *req, struct specialization *sp)
 		request_fail(req, &err);
 		return;
 	}
-	run_add(j, &req->carry);
-	run_add(j, &req->inputs);
 	if (add_cotangents(j, req, sp, &err) != 0) {
 		run_free(j);
 		request_fail(req, &err);

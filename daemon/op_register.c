@@ -2,7 +2,7 @@
  * op_register.c - register: name, body, bounds, budget, strategy.  The body
  * is Python source + entry (admin only: the compile worker imports it, as
  * the daemon's user) or a captured step graph, body_graph (any peer: the
- * worker loads it as data, daemon/worker/graph_loader.py).  A non-admin's
+ * worker loads it as data, daemon/worker/torchloop_worker/graph_loader.py).  A non-admin's
  * graph must be named "g." + the hash of its text and definition (so it
  * cannot take or replace another's), and counts against --max-graphs-per-uid (the uid's
  * least recently used graph adapter is dropped to make room).  The same

@@ -7,13 +7,10 @@ static void scan_ready(struct request *req, struct specialization *sp)
 	struct proto_err err;
 	struct run_job *j = scan_run_new(req, sp, &err);
 
-	if (j == NULL) {
+	if (j == NULL)
 		request_fail(req, &err);
-		return;
-	}
-	run_add(j, &req->carry);
-	run_add(j, &req->inputs);
-	scan_run_start(j, req);
+	else
+		scan_run_start(j, req);
 }
 
 static void op_scan(struct request *req)

@@ -254,6 +254,10 @@ struct run_job *scan_run_new(struct request *req, struct specialization *sp, str
 		run_free(j);
 		return NULL;
 	}
+	if (j) {
+		run_add(j, &req->carry);
+		run_add(j, &req->inputs);
+	}
 	return j;
 }
 

@@ -39,7 +39,8 @@ int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *a
  * A run of a READY specialization for req, at its batch size, its results
  * into its shared-memory area if it named one.  NULL with err: out of memory,
  * or (symbolic batch) stacked outputs over max_elements at that batch size.
- * Inputs are added with run_add / run_slots (graphs.h); scan_run_start submits
+ * The request's carry and inputs are its first inputs; more (a grad's cotangents)
+ * are added with run_add / run_slots (graphs.h); scan_run_start submits
  * it and replies to req with its results or its error; a job that cannot be
  * started is freed with run_free.
  */

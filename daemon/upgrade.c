@@ -15,7 +15,7 @@
  * The unrolled loop (n = T) is built when that is within --upgrade-budget;
  * over it, the largest block of K unrolled steps that fits (the scan op over
  * T / K blocks, T % K steps unrolled after: strategy "block<K>",
- * daemon/worker/blocked.py; n = K + T % K); when not even a block of
+ * daemon/worker/torchloop_worker/blocked.py; n = K + T % K); when not even a block of
  * MIN_BLOCK steps fits, the quick graph stays.  The estimate is only that:
  * the plan and its estimate are in `describe`.
  *

@@ -9,6 +9,9 @@
 #include "log.h"
 #include "sha256.h"
 
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,32 +72,57 @@ static const char *const *target_env(enum target_isa isa)
 	return isa == ISA_AVX2 ? avx2 : isa == ISA_BASELINE ? baseline : NULL;
 }
 
-/* The worker's modules beside its script (install copies them with it). */
-static const char *const worker_modules[] = {"graph_loader.py", "checkpoint.py", "blocked.py"};
-#define N_MODULES (sizeof worker_modules / sizeof worker_modules[0])
+/* The worker's package beside its script (install copies it with it). */
+#define WORKER_PACKAGE "torchloop_worker"
+#define MAX_MODULES    64
 
-/* The worker's part of every cache key: its script and its modules (they
- * decide what a graph compiles to; a stand-in worker of the tests has none
- * beside it). */
+static int is_module(const struct dirent *e)
+{
+	size_t n = strlen(e->d_name);
+
+	return n > 3 && strcmp(e->d_name + n - 3, ".py") == 0 && e->d_name[0] != '.';
+}
+
+/*
+ * The worker's part of every cache key: its script and every module of its
+ * package, in name order (they decide what a graph compiles to; a stand-in
+ * worker of the tests has no package beside it).
+ */
 static int worker_digest(struct daemon *d)
 {
-	char paths[N_MODULES][PATH_MAX];
-	const char *files[1 + N_MODULES] = {d->cfg.worker};
+	static char paths[MAX_MODULES][PATH_MAX];
+	const char *files[1 + MAX_MODULES] = {d->cfg.worker};
 	const char *slash = strrchr(d->cfg.worker, '/');
-	int dir = slash ? (int)(slash - d->cfg.worker + 1) : 0;
+	int dir = slash ? (int)(slash - d->cfg.worker + 1) : 0, n = 0, rc = -1;
+	char pkg[PATH_MAX];
+	struct dirent **names = NULL;
 
-	for (size_t i = 0; i < N_MODULES; i++) {
-		if (snprintf(paths[i], sizeof paths[i], "%.*s%s", dir, d->cfg.worker,
-		             worker_modules[i]) >= (int)sizeof paths[i])
-			goto fail;
+	if (snprintf(pkg, sizeof pkg, "%.*s" WORKER_PACKAGE, dir, d->cfg.worker) >= (int)sizeof pkg)
+		goto out;
+	n = scandir(pkg, &names, is_module, alphasort);
+	if (n < 0 && errno != ENOENT)
+		goto out;
+	if (n > MAX_MODULES) {
+		log_error("compile worker package %s: %d modules, at most %d", pkg, n, MAX_MODULES);
+		goto out;
+	}
+	for (int i = 0; i < n; i++) {
+		if (snprintf(paths[i], sizeof paths[i], "%s/%s", pkg, names[i]->d_name) >=
+		    (int)sizeof paths[i])
+			goto out;
 		files[1 + i] = paths[i];
 	}
 	if (access(d->cfg.worker, R_OK) == 0 &&
-	    sha256_files(files, 1 + N_MODULES, d->worker_sha) == 0)
-		return 0;
-fail:
-	log_error("compile worker %s: cannot read it (or the modules beside it)", d->cfg.worker);
-	return -1;
+	    sha256_files(files, 1 + (n > 0 ? n : 0), d->worker_sha) == 0)
+		rc = 0;
+out:
+	for (int i = 0; i < n; i++)
+		free(names[i]);
+	free(names);
+	if (rc != 0)
+		log_error("compile worker %s: cannot read it (or its package %s)", d->cfg.worker,
+		          WORKER_PACKAGE);
+	return rc;
 }
 
 /*

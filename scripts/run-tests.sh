@@ -47,7 +47,8 @@ if [ "${TORCHLOOP_TEST_SAN:-0}" = 1 ]; then
 	inc=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 	gcc -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
 		-fno-omit-frame-pointer -Wall -Wextra -Werror -shared -fPIC -I"$inc" -Iproto \
-		client/python/torchloop/_fast.c -o "$pkg/_fast$ext" || status=1
+		client/python/torchloop/_fast.c client/python/torchloop/_fast_enc.c \
+		client/python/torchloop/_fast_dec.c -o "$pkg/_fast$ext" || status=1
 	pyenv=(env PYTHONPATH="$TORCHLOOP_TEST_TMP/pyasan" TORCHLOOP_TEST_FAST_DIR="$pkg"
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1
 		LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)")

@@ -88,12 +88,21 @@ PY
 # The torchloop Python package (client/python), editable, so tests and
 # solvers in this checkout import the source tree; its C codec (_fast.c) is
 # built in place, and rebuilt when the source is newer.
+# The built codec is newer than each of its sources and the headers it includes.
+fast_is_current() {
+	local f
+	[ -f "$1" ] || return 1
+	for f in client/python/torchloop/_fast*.[ch] proto/protocol.h proto/busypoll.h; do
+		[ "$1" -nt "$f" ] || return 1
+	done
+}
+
 install_python_client() {
 	local want ext
 	want="$(pwd)/client/python/torchloop"
 	ext=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 	if .venv/bin/python -c "import os, sys, torchloop; sys.exit(os.path.dirname(torchloop.__file__) != '$want')" 2>/dev/null &&
-		[ client/python/torchloop/_fast"$ext" -nt client/python/torchloop/_fast.c ]; then
+		fast_is_current "client/python/torchloop/_fast$ext"; then
 		return 0
 	fi
 	# a Debian python3.X needs python3.X-dev for Python.h (pyenv's and the like ship it)
@@ -106,7 +115,7 @@ install_python_client() {
 		DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$(basename "$inc")-dev" >/dev/null
 	fi
 	log "installing the torchloop Python package (editable, with its C codec) into .venv"
-	.venv/bin/pip install -q --no-deps --no-build-isolation -e client/python
+	TORCHLOOP_BUILD_FAST=require .venv/bin/pip install -q --no-deps --no-build-isolation -e client/python
 	if [ ! -f client/python/torchloop/_fast"$ext" ]; then
 		log "the torchloop C codec (client/python/torchloop/_fast.c) did not build"; return 1
 	fi

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "daemon",
                                 "worker"))
-import compile_worker  # noqa: E402
+from torchloop_worker.stack_into import StackIntoOutputs  # noqa: E402
 
 
 def p50(f, k: int = 300) -> float:
@@ -74,7 +74,7 @@ def case(n: int, steps: int, tmp: str) -> dict:
     ep2 = torch.export.export(Out(ep.module()), (c, xs, *bufs), strict=False)
     out = torch._inductor.aot_compile(ep2.module(), (c, xs, *bufs), options={
         "aot_inductor.output_path": os.path.join(tmp, f"out-{n}-{steps}.so")})
-    placer = compile_worker.StackIntoOutputs()
+    placer = StackIntoOutputs()
     placed = torch._inductor.aot_compile(ep2.module(), (c, xs, *bufs), options={
         "aot_inductor.output_path": os.path.join(tmp, f"placed-{n}-{steps}.so"),
         "post_grad_custom_post_pass": placer})

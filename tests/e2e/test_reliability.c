@@ -1059,6 +1059,36 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	down(&d, c);
 }
 
+/*
+ * A worker that speaks another protocol (a worker from another build, given
+ * by --worker) fails the start, naming both versions; the real one starts.
+ */
+Test(reliability, a_worker_of_another_protocol_fails_the_start)
+{
+	char dir[512], wrapper[600];
+	struct hd d;
+	FILE *f;
+
+	h_tmpdir(dir, sizeof dir, "protocol");
+	snprintf(wrapper, sizeof wrapper, "%s/worker.py", dir);
+	f = fopen(wrapper, "w");
+	cr_assert_not_null(f);
+	fprintf(f,
+	        "import sys\n"
+	        "sys.path.insert(0, '%s/daemon/worker')\n"
+	        "import compile_worker as cw\n"
+	        "cw.PROTOCOL = 99\n"
+	        "sys.exit(cw.main())\n",
+	        h_root());
+	fclose(f);
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", "--worker", wrapper, NULL});
+	cr_assert_eq(hd_exit_status(&d, 120), 1);
+	cr_assert(log_has(&d, "speaks protocol 99, this daemon 1", 0), "log %s", d.log);
+	hd_start(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	hd_wait_ready(&d, 120);
+	cr_assert_eq(hd_stop(&d), 0);
+}
+
 #define KILLER_SRC                                                                                 \
 	"import os, signal\n\ndef body(c, x):\n    os.kill(os.getpid(), signal.SIGKILL)\n"         \
 	"    return c + x, c\n"

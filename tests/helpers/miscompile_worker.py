@@ -12,8 +12,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "daemon", "worker"))
 import compile_worker as cw  # noqa: E402
+from torchloop_worker import compile as job  # noqa: E402
 
-_capture = cw.capture
+_capture = job.capture
 
 
 def capture(*args, **kwargs):
@@ -32,7 +33,7 @@ def capture(*args, **kwargs):
     return torch.export.export(Wrong(module), example, strict=False).module(), example
 
 
-cw.capture = capture
+job.capture = capture  # the name compile_job calls
 
 if __name__ == "__main__":
     sys.exit(cw.main())

@@ -1,4 +1,4 @@
-"""The compile worker's loader of captured graphs (daemon/worker/graph_loader.py)
+"""The compile worker's loader of captured graphs (daemon/worker/torchloop_worker/graph_loader.py)
 without a daemon: a real capture round-trips and computes what the body
 computes; forged documents (ops outside core ATen, lying constants,
 malformed JSON, references forwards, pickles) are refused with GraphError
@@ -23,8 +23,8 @@ import torchloop
 from torchloop._graph import CaptureError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "daemon" / "worker"))
-import graph_loader  # noqa: E402
-from graph_loader import GraphError  # noqa: E402
+from torchloop_worker import graph_loader  # noqa: E402
+from torchloop_worker.graph_loader import GraphError  # noqa: E402
 
 W = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
 # a graph adapter's whole definition (its name hashes it; test_capture.py's BOUNDS)

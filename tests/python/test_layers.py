@@ -23,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / os.environ.get("TORCHLOOP_TEST_BUILD", "build")
-GRAPH_LAYER = ("adapter.c", "graphs.c", "graphs_index.c", "kinds.c", "run.c", "upgrade.c")
+GRAPH_LAYER = ("adapter.c", "coldpath.c", "coldpath_pool.c", "graphs.c", "graphs_index.c", "kinds.c",
+               "run.c", "specs.c", "upgrade.c")
 SERVER_HEADERS = ("daemon.h", "describe.h", "scanrun.h", "shm.h")
 
 
@@ -95,7 +96,7 @@ def test_no_call_cycle_between_daemon_files() -> None:
     # and the graph layer calls nothing of the server layer
     server = {"conn", "request", "ops", "daemon", "scanrun", "systemd", "shm", "describe",
               "registry", "persist", "probe"} | {o.stem for o in objs if o.stem.startswith("op_")}
-    for f in ("adapter", "graphs", "run"):
+    for f in (Path(f).stem for f in GRAPH_LAYER):
         assert not graph[f] & server, f"{f}.c calls into the server layer: {graph[f] & server}"
 
 
@@ -126,3 +127,19 @@ def test_no_include_cycle_and_the_graph_layer_includes_no_server_header() -> Non
         text = src.read_text()
         assert "#pragma GCC poison request conn outmsg daemon" in text, f
     assert not closure({"graphs.h"}) & set(SERVER_HEADERS)
+
+
+def test_the_docs_cold_path_table_matches_the_stage_enum_and_table() -> None:
+    """docs/architecture.md, "The cold path", lists exactly the stages of
+    enum load_stage, in order, and coldpath.c's table has a row for each."""
+    header = (ROOT / "daemon" / "graphs_internal.h").read_text()
+    body = re.search(r"enum load_stage \{(.*?)\};", header, re.S)
+    assert body, "enum load_stage not found"
+    enum = [m for m in re.findall(r"\bSTAGE_([A-Z_]+)\b", body.group(1))]
+    assert enum and "STAGES" not in enum
+    table = re.findall(r"\[STAGE_([A-Z_]+)\] = \{", (ROOT / "daemon" / "coldpath.c").read_text())
+    assert table == enum, f"coldpath.c's stages table {table} vs the enum {enum}"
+    docs = (ROOT / "docs" / "architecture.md").read_text()
+    section = docs.split("## The cold path", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([A-Z_]+)` \|", section, re.M)
+    assert rows == enum, f"docs/architecture.md's cold path table {rows} vs the enum {enum}"

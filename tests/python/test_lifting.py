@@ -1,5 +1,5 @@
 """The compile worker's lifting of the tensors a body captures from its module
-into torch's scan op (daemon/worker/compile_worker.py: captured_tensors,
+into torch's scan op (daemon/worker/torchloop_worker/scan.py: captured_tensors,
 rebound, Scan.hop), run eagerly -- no compile -- against a hand-written loop.
 
 The body reaches its weights through a module-level helper, so these tests
@@ -16,7 +16,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "daemon" / "worker"))
-import compile_worker as w  # noqa: E402
+from torchloop_worker.compile import step_ops  # noqa: E402
+from torchloop_worker.errors import JobError  # noqa: E402
+from torchloop_worker.job import Job, load_body  # noqa: E402
+from torchloop_worker.lowering import FlatModule  # noqa: E402
+from torchloop_worker.scan import Scan, captured_tensors  # noqa: E402
+from torchloop_worker.specs import tree_spec  # noqa: E402
 
 SOURCE = '''
 import pytest
@@ -38,13 +43,13 @@ def body(carry, x):
 
 
 def _body():
-    job = w.Job(body_source=SOURCE, body_file="<test_lifting>", entry="body")
-    return w.load_body(job)
+    job = Job(body_source=SOURCE, body_file="<test_lifting>", entry="body")
+    return load_body(job)
 
 
 def _scan(body, carry, xs, strategy="scan"):
-    return w.Scan(body=body, carry_spec=w.tree_spec(carry, "carry"),
-                  inputs_spec=w.tree_spec(xs, "inputs"), steps=xs.shape[0],
+    return Scan(body=body, carry_spec=tree_spec(carry, "carry"),
+                  inputs_spec=tree_spec(xs, "inputs"), steps=xs.shape[0],
                   dtype="float64", strategy=strategy)
 
 
@@ -63,7 +68,7 @@ def _inputs():
 
 
 def test_captured_tensors_are_the_modules_tensors_named_in_its_functions():
-    names = [n for n, _ in w.captured_tensors(_body())]
+    names = [n for n, _ in captured_tensors(_body())]
     assert names == ["S", "W"]
 
 
@@ -97,9 +102,9 @@ def test_lifted_values_reach_the_helper_and_leave_the_module_alone():
 
 def test_a_body_without_captured_tensors_is_called_as_it_is():
     src = "def body(c, x):\n    return c + x, c * x\n"
-    body = w.load_body(w.Job(body_source=src, body_file="<plain>", entry="body"))
+    body = load_body(Job(body_source=src, body_file="<plain>", entry="body"))
     carry, xs = _inputs()
-    assert w.captured_tensors(body) == []
+    assert captured_tensors(body) == []
     final, ys = _scan(body, carry, xs).forward(carry, xs)
     c, want = carry, []
     for x in xs:
@@ -124,14 +129,14 @@ def test_blocks_of_unrolled_steps_are_the_loop_with_or_without_a_tail(k: int) ->
     # the module's own tensors when nothing is lifted; the export the worker compiles
     g = body.__globals__
     scan = _scan(body, carry, xs, f"block{k}")
-    ep = torch.export.export(w.FlatModule(scan), (carry, xs), strict=False)
+    ep = torch.export.export(FlatModule(scan), (carry, xs), strict=False)
     got_c, got_y = ep.module()(carry, xs)
     want_c, want_y = _by_hand(carry, xs, g["W"], g["S"])
     torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
     # the step's ATen calls: the scan op's graph counts its loop's own (clones) too
-    ops = w.step_ops(ep.module(), f"block{k}", 6)
-    quick = w.step_ops(torch.export.export(w.FlatModule(_scan(body, carry, xs)), (carry, xs),
+    ops = step_ops(ep.module(), f"block{k}", 6)
+    quick = step_ops(torch.export.export(FlatModule(_scan(body, carry, xs)), (carry, xs),
                                            strict=False).module(), "scan", 6)
     assert 5 <= ops <= quick  # clamp, matmul, mul, add, sum at least
 
@@ -141,6 +146,6 @@ def test_blocks_of_unrolled_steps_are_the_loop_with_or_without_a_tail(k: int) ->
                                            ("block03", "forward")])
 def test_a_block_strategy_the_daemon_never_sends_is_a_malformed_job(strategy: str,
                                                                      kind: str) -> None:
-    with pytest.raises(w.JobError, match="malformed job"):
-        w.Job.parse({"body_source": "", "entry": "body", "strategy": strategy, "kind": kind,
+    with pytest.raises(JobError, match="malformed job"):
+        Job.parse({"body_source": "", "entry": "body", "strategy": strategy, "kind": kind,
                      "steps": 6})

@@ -1,4 +1,4 @@
-"""The compile worker's parity check (daemon/worker/compile_worker.py:
+"""The compile worker's parity check (daemon/worker/torchloop_worker/parity.py:
 parity_mismatch, parity_check) cannot refuse a correct graph.
 
 The comparison is tested by hand-written values; end to end, a body whose
@@ -24,14 +24,14 @@ import torchloop
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "daemon" / "worker"))
-import compile_worker as w  # noqa: E402
+from torchloop_worker import parity  # noqa: E402
 
 INF, NAN = float("inf"), float("nan")
 F64 = torch.float64
 
 
 def mismatch(got: list[float], want: list[float], random: bool = False):
-    return w.parity_mismatch(torch.tensor(got, dtype=F64), torch.tensor(want, dtype=F64),
+    return parity.parity_mismatch(torch.tensor(got, dtype=F64), torch.tensor(want, dtype=F64),
                              1e-6, random)
 
 

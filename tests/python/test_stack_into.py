@@ -1,5 +1,5 @@
 """The compile worker's stacked results written straight into the daemon's
-result buffers (daemon/worker/compile_worker.py: StackIntoOutputs, the
+result buffers (daemon/worker/torchloop_worker/stack_into.py: StackIntoOutputs, the
 torchloop::cat_into_ op and its Inductor lowering, build_placed).
 
 The pattern tests trace small functions with make_fx and Inductor's own
@@ -20,7 +20,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "daemon" / "worker"))
-import compile_worker as w  # noqa: E402
+from torchloop_worker import stack_into  # noqa: E402
+from torchloop_worker.build import build_artifact, build_placed  # noqa: E402
+from torchloop_worker.errors import JobError  # noqa: E402
+from torchloop_worker.lowering import OutModule  # noqa: E402
 
 F64 = torch.float64
 
@@ -44,12 +47,12 @@ def test_a_stack_copied_into_a_result_buffer_becomes_cat_into():
 
     a, b = _rand(2, 4, seed=1), _rand(2, 4, seed=2)
     gm = _trace(fn, torch.empty(3, 2, 4, dtype=F64), a, b)
-    placer = w.StackIntoOutputs()
+    placer = stack_into.StackIntoOutputs()
     placer(gm.graph)
     gm.recompile()
     targets = _targets(gm)
     assert placer.rewritten == 1
-    assert w.cat_into_op() in targets
+    assert stack_into.cat_into_op() in targets
     assert torch.ops.aten.copy_.default not in targets
     assert torch.ops.aten.cat.default not in targets
 
@@ -67,7 +70,7 @@ def test_a_cat_along_dim_0_of_unequal_parts_is_placed_in_order():
 
     a, b = _rand(1, 3, seed=3), _rand(2, 3, seed=4)
     gm = _trace(fn, torch.empty(3, 3, dtype=F64), a, b)
-    placer = w.StackIntoOutputs()
+    placer = stack_into.StackIntoOutputs()
     placer(gm.graph)
     gm.recompile()
     assert placer.rewritten == 1
@@ -110,7 +113,7 @@ def test_copies_the_pass_must_not_touch_stay_as_they_are(case):
 
     gm = _trace(fn, *args)
     before = [str(n.format_node()) for n in gm.graph.nodes]
-    placer = w.StackIntoOutputs()
+    placer = stack_into.StackIntoOutputs()
     placer(gm.graph)
     assert placer.rewritten == 0
     assert [str(n.format_node()) for n in gm.graph.nodes] == before
@@ -135,9 +138,9 @@ def test_compiled_unrolled_loop_writes_its_stacks_into_the_buffers(tmp_path):
     bufs = (torch.empty(2, 3, dtype=F64), torch.empty(steps, 2, 3, dtype=F64),
             torch.empty(steps, 2, 3, dtype=F64))
     inner = torch.export.export(Loop(), (c0, xs), strict=False).module()
-    ep = torch.export.export(w.OutModule(inner, 2), (c0, xs, *bufs), strict=False)
-    placer = w.StackIntoOutputs()
-    so = w.build_artifact(ep.module(), (c0, xs, *bufs), str(tmp_path / "graph.so"), False, placer)
+    ep = torch.export.export(OutModule(inner, 2), (c0, xs, *bufs), strict=False)
+    placer = stack_into.StackIntoOutputs()
+    so = build_artifact(ep.module(), (c0, xs, *bufs), str(tmp_path / "graph.so"), False, placer)
     assert placer.rewritten == 2
 
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
@@ -162,8 +165,8 @@ def _builder(fail_with_placer, rewritten=1, transient=False):
         if placer is not None:
             placer.rewritten = rewritten
             if fail_with_placer:
-                raise w.JobError("PARITY_FAILED", "the graph does not match eager",
-                                 transient=transient)
+                raise JobError("PARITY_FAILED", "the graph does not match eager",
+                           transient=transient)
         return name
 
     return build, calls
@@ -172,14 +175,14 @@ def _builder(fail_with_placer, rewritten=1, transient=False):
 def test_build_placed_uses_the_pass_when_it_works():
     build, calls = _builder(fail_with_placer=False)
     notes = []
-    assert w.build_placed(build, notes) == "graph.so"
+    assert build_placed(build, notes) == "graph.so"
     assert calls == [("graph.so", True)] and notes == []
 
 
 def test_build_placed_builds_again_without_the_pass_when_a_rewritten_graph_fails():
     build, calls = _builder(fail_with_placer=True)
     notes = []
-    assert w.build_placed(build, notes) == "graph-copied.so"
+    assert build_placed(build, notes) == "graph-copied.so"
     assert calls == [("graph.so", True), ("graph-copied.so", False)]
     assert len(notes) == 1 and "PARITY_FAILED" in notes[0]
 
@@ -187,6 +190,6 @@ def test_build_placed_builds_again_without_the_pass_when_a_rewritten_graph_fails
 @pytest.mark.parametrize("rewritten,transient", [(0, False), (1, True)])
 def test_build_placed_does_not_retry_what_the_pass_did_not_cause(rewritten, transient):
     build, calls = _builder(fail_with_placer=True, rewritten=rewritten, transient=transient)
-    with pytest.raises(w.JobError):
-        w.build_placed(build, [])
+    with pytest.raises(JobError):
+        build_placed(build, [])
     assert calls == [("graph.so", True)]

@@ -5,7 +5,7 @@ tensors: inputs are the carry's tensor leaves, then one row of each input
 leaf, then the body's live captured tensors ("params"); outputs are the new
 carry's tensor leaves then the step output's.  This module writes it as
 JSON text that loads without executing Python (no pickle, no code): the
-daemon's compile worker reads it with daemon/worker/graph_loader.py, which
+daemon's compile worker reads it with daemon/worker/torchloop_worker/graph_loader.py, which
 checks every field, allows core ATen ops only and runs the graph over fake
 tensors before anything compiles.  docs/protocol.md ("Captured graphs")
 has the format.
@@ -51,7 +51,7 @@ class CaptureError(TypeError):
 
 def _tree(tdef: TreeDef) -> Json:
     if tdef is None or tdef == "T":
-        return tdef  # type: ignore[return-value]
+        return tdef
     assert isinstance(tdef, tuple)
     if tdef[0] == "dict":
         return ["dict", list(tdef[1]), [_tree(c) for c in tdef[2]]]
@@ -84,7 +84,7 @@ class _Writer:
                 raise CaptureError(f"{where}: refers to {v.name}, which is not shipped")
             return self.refs[v]  # type: ignore[return-value]
         if v is None or isinstance(v, (bool, int, str)):
-            return v  # type: ignore[return-value]
+            return v
         if isinstance(v, float):
             if math.isnan(v):
                 return {"f": "nan"}

@@ -184,7 +184,7 @@ class Encoder:
                 small += _string_at(t.data_ptr(), nbytes)
         else:
             self.keep.append(t)
-            self._ref(memoryview(t.numpy()).cast("B"))
+            self._ref(t.numpy().data.cast("B"))
 
     def frame(self) -> list[Any]:
         """The frame's buffers, length prefix first."""
@@ -323,7 +323,7 @@ class Decoder:
         return _leaf(self.body, dtype, shape, data)
 
 
-_NP_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+_NP_DTYPES: dict[torch.dtype, np.dtype] = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 
 
 def _leaf(body: bytearray, dtype: torch.dtype, shape: tuple, data: int) -> torch.Tensor:

@@ -106,7 +106,7 @@ def _raise_at_bad_leaf(tree: Any, path: str) -> None:
     raise TypeError(f"{path}: leaves must be tensors or None, got {type(tree).__name__}")
 
 
-def unflatten(tdef: Any, leaves: list[Any], pos: list[int]) -> Any:
+def unflatten(tdef: Any, leaves: Sequence[torch.Tensor], pos: list[int]) -> Any:
     if tdef is None:
         return None
     if tdef == "T":

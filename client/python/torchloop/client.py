@@ -263,11 +263,9 @@ class Client:
 
     def _roundtrip(self, op: str, fields: dict[str, Any], *, place: Any = None,
                    area: Any = None, fd: int | None = None) -> dict:
+        """One request encoded by _wire.py (place: where a tensor lies in the
+        region; area: the output area; fd: a descriptor passed with it)."""
         rid = self._new_id()
-        if place is None and fd is None and self._conn is not None:
-            result = self._conn_call(rid, op, fields, _wire.FAST_LIMIT)
-            if result is not None:
-                return result
         enc = _wire.Encoder(place)
         enc.value({"id": rid, "op": op, **fields})
         return self._exchange(enc.frame(), rid, area, fd)
@@ -289,23 +287,6 @@ class Client:
         (raised) or a body the C decoder left to _wire.py."""
         reply = out[0] if type(out) is tuple else self._decode(out, None)
         return self._reply(rid, None, reply)
-
-    def _quick(self, op: str, fields: dict[str, Any]) -> dict | None | bool:
-        """A scan or grad whose tensors all travel inline, in one C call on a
-        connection already made: its result map; None when it did not try
-        (no connection yet, an output area wanted), False when the C encoder
-        handed the request back (a large tensor); nothing sent either way."""
-        with self._lock:
-            conn = self._conn
-            if conn is None or self._pid != os.getpid():
-                return None
-            if self._hints and self._hints.get((str(fields["adapter"]), op)):
-                return None  # it wants an output area in the region
-            limit = _wire.FAST_LIMIT
-            if self.shm_size > 0 and self.shm_threshold <= limit:
-                limit = self.shm_threshold - 1
-            result = self._conn_call(self._new_id(), op, fields, limit)
-            return False if result is None else result
 
     def _new_id(self) -> int:
         self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFFF else _FIRST_ID
@@ -342,6 +323,10 @@ class Client:
         connection, waiting up to `reconnect` seconds for the daemon to
         listen again; so is one a stopping daemon refused unrun
         (SHUTTING_DOWN)."""
+        return self._request(op, fields)
+
+    def _request(self, op: str, fields: dict[str, Any]) -> dict:
+        """call() over a fields map (the retry once, as call() says)."""
         try:
             return self._call(op, fields)
         except TorchloopError as exc:
@@ -353,10 +338,32 @@ class Client:
             return self._call(op, fields)
 
     def _call(self, op: str, fields: dict[str, Any]) -> dict:
-        quick = self._quick(op, fields) if op in ("scan", "grad") and "adapter" in fields else None
-        if quick is not None and quick is not False:
-            return quick
-        return self._general(op, fields, quick is False)
+        """The one routing decision: in one C call (_fast.Conn.call) when the
+        C codec is built and every tensor may travel inline; else, for a scan
+        or grad with shared memory on, through the region (_shm_call); else
+        encoded by _wire.py."""
+        with self._lock:
+            if self._sock is None or self._pid != os.getpid():
+                self._connect()
+            limit = self._inline_limit(op, fields)
+            if limit > 0:
+                result = self._conn_call(self._new_id(), op, fields, limit)
+                if result is not None:
+                    return result  # else the C encoder handed it back: nothing was sent
+            if op in ("scan", "grad") and self.shm_size > 0:
+                return self._shm_call(op, fields)
+            return self._roundtrip(op, fields)
+
+    def _inline_limit(self, op: str, fields: dict[str, Any]) -> int:
+        """The largest tensor (bytes) the C call may send inline; 0: do not
+        try it (no C codec, or a scan that wants an output area)."""
+        if self._conn is None:
+            return 0
+        if op in ("scan", "grad") and self.shm_size > 0:
+            if self._hints.get((str(fields.get("adapter")), op)):
+                return 0  # it wants an output area in the region
+            return min(_wire.FAST_LIMIT, self.shm_threshold - 1)
+        return _wire.FAST_LIMIT
 
     def _reconnect(self, why: TorchloopError) -> None:
         """A new connection (a new region, attached on its first need), trying
@@ -372,16 +379,6 @@ class Client:
                     if time.monotonic() >= deadline:
                         raise exc from why
                 time.sleep(0.05)
-
-    def _general(self, op: str, fields: dict[str, Any], declined: bool = False) -> dict:
-        """call() past the quick path (declined: it tried, and the C encoder
-        handed the request back)."""
-        with self._lock:
-            if self._sock is None or self._pid != os.getpid():
-                self._connect()
-            if op in ("scan", "grad") and self.shm_size > 0:
-                return self._tensor_call(op, fields, declined)
-            return self._roundtrip(op, fields)
 
     # ---- shared memory ------------------------------------------------------
 
@@ -405,15 +402,12 @@ class Client:
         self._region = region
         return region
 
-    def _tensor_call(self, op: str, fields: dict[str, Any], declined: bool = False) -> dict:
+    def _shm_call(self, op: str, fields: dict[str, Any]) -> dict:
+        """A scan or grad whose large tensors go through the region (staged
+        there unless they live in it already), with an output area for the
+        results when the region has room."""
         threshold = self.shm_threshold
         key = (str(fields.get("adapter")), op)
-        if self._conn is not None and not declined and not self._hints.get(key):
-            # every tensor below the threshold (the C codec refuses larger
-            # ones) and no output area wanted: an inline request like any other
-            result = self._conn_call(self._new_id(), op, fields, min(_wire.FAST_LIMIT, threshold - 1))
-            if result is not None:
-                return result
         trees = [fields.get(k) for k in ("carry", "inputs", "params", "cot_carry", "cot_outputs")]
         need = sum(_ref_bytes(t, threshold) for t in trees)
         region = self._attach(need)
@@ -503,9 +497,7 @@ class Client:
         fields = {"adapter": adapter, "carry": carry, "inputs": inputs}
         if params is not None:
             fields["params"] = params
-        res = self._quick("scan", fields)
-        if res is None or res is False:
-            res = self._general("scan", fields, res is False)
+        res = self._request("scan", fields)
         return res["carry"], res["outputs"]
 
     def grad(self, adapter: str, carry: Any, inputs: Any, cot_carry: Any = None,
@@ -519,10 +511,7 @@ class Client:
             fields["params"] = params
         if checkpoint:
             fields["checkpoint"] = True
-        res = self._quick("grad", fields)
-        if res is None or res is False:
-            res = self._general("grad", fields, res is False)
-        return res
+        return self._request("grad", fields)
 
 
 def _given(**fields: Any) -> dict[str, Any]:

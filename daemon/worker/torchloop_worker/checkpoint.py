@@ -23,7 +23,7 @@ captures from its module are the loops' additional inputs (as Scan.hop).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -47,25 +47,22 @@ def checkpointed_vjp(step: Flat, nc: int, nx: int, n_lifted: int,
     kept = [k for k in range(nc) if k not in passed]
     ny = len(out) - nc
 
-    def step_vjp(*args: Any) -> tuple[Any, ...]:
+    def step_vjp(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         c, x = args[:nc], args[nc: nc + nx]
         lifted = args[nc + nx: nc + nx + n_lifted]
         cots = args[nc + nx + n_lifted:]
-        _, pullback = vjp(lambda *p: tuple(fwd(*p, *lifted)), *c, *x)
+        pullback = vjp(lambda *p: tuple(fwd(*p, *lifted)), *c, *x)[1]
         return tuple(pullback(tuple(cots)))
 
     joint = make_fx(step_vjp, tracing_mode="fake")(*example, *[_like(o) for o in out])
     fwd_fresh, joint_fresh = _fresh(fwd), _fresh(joint)
 
-    def carry_of(var: tuple[Any, ...], const: tuple[Any, ...]) -> list[Any]:
-        c: list[Any] = [None] * nc
-        for k, v in zip(kept, var):
-            c[k] = v
-        for k, v in zip(passed, const):
-            c[k] = v
-        return c
+    def carry_of(var: Sequence[torch.Tensor],
+                 const: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        by_leaf = dict(zip(kept, var)) | dict(zip(passed, const))
+        return [by_leaf[k] for k in range(nc)]
 
-    def module(*args: Any) -> tuple[Any, ...]:
+    def module(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         c0, xs = list(args[:nc]), list(args[nc: nc + nx])
         cot_c = list(args[nc + nx: nc + nx + nc])
         cot_ys = list(args[2 * nc + nx: 2 * nc + nx + ny])
@@ -73,7 +70,7 @@ def checkpointed_vjp(step: Flat, nc: int, nx: int, n_lifted: int,
         const = tuple(c0[k] for k in passed)
         nk = len(kept)
 
-        def forward_step(*f: Any) -> list[Any]:
+        def forward_step(*f: torch.Tensor) -> list[torch.Tensor]:
             var, x = f[:nk], f[nk: nk + nx]
             cst, lift = f[nk + nx: nk + nx + len(passed)], f[nk + nx + len(passed):]
             res = fwd_fresh(*carry_of(var, cst), *x, *lift)
@@ -85,7 +82,7 @@ def checkpointed_vjp(step: Flat, nc: int, nx: int, n_lifted: int,
         ys, saved = res[nk: nk + ny], res[nk + ny:]
         stacked = [*saved, *xs, *cot_ys]
 
-        def reverse_step(*f: Any) -> list[Any]:
+        def reverse_step(*f: torch.Tensor) -> list[torch.Tensor]:
             g, index = f[:nc], f[nc].reshape(1)
             rows = [t.index_select(0, index).squeeze(0) for t in f[nc + 1: nc + 1 + len(stacked)]]
             cst = f[nc + 1 + len(stacked): nc + 1 + len(stacked) + len(passed)]

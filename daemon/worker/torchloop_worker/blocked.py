@@ -26,11 +26,11 @@ inputs (as Scan.hop); the tail reads the same values.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-Flat = Callable[..., list[Any]]
+Flat = Callable[..., list[torch.Tensor]]
 
 _BLOCK = re.compile(r"block([1-9][0-9]{0,3})")
 
@@ -41,8 +41,8 @@ def block_size(strategy: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _steps(step: Flat, nc: int, carry: list[Any], rows: Callable[[int], list[Any]],
-           lifted: list[Any], count: int) -> tuple[list[Any], list[list[Any]]]:
+def _steps(step: Flat, nc: int, carry: list[torch.Tensor], rows: Callable[[int], list[torch.Tensor]],
+           lifted: list[torch.Tensor], count: int) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """count steps unrolled from carry; (final carry, each step's y leaves)."""
     columns = []
     for i in range(count):
@@ -52,8 +52,8 @@ def _steps(step: Flat, nc: int, carry: list[Any], rows: Callable[[int], list[Any
     return carry, columns
 
 
-def blocked(step: Flat, nc: int, steps: int, k: int, carry: list[Any], xs: list[Any],
-            lifted: list[Any]) -> tuple[Any, ...]:
+def blocked(step: Flat, nc: int, steps: int, k: int, carry: list[torch.Tensor], xs: list[torch.Tensor],
+            lifted: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """(*final carry, *stacked ys) of steps steps of step (over flat leaves:
     step(*carry, *x row, *lifted) -> [*new carry, *y]), k at a time."""
     from torch._higher_order_ops.scan import scan_op
@@ -61,10 +61,10 @@ def blocked(step: Flat, nc: int, steps: int, k: int, carry: list[Any], xs: list[
     q, r = divmod(steps, k)
     nx = len(xs)
 
-    def stacked(columns: list[list[Any]]) -> list[Any]:
+    def stacked(columns: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         return [torch.stack([col[j] for col in columns]) for j in range(len(columns[0]))]
 
-    def combine(*flat: Any) -> list[Any]:
+    def combine(*flat: torch.Tensor) -> list[torch.Tensor]:
         block = flat[nc : nc + nx]
         c, columns = _steps(step, nc, list(flat[:nc]), lambda i: [b[i] for b in block],
                             list(flat[nc + nx :]), k)

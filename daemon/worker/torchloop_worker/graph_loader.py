@@ -89,7 +89,8 @@ def _tree(node: Json, path: str, depth: int = 0) -> int:
         _need(node[0] in ("tuple", "list") and len(node) == 2 and isinstance(node[1], list),
               f"{path} is not a tree node", path)
         kids = node[1]
-    return sum(_tree(k, f"{path}[{i}]", depth + 1) for i, k in enumerate(kids))  # type: ignore[union-attr]
+    assert isinstance(kids, list)  # checked by _need above
+    return sum(_tree(k, f"{path}[{i}]", depth + 1) for i, k in enumerate(kids))
 
 
 def _meta(m: Json, path: str) -> tuple[torch.dtype, list[int]]:

@@ -1,0 +1,20 @@
+# The C codec's interface (_fast.c), for type checkers.
+from typing import Callable
+
+class Conn:
+    """One request's round trip on a connected socket."""
+
+    polled: int  # reads of a reply busy polling served
+
+    def __init__(self, fd: int, timeout_ms: int, lost: type[BaseException],
+                 busy_poll_us: int = ...) -> None: ...
+    def call(self, id: int, op: str, fields: dict[str, object], limit: int,
+             on_event: Callable[[dict[str, object]], None] | None
+             ) -> dict[str, object] | tuple[dict[str, object]] | bytearray | None: ...
+    def recv_body(self) -> bytearray: ...
+
+def setup(tensor: type, float32: object, float64: object, strided: object,
+          from_numpy: Callable[..., object], empty: Callable[..., object], ndarray: type,
+          np_f32: object, np_f64: object) -> None: ...
+def encode(id: int, op: str, fields: dict[str, object], limit: int) -> bytes | None: ...
+def decode(body: bytearray) -> object | None: ...

@@ -1,0 +1,502 @@
+/*
+ * coldpath.c - the cold path of a specialization as a state machine: one
+ * struct load_job walks the stages below, each started by enter() and
+ * continued by its own short function on the loop (the `stages` table;
+ * docs/architecture.md, "The cold path", draws it).
+ *
+ *   LOOKUP     pool: the cache; on a miss the key's flock is tried (never
+ *              waited on by a pool thread), on a hit the artifact dlopened
+ *     hit            -> READY (an upgrade: it takes over)
+ *     lock busy      -> LOCK_WAIT
+ *     miss, a long unrolled graph (tier_applies) -> LOOKUP of the quick
+ *                       tier's key (the scan op's graph)
+ *     miss, prewarm  -> dropped, or a request's when requests joined
+ *     miss           -> COMPILE
+ *   LOCK_WAIT  loop timer: another holder compiles this key; after
+ *              CACHE_LOCK_RETRY_MS -> LOOKUP, for at most --compile-timeout
+ *   COMPILE    the worker builds it
+ *     failed, quick tier, a lowering problem -> COMPILE unrolled
+ *     built          -> COMMIT
+ *   COMMIT     pool: verify and commit to the cache, dlopen -> READY
+ *
+ * Any failure ends the job: the specialization FAILED (specs.c), or for an
+ * upgrade, the quick graph keeps serving.  A READY quick graph starts its
+ * upgrade (a job of its own, purpose LOAD_UPGRADE) when upgrade.c plans one.
+ *
+ * Loop thread, except the uv_work callbacks marked "pool", which own the
+ * job and touch only the specialization fields that no one else reads while
+ * the state is LOADING (graph, y, n_in/out, expected); values the loop also
+ * reads (compile_seconds) go into the job and are published on the loop.
+ */
+#include "graphs_internal.h"
+
+#include "frame.h"
+#include "log.h"
+#include "shapes.h"
+#include "signature.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* the graph layer never sees a request or a connection (docs/architecture.md) */
+#pragma GCC poison request conn outmsg daemon
+
+/* ---- the stages --------------------------------------------------------- */
+
+static void looked_up(struct load_job *j);
+static void lock_waited(struct load_job *j);
+static void compiled(struct load_job *j);
+static void committed(struct load_job *j);
+static void start_pool(struct load_job *j);
+static void start_lock_wait(struct load_job *j);
+static void start_compile(struct load_job *j);
+static int prepare_compile(struct load_job *j, struct proto_err *err);
+
+/* Each stage: its work on a pool thread (or none), how it begins on the
+ * loop, and the loop's continuation that picks the next stage. */
+static const struct stage {
+	const char *name;
+	uv_work_cb pool;
+	void (*start)(struct load_job *j);
+	void (*done)(struct load_job *j);
+} stages[STAGES] = {
+    [STAGE_LOOKUP] = {"lookup", lookup_work, start_pool, looked_up},
+    [STAGE_LOCK_WAIT] = {"lock_wait", NULL, start_lock_wait, lock_waited},
+    [STAGE_COMPILE] = {"compile", NULL, start_compile, compiled},
+    [STAGE_COMMIT] = {"commit", commit_work, start_pool, committed},
+};
+
+static void enter(struct load_job *j, enum load_stage s)
+{
+	j->stage = s;
+	log_line(LOG_DEBUG, 0, j->sp->adapter->def.name, "%s %s: %s (%s key %.16s)",
+	         spec_kinds[j->sp->kind].name, j->sp->signature, stages[s].name,
+	         j->purpose == LOAD_UPGRADE ? "upgrade" : j->quick ? "quick" : "its", j->key);
+	stages[s].start(j);
+}
+
+static void after_pool(uv_work_t *w, int status)
+{
+	struct load_job *j = w->data;
+
+	(void)status;
+	stages[j->stage].done(j);
+}
+
+static void start_pool(struct load_job *j)
+{
+	uv_queue_work(j->g->loop, &j->work, stages[j->stage].pool, after_pool);
+}
+
+static void free_job(struct load_job *j)
+{
+	engine_unload(j->graph);
+	free(j->res.y_spec);
+	free(j->sample);
+	graphs_unref(j->sp);
+	free(j);
+}
+
+/* ---- the ends ----------------------------------------------------------- */
+
+/* The upgrade is over: it took over (err NULL), or the quick graph keeps serving. */
+static void upgrade_over(struct load_job *j, const struct proto_err *err)
+{
+	j->sp->upgrading = false;
+	spec_unlock(j->sp);
+	if (err != NULL)
+		upgrade_failed(j->sp, err);
+	free_job(j);
+}
+
+static void job_failed(struct load_job *j, const struct proto_err *err)
+{
+	if (j->purpose == LOAD_UPGRADE) {
+		upgrade_over(j, err);
+		return;
+	}
+	if (j->purpose == LOAD_PREWARM)
+		j->prewarmed(j->g);
+	spec_failed(j->g, j->sp, err);
+	free_job(j);
+}
+
+static void start_upgrade(struct graphs *g, struct specialization *sp, struct load_job *quick);
+
+/* The graph j loaded serves: READY (or, for an upgrade, it takes over). */
+static void publish(struct load_job *j)
+{
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+	bool upgrade;
+
+	if (j->purpose == LOAD_UPGRADE) {
+		upgrade_take_over(j);
+		upgrade_over(j, NULL);
+		return;
+	}
+	if (spec_outputs_too_large(sp, &j->err)) {
+		job_failed(j, &j->err);
+		return;
+	}
+	if (j->hit)
+		a->stats.cache_hits++;
+	else
+		a->stats.compile_seconds += sp->compile_seconds;
+	sp->from_cache = j->hit;
+	memcpy(sp->graph_key, j->key, sizeof sp->graph_key);
+	memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
+	memcpy(sp->note, j->note, sizeof sp->note);
+	sp->upgrade.step_ops = j->step_ops;
+	/* the worker lowered the quick compile unrolled (a scan-op VJP torch
+	 * could not export): final already */
+	upgrade = j->quick && strcmp(sp->lowered, "scan") == 0;
+	sp->quick = upgrade;
+	if (!upgrade)
+		spec_unlock(sp);
+	spec_ready(j->g, sp);
+	if (j->purpose == LOAD_PREWARM)
+		j->prewarmed(j->g);
+	if (upgrade)
+		start_upgrade(j->g, sp, j);
+	free_job(j);
+}
+
+/* ---- LOOKUP ------------------------------------------------------------- */
+
+/* A prewarm missed: dropped when nobody asked for it meanwhile (false), else
+ * the job becomes the requests' that joined (true). */
+static bool prewarm_missed(struct load_job *j)
+{
+	j->prewarmed(j->g);
+	j->purpose = LOAD_REQUEST;
+	if (j->sp->waiters != NULL) {
+		j->rc = 0;
+		j->hit = false;
+		return true;
+	}
+	spec_unlist(j->sp);
+	graphs_unref(j->sp);
+	free(j);
+	return false;
+}
+
+static void looked_up(struct load_job *j)
+{
+	struct specialization *sp = j->sp;
+
+	if (j->rc == 0 && j->lock_busy) {
+		enter(j, STAGE_LOCK_WAIT);
+		return;
+	}
+	if (j->rc == 0 && !j->hit && !j->quick && j->purpose != LOAD_UPGRADE &&
+	    tier_applies(j->g, sp)) {
+		/* the unrolled graph is not cached: look for (or build) the quick tier's */
+		j->quick = true;
+		spec_key(j->g, sp, "scan", j->key);
+		enter(j, STAGE_LOOKUP);
+		return;
+	}
+	if (j->purpose == LOAD_PREWARM && (j->rc != 0 || !j->hit)) {
+		if (prewarm_missed(j))
+			enter(j, STAGE_LOOKUP); /* as theirs: the key's lock, then a compile */
+		return;
+	}
+	if (j->rc != 0) {
+		job_failed(j, &j->err);
+	} else if (j->hit) {
+		if (j->purpose != LOAD_UPGRADE)
+			sp->compile_seconds = j->compile_seconds;
+		publish(j);
+	} else if (prepare_compile(j, &j->err) != 0) {
+		job_failed(j, &j->err);
+	} else {
+		sp->adapter->stats.cache_misses++;
+		enter(j, STAGE_COMPILE);
+	}
+}
+
+/* ---- LOCK_WAIT ---------------------------------------------------------- */
+
+struct lock_retry {
+	uv_timer_t timer;
+	struct load_job *job;
+};
+
+static void lock_retry_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+static void on_lock_retry(uv_timer_t *t)
+{
+	struct lock_retry *r = t->data;
+
+	stages[STAGE_LOCK_WAIT].done(r->job);
+	uv_close((uv_handle_t *)t, lock_retry_closed);
+}
+
+/* The key's lock was busy: look again in CACHE_LOCK_RETRY_MS, for at most
+ * --compile-timeout seconds in all, and not once the daemon is stopping. */
+static void start_lock_wait(struct load_job *j)
+{
+	struct lock_retry *r;
+	double waited;
+
+	if (j->lock_wait_started == 0)
+		j->lock_wait_started = log_now();
+	waited = log_now() - j->lock_wait_started;
+	if (j->g->stopping) {
+		proto_fail(&j->err, PROTO_E_SHUTTING_DOWN, NULL, "the daemon is stopping");
+		job_failed(j, &j->err);
+		return;
+	}
+	if (waited > (double)j->g->cfg->compile_timeout) {
+		proto_fail(&j->err, PROTO_E_COMPILE_TIMEOUT, NULL,
+		           "another compile of this graph (another daemon on this cache, or an "
+		           "earlier registration of the same definition) has held its lock for "
+		           "%.0f s, over --compile-timeout=%lld",
+		           waited, j->g->cfg->compile_timeout);
+		job_failed(j, &j->err);
+		return;
+	}
+	/* the holder may be our own background upgrade: a request now waits for it */
+	if (j->purpose != LOAD_UPGRADE)
+		compiler_promote(j->g->compiler, j->key);
+	r = malloc(sizeof *r);
+	if (r == NULL) {
+		proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "out of memory");
+		job_failed(j, &j->err);
+		return;
+	}
+	r->job = j;
+	uv_timer_init(j->g->loop, &r->timer);
+	r->timer.data = r;
+	uv_timer_start(&r->timer, on_lock_retry, CACHE_LOCK_RETRY_MS, 0);
+}
+
+static void lock_waited(struct load_job *j)
+{
+	enter(j, STAGE_LOOKUP);
+}
+
+/* ---- COMPILE ------------------------------------------------------------ */
+
+static void on_compiled(struct compile_job *cj, const struct compile_result *res,
+                        const struct proto_err *err);
+
+static void largest_leaf(const struct tree_node *n, uint64_t *max)
+{
+	if (n->kind == TREE_TENSOR && n->tensor.numel > *max)
+		*max = n->tensor.numel;
+	for (uint32_t i = 0; i < n->count; i++)
+		largest_leaf(&n->items[i], max);
+}
+
+/* The largest batch size whose leaves stay within max_elements (sizes at 1). */
+static int64_t max_batch(const struct specialization *sp)
+{
+	uint64_t per = 1;
+
+	largest_leaf(&sp->carry, &per);
+	largest_leaf(&sp->inputs, &per);
+	return sp->adapter->def.max_elements / (int64_t)(per ? per : 1);
+}
+
+/* Fills job for the worker; refuses a definition that crashed the worker twice. */
+static int prepare_compile(struct load_job *j, struct proto_err *err)
+{
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+
+	if (a->worker_crashes >= 2) {
+		*err = a->crash_err;
+		return -1;
+	}
+	memset(&j->job, 0, sizeof j->job);
+	j->job.body_source = a->def.source;
+	j->job.graph = a->def.graph;
+	j->job.body_file = a->def.body_file[0] ? a->def.body_file : a->def.name;
+	j->job.entry = a->def.entry;
+	/* a chunk graph is an unrolled loop of PROTO_CHUNK_STEPS (or fewer) steps */
+	j->job.strategy = j->strategy[0]                          ? j->strategy
+	                  : j->quick                              ? "scan"
+	                  : strcmp(a->def.strategy, "chunk") == 0 ? "unroll"
+	                                                          : a->def.strategy;
+	j->job.background = j->purpose == LOAD_UPGRADE;
+	j->job.kind = spec_kinds[sp->kind].job;
+	j->job.carry = &sp->carry;
+	j->job.inputs = &sp->inputs;
+	j->job.dtype = sp->dtype;
+	j->job.steps = sp->steps;
+	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
+	j->job.sample = j->sample;
+	j->job.key = j->key;
+	j->job.sample_len = j->sample_len;
+	j->job.done = on_compiled;
+	j->job.data = j;
+	cache_tmp_path(j->g->cache, j->key, j->job.output, sizeof j->job.output);
+	return 0;
+}
+
+static void start_compile(struct load_job *j)
+{
+	struct specialization *sp = j->sp;
+	struct adapter *a = sp->adapter;
+
+	a->stats.compiles++;
+	if (j->purpose == LOAD_UPGRADE) {
+		log_line(LOG_INFO, 0, a->def.name,
+		         "compiling %s %s as %s, in the background (estimated %.0f s)",
+		         spec_kinds[sp->kind].name, sp->signature, sp->upgrade.plan,
+		         sp->upgrade.estimate_s);
+	} else if (sp->state != SPEC_COMPILING) {
+		sp->state = SPEC_COMPILING;
+		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s%s", spec_kinds[sp->kind].name,
+		         sp->signature,
+		         j->quick ? " with the scan op first (quick tier), then its upgrade" : "");
+		spec_start_progress(j->g, sp);
+	}
+	compiler_submit(j->g->compiler, &j->job);
+}
+
+/*
+ * The worker died while compiling this definition.  Once is a transient
+ * failure (the next request tries again); twice and the definition is
+ * refused -- remembered against this adapter until it is re-registered --
+ * so one body cannot keep the worker in a crash loop.
+ */
+static void note_worker_crash(struct adapter *a, struct proto_err *err)
+{
+	if (++a->worker_crashes < 2)
+		return;
+	proto_fail(&a->crash_err, PROTO_E_WORKER_CRASHED, NULL,
+	           "the compile worker died %u times compiling adapter %s's body; it is not "
+	           "compiled again until the adapter is re-registered",
+	           a->worker_crashes, a->def.name);
+	*err = a->crash_err;
+}
+
+/*
+ * A quick tier's compile failed in a way the unrolled loop may not: the body
+ * and its carry were fine in the eager dry run (BODY_ERROR and
+ * CARRY_MISMATCH come before any lowering, and say the same of both), and
+ * the daemon is not stopping.  A MISCOMPILE is a verdict already: the worker
+ * rebuilt the graph once before giving it (build_placed), and no third build
+ * is tried.
+ */
+static bool lowering_failed(const struct proto_err *e)
+{
+	return e->code != PROTO_E_BODY_ERROR && e->code != PROTO_E_CARRY_MISMATCH &&
+	       e->code != PROTO_E_SHUTTING_DOWN && e->code != PROTO_E_MISCOMPILE;
+}
+
+/* The worker's reply: kept in the job, then the stage's continuation. */
+static void on_compiled(struct compile_job *cj, const struct compile_result *res,
+                        const struct proto_err *err)
+{
+	struct load_job *j = cj->data;
+
+	j->rc = err ? -1 : 0;
+	if (err != NULL) {
+		j->err = *err;
+		cache_remove_job(cj->output);
+	} else {
+		j->res = *res;
+		j->res.y_spec = malloc(res->y_spec_len ? res->y_spec_len : 1);
+		if (j->res.y_spec)
+			memcpy(j->res.y_spec, res->y_spec, res->y_spec_len);
+	}
+	stages[j->stage].done(j);
+}
+
+static void compiled(struct load_job *j)
+{
+	struct specialization *sp = j->sp;
+
+	if (j->rc != 0) {
+		struct proto_err e = j->err;
+		if (e.flags & PROTO_ERR_JOB_CRASH)
+			note_worker_crash(sp->adapter, &e);
+		if (e.code == PROTO_E_MISCOMPILE && j->sample == NULL)
+			e.flags |=
+			    PROTO_ERR_TRANSIENT; /* random inputs: not a verdict on real ones */
+		if (j->quick && j->purpose != LOAD_UPGRADE && lowering_failed(&e)) {
+			/* the scan op could not take it: the unrolled loop may */
+			log_line(LOG_WARN, 0, sp->adapter->def.name,
+			         "%s %s: the quick tier failed (%s: %s); compiling it unrolled",
+			         spec_kinds[sp->kind].name, sp->signature, proto_code_name(e.code),
+			         e.message);
+			j->quick = false;
+			memcpy(j->key, sp->key, sizeof j->key);
+			if (prepare_compile(j, &e) == 0) {
+				enter(j, STAGE_COMPILE);
+				return;
+			}
+		}
+		job_failed(j, &e);
+		return;
+	}
+	if (j->purpose != LOAD_UPGRADE) {
+		sp->compile_seconds = j->res.compile_seconds;
+		memcpy(sp->compile_phases, j->res.phases, sizeof sp->compile_phases);
+		sp->state = SPEC_LOADING;
+	}
+	enter(j, STAGE_COMMIT);
+}
+
+/* ---- COMMIT ------------------------------------------------------------- */
+
+static void committed(struct load_job *j)
+{
+	if (j->rc != 0)
+		job_failed(j, &j->err);
+	else
+		publish(j);
+}
+
+/* ---- starting a job ----------------------------------------------------- */
+
+void start_lookup(struct graphs *g, struct specialization *sp, struct load_job *j, const char *key)
+{
+	j->g = g;
+	j->sp = sp;
+	memcpy(j->key, key ? key : sp->key, sizeof j->key);
+	j->work.data = j;
+	graphs_ref(sp);
+	enter(j, STAGE_LOOKUP);
+}
+
+/* sp's quick graph now serves: builds (or loads) what upgrade_plan picks. */
+static void start_upgrade(struct graphs *g, struct specialization *sp, struct load_job *quick)
+{
+	struct load_job *j;
+	char key[CACHE_KEY_HEX];
+
+	if (!upgrade_plan(g, sp)) {
+		spec_unlock(sp);
+		return;
+	}
+	j = calloc(1, sizeof *j);
+	if (j == NULL) {
+		log_line(LOG_WARN, 0, sp->adapter->def.name,
+		         "%s %s: out of memory; the scan op's graph keeps serving",
+		         spec_kinds[sp->kind].name, sp->signature);
+		spec_unlock(sp);
+		return;
+	}
+	j->purpose = LOAD_UPGRADE;
+	j->sample = quick->sample; /* checked on the same inputs as the quick graph */
+	j->sample_len = quick->sample_len;
+	quick->sample = NULL;
+	sp->upgrading = true;
+	if (strcmp(sp->upgrade.plan, "unroll") == 0) {
+		start_lookup(g, sp, j, NULL);
+		return;
+	}
+	memcpy(j->strategy, sp->upgrade.plan, sizeof j->strategy);
+	spec_key(g, sp, j->strategy, key);
+	start_lookup(g, sp, j, key);
+}

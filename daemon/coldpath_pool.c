@@ -1,0 +1,239 @@
+/*
+ * coldpath_pool.c - the cold path's work on pool threads (coldpath.c starts
+ * it and continues after it): LOOKUP (the cache, the key's flock tried,
+ * the artifact dlopened on a hit) and COMMIT (the worker's artifact
+ * committed to the cache, then dlopened); the shapes a loaded graph must
+ * take and give.
+ *
+ * Pool: each function owns its struct load_job and touches only the
+ * specialization fields nobody else reads while the state is LOADING
+ * (graph, y, n_in/out, expected).
+ */
+#include "graphs_internal.h"
+
+#include "frame.h"
+#include "log.h"
+#include "shapes.h"
+#include "signature.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* the graph layer never sees a request or a connection (docs/architecture.md) */
+#pragma GCC poison request conn outmsg daemon
+
+static void fill_expected(struct specialization *sp);
+static void fill_expected_out(struct specialization *sp);
+
+/* ---- pool: cache lookup, commit, load ---------------------------------- */
+
+static int check_arity(struct specialization *sp, size_t n_in, size_t n_out, struct proto_err *err)
+{
+	size_t want_in = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
+	size_t want_out = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->y);
+
+	if (spec_grad(sp)) {
+		want_in += want_out;
+		want_out += tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
+	}
+	if (n_in != want_in || n_out != want_out)
+		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+		                  "artifact takes %zu inputs and gives %zu outputs; the signature "
+		                  "needs %zu and %zu",
+		                  n_in, n_out, want_in, want_out);
+	return 0;
+}
+
+/*
+ * Parses the y spec and dlopens the artifact of j's key: pool.  An upgrade
+ * loads into the job (the specialization is READY: its y spec, the same for
+ * every lowering, is not written again) and must take what the quick tier's
+ * graph took.
+ */
+static int load_artifact(struct load_job *j, const uint8_t *y, size_t y_len, struct proto_err *err)
+{
+	struct specialization *sp = j->sp;
+	struct engine_graph **graph = j->purpose == LOAD_UPGRADE ? &j->graph : &sp->graph;
+	msgpack_unpacked up;
+	size_t off = 0, n_in, n_out;
+	char so[PATH_MAX];
+	int rc;
+
+	if (j->purpose == LOAD_UPGRADE)
+		goto open;
+	msgpack_unpacked_init(&up);
+	if (msgpack_unpack_next(&up, (const char *)y, y_len, &off) != MSGPACK_UNPACK_SUCCESS) {
+		msgpack_unpacked_destroy(&up);
+		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL, "unreadable output spec");
+	}
+	rc = shapes_read(&up.data, sp->zone, sp->dtype, sp->batch, &sp->y, err);
+	msgpack_unpacked_destroy(&up);
+	if (rc != 0)
+		return -1;
+open:
+	if (cache_load_link(j->g->cache, j->key, so, sizeof so, err) != 0)
+		return -1;
+	/* one model per pool thread, plus the loop thread's inline runs */
+	rc = engine_load(so, (size_t)j->g->cfg->threads + 1, graph, err);
+	unlink(so);
+	if (rc != 0)
+		return -1;
+	n_in = engine_num_inputs(*graph);
+	n_out = engine_num_outputs(*graph);
+	if (j->purpose != LOAD_UPGRADE) {
+		sp->n_in = n_in;
+		sp->n_out = n_out;
+	}
+	return check_arity(sp, n_in, n_out, err);
+}
+
+/* After a load into the specialization (not an upgrade): pool. */
+static void loaded(struct load_job *j)
+{
+	if (j->purpose == LOAD_UPGRADE)
+		return;
+	fill_expected(j->sp);
+	fill_expected_out(j->sp);
+	index_append(j->g, j->sp);
+}
+
+static void fill_expected(struct specialization *sp)
+{
+	size_t n = 0;
+
+	sp->expected = calloc(sp->n_in ? sp->n_in : 1, sizeof *sp->expected);
+	if (sp->expected == NULL)
+		return;
+	signature_flatten(&sp->carry, sp->expected, &n);
+	signature_flatten(&sp->inputs, sp->expected, &n);
+	if (spec_grad(sp)) {
+		/* cotangents: final carry (carry's shapes), then stacked outputs */
+		size_t ny = 0;
+		signature_flatten(&sp->carry, sp->expected, &n);
+		signature_flatten(&sp->y, sp->expected + n, &ny);
+		for (size_t i = n; i < n + ny; i++) {
+			struct engine_tensor *t = &sp->expected[i];
+			memmove(t->shape + 1, t->shape, (PROTO_MAX_NDIM - 1) * sizeof t->shape[0]);
+			t->shape[0] = sp->steps;
+			t->ndim++;
+		}
+	}
+}
+
+/* Shapes (and sizes: the engine lays the result buffers out by them) of one
+ * tree's tensor leaves, with T prepended when stacked. */
+static void expect_tree(const struct tree_node *t, int64_t stacked, struct engine_tensor *out,
+                        size_t *n)
+{
+	size_t first = *n;
+
+	signature_flatten(t, out, n);
+	for (size_t i = first; i < *n; i++) {
+		if (stacked > 0) {
+			memmove(out[i].shape + 1, out[i].shape,
+			        (PROTO_MAX_NDIM - 1) * sizeof out[i].shape[0]);
+			out[i].shape[0] = stacked;
+			out[i].ndim++;
+		}
+		out[i].nbytes = proto_dtype_size(out[i].dtype);
+		for (uint32_t k = 0; k < out[i].ndim; k++)
+			out[i].nbytes *= (uint64_t)out[i].shape[k];
+		out[i].data = NULL;
+	}
+}
+
+/* What the graph must return: final carry, stacked outputs (then the grads). */
+static void fill_expected_out(struct specialization *sp)
+{
+	size_t n = 0;
+
+	sp->expected_out = calloc(sp->n_out ? sp->n_out : 1, sizeof *sp->expected_out);
+	if (sp->expected_out == NULL)
+		return;
+	expect_tree(&sp->carry, 0, sp->expected_out, &n);
+	expect_tree(&sp->y, sp->steps, sp->expected_out, &n);
+	if (spec_grad(sp)) {
+		expect_tree(&sp->carry, 0, sp->expected_out, &n);
+		expect_tree(&sp->inputs, 0, sp->expected_out, &n);
+	}
+}
+
+/* Pool: LOOKUP.  Leaves hit, lock_busy, or neither (a miss), or rc -1. */
+void lookup_work(uv_work_t *w)
+{
+	struct load_job *j = w->data;
+	struct specialization *sp = j->sp;
+	struct cache_meta meta;
+	int found;
+
+	j->hit = j->lock_busy = false;
+	found = cache_lookup(j->g->cache, j->key, &meta, &j->quarantined, &j->err);
+	if (found == 0 && j->purpose == LOAD_PREWARM)
+		return; /* a miss: prewarming never compiles */
+	if (found == 0 && sp->lock_fd < 0) {
+		/* someone else may be compiling this key: never wait here, look again later */
+		int locked = cache_trylock(j->g->cache, sp->key, &sp->lock_fd, &j->err);
+		if (locked == 1) {
+			j->lock_busy = true;
+			return;
+		}
+		if (locked < 0) {
+			j->rc = -1;
+			return;
+		}
+		found = cache_lookup(j->g->cache, j->key, &meta, &j->quarantined, &j->err);
+	}
+	if (found < 0) {
+		j->rc = -1;
+		return;
+	}
+	if (found == 0)
+		return; /* a miss */
+	j->hit = true;
+	j->compile_seconds = meta.compile_seconds;
+	memcpy(j->lowered, meta.lowered, sizeof j->lowered);
+	memcpy(j->note, meta.note, sizeof j->note);
+	j->step_ops = meta.step_ops;
+	j->rc = load_artifact(j, meta.y_spec, meta.y_spec_len, &j->err);
+	cache_meta_free(&meta);
+	if (j->rc == 0) {
+		if (j->purpose != LOAD_PREWARM)
+			loaded(j); /* compiled by an earlier daemon: remember it */
+		else {
+			fill_expected(sp);
+			fill_expected_out(sp);
+		}
+	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
+		cache_quarantine(j->g->cache, j->key, j->err.message);
+}
+
+/* Pool: COMMIT the worker's artifact to the cache, then load it. */
+void commit_work(uv_work_t *w)
+{
+	struct load_job *j = w->data;
+	struct specialization *sp = j->sp;
+	struct cache_meta meta = {0};
+
+	meta.n_inputs = j->res.n_inputs;
+	meta.n_outputs = j->res.n_outputs;
+	meta.compile_seconds = j->res.compile_seconds;
+	snprintf(meta.strategy, sizeof meta.strategy, "%s", j->job.strategy);
+	memcpy(meta.lowered, j->res.lowered, sizeof meta.lowered);
+	memcpy(meta.note, j->res.note, sizeof meta.note);
+	memcpy(j->lowered, j->res.lowered, sizeof j->lowered);
+	memcpy(j->note, j->res.note, sizeof j->note);
+	meta.step_ops = j->step_ops = j->res.step_ops;
+	meta.y_spec = j->res.y_spec;
+	meta.y_spec_len = j->res.y_spec_len;
+	j->rc = cache_commit(j->g->cache, j->key, j->res.so_path, &meta, &j->err);
+	cache_remove_job(j->job.output);
+	/* the lock is the unrolled graph's: a quick tier keeps it for its upgrade */
+	if (!j->quick)
+		spec_unlock(sp);
+	if (j->rc == 0)
+		j->rc = load_artifact(j, j->res.y_spec, j->res.y_spec_len, &j->err);
+	if (j->rc == 0)
+		loaded(j);
+}

@@ -1,0 +1,35 @@
+"""torchloopd's compile worker, as a package (compile_worker.py beside it is
+the script the daemon starts).
+
+One job compiles one scan specialization -- (tree structure, leaf shapes,
+dtype, T, kind) of one adapter body -- with torch.export + AOTInductor into a
+bare shared object, and replies with the graph's flat signature.  The
+compiled graph is flat: its inputs are the tensor leaves of carry then inputs
+(None leaves dropped, depth-first, dict order kept), and its outputs the
+tensor leaves of the final carry then of the stacked outputs (then, for kind
+"vjp" and "vjp_checkpoint", the gradients for the carry's and the inputs'
+tensor leaves).  The daemon owns the trees; the graph only sees tensors.
+Errors map to protocol codes (proto/protocol.h); nothing falls back to eager.
+
+Modules, in the order a job meets them:
+  frames       the daemon's framing on stdin/stdout, the log
+  job          Job (a request parsed), the body it names (source or graph)
+  graph_loader captured step graphs loaded as data (no pickle, no code)
+  specs        specs and trees of tensors; symbolic-batch specs
+  scan         Scan: the body stepped T times, as the scan op, or in blocks
+  blocked      strategy block<K>: the scan op over blocks of unrolled steps
+  lowering     export / make_fx of the forward or VJP graph, OutModule
+  checkpoint   the checkpointed VJP (saved carries, recomputed steps)
+  build        AOTInductor builds the daemon can unload
+  stack_into   the post-grad pass placing stacked results into the buffers
+  elf          artifact checks (proxy executor, exec stack, unique symbols)
+  parity       the new artifact against the eager scan
+  errors       JobError and the classification of failures
+  compile      a compile job from start to reply
+The daemon's cache keys digest every module here (daemon/worker_target.c).
+"""
+
+MIN_TORCH = (2, 14)
+# The worker protocol's version, checked by the daemon at hello
+# (daemon/compiler.h WORKER_PROTOCOL).
+PROTOCOL = 1

@@ -1,0 +1,144 @@
+"""AOTInductor builds: the options every artifact is built with, the
+changes that let the daemon unload what it loads, and the build itself
+(with the stacked results placed into the result buffers, stack_into.py,
+or copied in when that fails)."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, cast
+
+import torch
+
+from .elf import clear_exec_stack
+from .errors import JobError, classify
+from .frames import log
+from .stack_into import StackIntoOutputs
+
+# a build: (artifact file name, the post-grad pass or None) -> the .so's path
+Build = Callable[[str, StackIntoOutputs | None], str]
+
+
+def aoti_options(out_path: str, batched: bool = False) -> dict[str, object]:
+    """Inductor options for every artifact; part of the daemon's cache key.
+
+    use_consts_asm_build=False: the assembly route (weights.S) has no
+    .note.GNU-stack section, so the linker marks the whole .so as needing an
+    executable stack -- dlopen would then make every thread stack of the
+    daemon executable (and newer glibc refuses such a library outright).
+
+    check_lowerbound=False for a symbolic batch: Inductor assumes sizes >= 2
+    of a symbol (torch's 0/1 specialization) and its input checks (on in the
+    daemon) would refuse batch size 1; the daemon checks the batch (>= 1)
+    itself, and the parity check runs every such graph at batch size 1.
+    """
+    options: dict[str, object] = {
+        "aot_inductor.output_path": out_path,
+        "aot_inductor.use_consts_asm_build": False,
+        "aot_inductor.package_constants_in_so": True,
+    }
+    if batched:
+        options["aot_inductor.check_lowerbound"] = False
+    return options
+
+
+# AOTI's interface keeps the last error in a thread_local std::string, which
+# every entry point touches: each thread that calls into an artifact registers
+# its destructor (__cxa_thread_atexit), and glibc keeps the library mapped
+# until that thread exits -- the daemon's threads never do.  The same text with
+# a trivially destructible buffer registers nothing.
+LAST_ERROR_DECL = "static thread_local std::string g_aoti_last_error;"
+LAST_ERROR_BUFFER = """#include <cstdio>
+struct TorchloopLastError {  // torchloop: no thread-exit destructor (unloadable)
+  char text[1024];
+  void clear() { text[0] = '\\0'; }
+  TorchloopLastError& operator=(const char* s) {
+    std::snprintf(text, sizeof text, "%s", s);
+    return *this;
+  }
+  const char* c_str() const { return text; }
+};
+static thread_local TorchloopLastError g_aoti_last_error;"""
+
+
+def unloadable_artifacts() -> None:
+    """Builds every artifact so that the daemon's dlclose unmaps it (once per
+    process); check_artifact refuses one that would stay mapped.
+
+    - g++ gives the static locals of inline functions (AOTI's runtime has a
+      few dozen: log guards, regex tables) STB_GNU_UNIQUE binding, and glibc
+      never unloads a library that defines one: -fno-gnu-unique makes them
+      ordinary weak symbols, private to each artifact (loaded RTLD_LOCAL).
+    - the interface's last-error string: LAST_ERROR_BUFFER instead.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+    from torch._inductor.codegen import cpp_wrapper_cpu
+
+    orig = cpp_builder._get_optimization_cflags
+    if getattr(orig, "torchloop_unloadable", False):
+        return
+
+    def cflags(cpp_compiler: str, min_optimize: bool = False) -> tuple[list[str], list[str]]:
+        c, ld = orig(cpp_compiler, min_optimize)
+        return ([*c, "fno-gnu-unique"] if cpp_builder._is_gcc(cpp_compiler) else c), ld
+
+    interface = os.path.join(os.path.dirname(cpp_wrapper_cpu.__file__), "aoti_runtime",
+                             "interface.cpp")
+    wrapper = cpp_wrapper_cpu.CppWrapperCpu
+    orig_header = wrapper._write_aoti_interface_header
+
+    def header(self: cpp_wrapper_cpu.CppWrapperCpu) -> None:
+        if not inductor_config.aot_inductor.dynamic_linkage:
+            return orig_header(self)
+        with open(interface) as f:
+            text = f.read()
+        if LAST_ERROR_DECL not in text:  # another torch: its artifacts are refused
+            return orig_header(self)
+        self.header.splice_aot(text.replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER))
+        self.header.splice_aot("\n")
+        return None
+
+    cflags.torchloop_unloadable = True  # type: ignore[attr-defined]
+    cpp_builder._get_optimization_cflags = cflags
+    setattr(wrapper, "_write_aoti_interface_header", header)
+
+
+def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], so_path: str,
+                   batched: bool = False, placer: StackIntoOutputs | None = None) -> str:
+    """AOT-compiles module into so_path (with placer as the post-grad pass
+    when given); returns the .so's path."""
+    unloadable_artifacts()
+    options = aoti_options(so_path, batched)
+    if placer is not None:
+        options["post_grad_custom_post_pass"] = placer
+    try:
+        so = torch._inductor.aot_compile(cast(torch.fx.GraphModule, module), example,
+                                         options=options)
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc, "inductor") from exc
+    built = so if isinstance(so, str) else so_path
+    if clear_exec_stack(built):
+        log(f"{built}: cleared the executable-stack flag ld set")
+    return built
+
+
+def build_placed(build: Build, notes: list[str]) -> str:
+    """build(name, placer) with StackIntoOutputs; placing the stacked results
+    into the buffers is an optimisation, so if a graph it rewrote fails to
+    build or to match eager, builds it again as Inductor would and says so in
+    notes.  A failure of the machine (transient) is not retried."""
+    placer = StackIntoOutputs()
+    try:
+        return build("graph.so", placer)
+    except JobError as exc:
+        if not placer.rewritten or exc.transient:
+            raise
+        notes.append(f"placing the stacked results into the result buffers failed ({exc.code}: "
+                     f"{exc.message[:160]}); compiled with them copied in instead")
+        log(notes[-1])
+    return build("graph-copied.so", None)
+
+
