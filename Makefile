@@ -20,6 +20,8 @@ endif
 MSGPACK_LIBS := $(shell pkg-config --libs $(MSGPACK_PC) 2>/dev/null)
 UV_LIBS      := $(shell pkg-config --libs libuv 2>/dev/null)
 SD_LIBS      := $(shell pkg-config --libs libsystemd 2>/dev/null)
+# the remote cache tier (daemon/remote*.c): Redis, HMAC
+REMOTE_LIBS  := $(shell pkg-config --libs hiredis libcrypto 2>/dev/null)
 # DT_RPATH (not RUNPATH): it also serves the artifacts the daemon dlopens,
 # which NEED libtorch.so; linking libtorch keeps that SONAME loaded anyway.
 TORCH_LIBS   := -L$(TORCH_LIB) -Wl,--disable-new-dtags -Wl,-rpath,$(TORCH_LIB) -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10 -Wl,--as-needed
@@ -72,7 +74,7 @@ $(BUILD)/libdaemon.a: $(DAEMON_OBJ)
 	ar rcs $@ $^
 
 $(BUILD)/torchloopd: $(BUILD)/daemon/main.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 # The same daemon with test-only hooks (SIGUSR2 stalls the loop, for the
 # watchdog test); the installed torchloopd never has them.
@@ -81,7 +83,7 @@ $(BUILD)/daemon/daemon-testhooks.o: daemon/daemon.c $(wildcard proto/*.h daemon/
 	$(CC) $(CPPFLAGS) -DTORCHLOOPD_TEST_HOOKS $(CFLAGS) -c $< -o $@
 
 $(BUILD)/torchloopd-testhooks: $(BUILD)/daemon/main.o $(BUILD)/daemon/daemon-testhooks.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 $(BUILD)/libtorchloop.a: $(CLIENT_OBJ) $(PROTO_OBJ)
 	ar rcs $@ $^
@@ -96,7 +98,7 @@ TEST_DEPS := $(BUILD)/libproto.a $(DAEMON_LIB) $(wildcard tests/unit/*.h tests/u
 $(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -Itests/unit $(CFLAGS) $(TEST_LDFLAGS) -o $@ $< $(wildcard tests/unit/helpers.c) $(DAEMON_LIB) $(BUILD)/libproto.a \
-		$(CRIT_LIBS) $(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+		$(CRIT_LIBS) $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 # test_oom fails our own allocations in turn (malloc fault injection)
 $(BUILD)/tests/test_oom: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc
 
@@ -105,7 +107,7 @@ $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMO
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -Itests/e2e -Itests/unit $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c client/treejson.c \
 		$(DAEMON_LIB) $(BUILD)/libtorchloop.a $(CRIT_LIBS) $(shell pkg-config --libs jansson) \
-		$(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+		$(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 test: build
 	@$(MAKE) --no-print-directory run-tests
@@ -137,7 +139,7 @@ run: build
 # Benchmarks: never part of `make test`; numbers go to docs/performance.md.
 $(BUILD)/bench_c: tests/bench/bench_c.c $(BUILD)/libdaemon.a $(BUILD)/libtorchloop.a
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(BUILD)/libdaemon.a $(BUILD)/libtorchloop.a \
-		$(UV_LIBS) $(SD_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+		$(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 bench: build
 	@$(MAKE) --no-print-directory $(BUILD)/bench_c
@@ -149,6 +151,7 @@ bench: build
 	$(PY) tests/bench/bigruns.py $(BUILD) $(BUILD)/bench/bigruns.json
 	$(PY) tests/bench/capture.py $(BUILD) $(BUILD)/bench/capture.json
 	$(PY) tests/bench/checkpoint.py $(BUILD) $(BUILD)/bench/checkpoint.json
+	$(PY) tests/bench/remote.py $(BUILD) $(BUILD)/bench/remote.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)
 	$(PY) tests/bench/report.py $(BUILD)/bench docs/performance.md
 	cp $(BUILD)/bench/*.png docs/

@@ -444,6 +444,25 @@ static void print_stats_table(json_t *j)
 	}
 }
 
+/* The remote tier's counters (stats' "remote" map: every integer is one). */
+static void print_prometheus_remote(json_t *remote)
+{
+	const char *key, *state = json_string_value(json_object_get(remote, "state"));
+	json_t *v;
+
+	if (!json_is_object(remote))
+		return;
+	printf("# TYPE torchloopd_remote_degraded gauge\ntorchloopd_remote_degraded %d\n",
+	       state != NULL && strcmp(state, "degraded") == 0);
+	json_object_foreach(remote, key, v)
+	{
+		if (!json_is_integer(v))
+			continue;
+		printf("# TYPE torchloopd_remote_%s_total counter\ntorchloopd_remote_%s_total %lld\n",
+		       key, key, (long long)json_integer_value(v));
+	}
+}
+
 static void print_prometheus(json_t *j)
 {
 	static const char *const counters[] = {"requests",   "errors",       "compiles",
@@ -462,6 +481,7 @@ static void print_prometheus(json_t *j)
 		           json_string_value(json_object_get(a, "name")),
 		           (long long)json_integer_value(json_object_get(a, counters[k])));
 	}
+	print_prometheus_remote(json_object_get(j, "remote"));
 	printf("# TYPE torchloopd_adapter_compile_seconds_total counter\n");
 	json_array_foreach(json_object_get(j, "adapters"), i, a)
 	    printf("torchloopd_adapter_compile_seconds_total{adapter=\"%s\"} %.3f\n",

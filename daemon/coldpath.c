@@ -47,6 +47,12 @@
 
 static void looked_up(struct load_job *j);
 static void lock_waited(struct load_job *j);
+static void start_fetch(struct load_job *j);
+static void start_lease(struct load_job *j);
+static void start_lease_wait(struct load_job *j);
+static void fetched(struct load_job *j);
+static void leased(struct load_job *j);
+static void lease_waited(struct load_job *j);
 static void compiled(struct load_job *j);
 static void committed(struct load_job *j);
 static void start_pool(struct load_job *j);
@@ -64,6 +70,9 @@ static const struct stage {
 } stages[STAGES] = {
     [STAGE_LOOKUP] = {"lookup", lookup_work, start_pool, looked_up},
     [STAGE_LOCK_WAIT] = {"lock_wait", NULL, start_lock_wait, lock_waited},
+    [STAGE_REMOTE] = {"remote", NULL, start_fetch, fetched},
+    [STAGE_LEASE] = {"lease", NULL, start_lease, leased},
+    [STAGE_LEASE_WAIT] = {"lease_wait", NULL, start_lease_wait, lease_waited},
     [STAGE_COMPILE] = {"compile", NULL, start_compile, compiled},
     [STAGE_COMMIT] = {"commit", commit_work, start_pool, committed},
 };
@@ -73,7 +82,10 @@ static void enter(struct load_job *j, enum load_stage s)
 	j->stage = s;
 	log_line(LOG_DEBUG, 0, j->sp->adapter->def.name, "%s %s: %s (%s key %.16s)",
 	         spec_kinds[j->sp->kind].name, j->sp->signature, stages[s].name,
-	         j->purpose == LOAD_UPGRADE ? "upgrade" : j->quick ? "quick" : "its", j->key);
+	         j->purpose == LOAD_UPGRADE ? "upgrade"
+	         : j->quick                 ? "quick"
+	                                    : "its",
+	         j->key);
 	stages[s].start(j);
 }
 
@@ -93,6 +105,8 @@ static void start_pool(struct load_job *j)
 static void free_job(struct load_job *j)
 {
 	engine_unload(j->graph);
+	free(j->blob);
+	free(j->publish);
 	free(j->res.y_spec);
 	free(j->sample);
 	graphs_unref(j->sp);
@@ -111,8 +125,14 @@ static void upgrade_over(struct load_job *j, const struct proto_err *err)
 	free_job(j);
 }
 
+static void stop_renewal(struct load_job *j);
+
 static void job_failed(struct load_job *j, const struct proto_err *err)
 {
+	stop_renewal(j);
+	if (j->leased) /* waiting nodes take it over at once, not after the lease time */
+		remote_lease_release(j->g->remote, j->key);
+	j->leased = false;
 	if (j->purpose == LOAD_UPGRADE) {
 		upgrade_over(j, err);
 		return;
@@ -143,9 +163,9 @@ static void publish(struct load_job *j)
 	}
 	if (j->hit)
 		a->stats.cache_hits++;
-	else
+	else if (j->blob == NULL) /* a fetched blob's compile was another node's */
 		a->stats.compile_seconds += sp->compile_seconds;
-	sp->from_cache = j->hit;
+	sp->from_cache = j->hit || j->blob != NULL;
 	memcpy(sp->graph_key, j->key, sizeof sp->graph_key);
 	memcpy(sp->lowered, j->lowered, sizeof sp->lowered);
 	memcpy(sp->note, j->note, sizeof sp->note);
@@ -183,6 +203,15 @@ static bool prewarm_missed(struct load_job *j)
 	return false;
 }
 
+/* The key is in no cache (or the remote tier cannot say): the worker builds it. */
+static void compile_locally(struct load_job *j)
+{
+	if (prepare_compile(j, &j->err) != 0)
+		job_failed(j, &j->err);
+	else
+		enter(j, STAGE_COMPILE);
+}
+
 static void looked_up(struct load_job *j)
 {
 	struct specialization *sp = j->sp;
@@ -210,11 +239,12 @@ static void looked_up(struct load_job *j)
 		if (j->purpose != LOAD_UPGRADE)
 			sp->compile_seconds = j->compile_seconds;
 		publish(j);
-	} else if (prepare_compile(j, &j->err) != 0) {
-		job_failed(j, &j->err);
 	} else {
 		sp->adapter->stats.cache_misses++;
-		enter(j, STAGE_COMPILE);
+		if (j->g->remote != NULL)
+			enter(j, STAGE_REMOTE);
+		else
+			compile_locally(j);
 	}
 }
 
@@ -280,6 +310,182 @@ static void start_lock_wait(struct load_job *j)
 static void lock_waited(struct load_job *j)
 {
 	enter(j, STAGE_LOOKUP);
+}
+
+/* ---- REMOTE, LEASE, LEASE_WAIT: the remote tier (remote.h) -------------- */
+
+/* How often a node that waits for another's compile looks for its blob. */
+#define LEASE_POLL_MS 250
+
+static void on_fetched(void *arg, enum remote_result res, uint8_t *blob, size_t len)
+{
+	struct load_job *j = arg;
+
+	j->rc = res == REMOTE_FAILED ? -1 : 0;
+	j->hit = res == REMOTE_OK;
+	j->blob = blob;
+	j->blob_len = len;
+	stages[j->stage].done(j);
+}
+
+static void start_fetch(struct load_job *j)
+{
+	remote_fetch(j->g->remote, j->key, on_fetched, j);
+}
+
+/* A blob from the remote tier goes through COMMIT (verified there); none:
+ * the lease; the tier failing: the worker builds it (and publishes it). */
+static void fetched(struct load_job *j)
+{
+	if (j->hit) {
+		j->hit = false; /* not the local cache's hit */
+		enter(j, STAGE_COMMIT);
+	} else if (j->rc == 0) {
+		enter(j, STAGE_LEASE);
+	} else {
+		j->rc = 0;
+		compile_locally(j);
+	}
+}
+
+static void on_leased(void *arg, enum remote_result res)
+{
+	struct load_job *j = arg;
+
+	j->leased = res == REMOTE_OK;
+	j->rc = res == REMOTE_FAILED ? -1 : 0;
+	stages[j->stage].done(j);
+}
+
+static void start_lease(struct load_job *j)
+{
+	remote_lease(j->g->remote, j->key, on_leased, j);
+}
+
+struct lease_renewal {
+	uv_timer_t timer;
+	struct remote *r;
+	char key[CACHE_KEY_HEX];
+};
+
+static void renewal_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+static void on_renew(uv_timer_t *t)
+{
+	struct lease_renewal *rn = t->data;
+
+	remote_lease_renew(rn->r, rn->key);
+}
+
+static void stop_renewal(struct load_job *j)
+{
+	if (j->renewal == NULL)
+		return;
+	uv_timer_stop(&j->renewal->timer);
+	uv_close((uv_handle_t *)&j->renewal->timer, renewal_closed);
+	j->renewal = NULL;
+}
+
+/* The lease is ours: renewed every third of its time while the worker builds. */
+static void keep_lease(struct load_job *j)
+{
+	uint64_t every = (uint64_t)j->g->cfg->remote_lease_ms / 3;
+
+	j->renewal = malloc(sizeof *j->renewal);
+	if (j->renewal == NULL)
+		return; /* it may expire mid-compile: another node compiles too */
+	j->renewal->r = j->g->remote;
+	memcpy(j->renewal->key, j->key, sizeof j->renewal->key);
+	uv_timer_init(j->g->loop, &j->renewal->timer);
+	j->renewal->timer.data = j->renewal;
+	uv_timer_start(&j->renewal->timer, on_renew, every, every);
+}
+
+static void leased(struct load_job *j)
+{
+	struct remote_stats *st = remote_counters(j->g->remote);
+
+	if (j->leased) {
+		if (j->lease_wait_started != 0)
+			st->lease_takeovers++; /* its holder went away without a blob */
+		keep_lease(j);
+		compile_locally(j);
+	} else if (j->rc == 0) {
+		if (j->lease_wait_started == 0)
+			st->lease_waits++;
+		enter(j, STAGE_LEASE_WAIT);
+	} else {
+		j->rc = 0;
+		compile_locally(j);
+	}
+}
+
+static void lease_poll_closed(uv_handle_t *h)
+{
+	free(h);
+}
+
+static void on_lease_poll(uv_timer_t *t)
+{
+	struct load_job *j = t->data;
+
+	uv_close((uv_handle_t *)t, lease_poll_closed);
+	stages[j->stage].done(j);
+}
+
+/* Another node compiles the key: look for its blob (and whether its lease
+ * still stands) every LEASE_POLL_MS, for at most --compile-timeout. */
+static void start_lease_wait(struct load_job *j)
+{
+	uv_timer_t *t;
+
+	if (j->lease_wait_started == 0)
+		j->lease_wait_started = log_now();
+	if (log_now() - j->lease_wait_started > (double)j->g->cfg->compile_timeout ||
+	    j->g->stopping || (t = malloc(sizeof *t)) == NULL) {
+		compile_locally(j);
+		return;
+	}
+	uv_timer_init(j->g->loop, t);
+	t->data = j;
+	uv_timer_start(t, on_lease_poll, LEASE_POLL_MS, 0);
+}
+
+/* Its blob, if published; else the lease again (taken over once expired). */
+static void lease_waited(struct load_job *j)
+{
+	enter(j, STAGE_REMOTE);
+}
+
+/* COMMIT refused a fetched blob: counted by why. */
+static void remote_refused(struct load_job *j)
+{
+	struct remote_stats *st = remote_counters(j->g->remote);
+
+	switch (j->refusal) {
+	case BLOB_TRUNCATED:
+		st->truncated++;
+		break;
+	case BLOB_WRONG_KEY:
+		st->wrong_key++;
+		break;
+	case BLOB_BAD_MAC:
+		st->hmac_rejected++;
+		break;
+	case BLOB_TOO_LARGE:
+		st->too_large++;
+		break;
+	case BLOB_OK:
+		break;
+	}
+	log_line(LOG_WARN, 0, j->sp->adapter->def.name,
+	         "remote cache: %.16s refused: %s; compiling it", j->key, j->err.message);
+	free(j->blob);
+	j->blob = NULL;
+	j->rc = 0;
 }
 
 /* ---- COMPILE ------------------------------------------------------------ */
@@ -451,6 +657,28 @@ static void compiled(struct load_job *j)
 
 static void committed(struct load_job *j)
 {
+	struct remote *r = j->g->remote;
+
+	stop_renewal(j);
+	if (j->blob != NULL && j->rc != 0 && j->refusal != BLOB_OK) {
+		/* a fetched blob refused (counted): what the worker builds replaces it */
+		remote_refused(j);
+		compile_locally(j);
+		return;
+	}
+	if (j->blob != NULL && j->rc == 0) {
+		remote_counters(r)->hits++;
+		j->sp->compile_seconds = j->res.compile_seconds;
+	}
+	if (r != NULL && j->publish != NULL) {
+		remote_publish(r, j->key, j->publish, j->publish_len); /* and the lease released */
+		j->publish = NULL;
+	} else if (r != NULL && j->leased) {
+		if (j->publish_skipped)
+			remote_counters(r)->publish_skipped++;
+		remote_lease_release(r, j->key);
+	}
+	j->leased = false;
 	if (j->rc != 0)
 		job_failed(j, &j->err);
 	else

@@ -19,6 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* the graph layer never sees a request or a connection (docs/architecture.md) */
@@ -210,16 +212,92 @@ void lookup_work(uv_work_t *w)
 }
 
 /* Pool: COMMIT the worker's artifact to the cache, then load it. */
+/* A fetched blob verified (remote_blob_open) and its artifact written where
+ * a compile's would be, j->res filled as a compile's reply: then COMMIT goes
+ * on as for a compile. */
+static int unseal(struct load_job *j)
+{
+	struct remote_meta m;
+	const uint8_t *so;
+	size_t so_len, secret_len;
+	const uint8_t *secret = remote_secret(j->g->remote, &secret_len);
+	FILE *f;
+
+	j->refusal = remote_blob_open(secret, secret_len, j->key, j->blob, j->blob_len,
+	                              remote_max_object(j->g->remote), &m, &so, &so_len, &j->err);
+	if (j->refusal != BLOB_OK)
+		return j->rc = -1;
+	memset(&j->res, 0, sizeof j->res);
+	cache_tmp_path(j->g->cache, j->key, j->res.so_path, sizeof j->res.so_path);
+	memcpy(j->job.output, j->res.so_path, sizeof j->job.output);
+	f = fopen(j->res.so_path, "wxe");
+	if (f == NULL || fwrite(so, 1, so_len, f) != so_len || fclose(f) != 0) {
+		if (f)
+			fclose(f);
+		return j->rc = proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "cannot write %s",
+		                          j->res.so_path);
+	}
+	j->res.y_spec = malloc(m.y_spec_len ? m.y_spec_len : 1);
+	if (j->res.y_spec == NULL)
+		return j->rc = proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "out of memory");
+	memcpy(j->res.y_spec, m.y_spec, m.y_spec_len);
+	j->res.y_spec_len = m.y_spec_len;
+	j->res.n_inputs = m.n_inputs;
+	j->res.n_outputs = m.n_outputs;
+	j->res.compile_seconds = m.compile_seconds;
+	j->res.step_ops = m.step_ops;
+	memcpy(j->res.lowered, m.lowered, sizeof j->res.lowered);
+	memcpy(j->res.note, m.note, sizeof j->res.note);
+	memcpy(j->strategy_done, m.strategy, sizeof j->strategy_done);
+	return 0;
+}
+
+/* The committed artifact sealed for the remote tier (published on the loop);
+ * nothing when it cannot be read or is over the tier's size cap. */
+static void seal(struct load_job *j, const struct cache_meta *meta)
+{
+	struct remote_meta m = {
+	    meta->n_inputs, meta->n_outputs, meta->step_ops, meta->compile_seconds, "", "", "",
+	    meta->y_spec,   meta->y_spec_len};
+	char path[PATH_MAX];
+	size_t secret_len;
+	const uint8_t *secret = remote_secret(j->g->remote, &secret_len);
+	uint8_t *so = NULL;
+	struct stat st;
+	int fd;
+
+	memcpy(m.strategy, meta->strategy, sizeof m.strategy);
+	memcpy(m.lowered, meta->lowered, sizeof m.lowered);
+	memcpy(m.note, meta->note, sizeof m.note);
+	cache_so_path(j->g->cache, j->key, path, sizeof path);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0 || fstat(fd, &st) != 0 ||
+	    (uint64_t)st.st_size > remote_max_object(j->g->remote) ||
+	    (so = malloc((size_t)st.st_size + 1)) == NULL ||
+	    read(fd, so, (size_t)st.st_size) != st.st_size) {
+		j->publish_skipped = true;
+	} else {
+		j->publish = remote_blob_seal(secret, secret_len, j->key, &m, so,
+		                              (size_t)st.st_size, &j->publish_len);
+	}
+	free(so);
+	if (fd >= 0)
+		close(fd);
+}
+
 void commit_work(uv_work_t *w)
 {
 	struct load_job *j = w->data;
 	struct specialization *sp = j->sp;
 	struct cache_meta meta = {0};
 
+	if (j->blob != NULL && unseal(j) != 0)
+		return;
 	meta.n_inputs = j->res.n_inputs;
 	meta.n_outputs = j->res.n_outputs;
 	meta.compile_seconds = j->res.compile_seconds;
-	snprintf(meta.strategy, sizeof meta.strategy, "%s", j->job.strategy);
+	snprintf(meta.strategy, sizeof meta.strategy, "%s",
+	         j->blob ? j->strategy_done : j->job.strategy);
 	memcpy(meta.lowered, j->res.lowered, sizeof meta.lowered);
 	memcpy(meta.note, j->res.note, sizeof meta.note);
 	memcpy(j->lowered, j->res.lowered, sizeof j->lowered);
@@ -236,4 +314,6 @@ void commit_work(uv_work_t *w)
 		j->rc = load_artifact(j, j->res.y_spec, j->res.y_spec_len, &j->err);
 	if (j->rc == 0)
 		loaded(j);
+	if (j->rc == 0 && j->blob == NULL && j->g->remote != NULL)
+		seal(j, &meta);
 }

@@ -32,6 +32,9 @@ enum {
 	OPT_MODE,
 	OPT_LOG,
 	OPT_ISA,
+	OPT_REMOTE,
+	OPT_REMOTE_SECRET,
+	OPT_REMOTE_AUTH,
 	OPT_HELP,
 	OPT_VERSION,
 	OPT_LIMIT0
@@ -82,10 +85,28 @@ static void usage(FILE *f)
 	    "  --target-isa ISA     what graphs are compiled for: native (default: this CPU),\n"
 	    "                       avx2 (x86-64 with AVX2) or baseline (any x86-64; also what\n"
 	    "                       valgrind can run); part of every cache key\n"
+	    "  --remote-cache URL   a second cache tier shared by many nodes: "
+	    "redis://HOST[:PORT][/DB]\n"
+	    "                       or unix:///PATH[?db=N] (default: none)\n"
+	    "  --remote-secret-file PATH  the shared HMAC secret (default: the systemd credential\n"
+	    "                       remote-secret); without it the remote tier is off\n"
+	    "  --remote-auth-file PATH    Redis AUTH password (default: the credential "
+	    "remote-auth)\n"
 	    "  --help, --version\n\nlimits (name: min / default / max):\n");
 	for (size_t i = 0; i < N_LIMITS; i++)
 		fprintf(f, "  --%-17s %s (%lld / %lld / %lld)\n", LIMITS[i].name, LIMITS[i].help,
 		        LIMITS[i].min, LIMITS[i].def, LIMITS[i].max);
+}
+
+/* A systemd credential (LoadCredential=NAME:PATH in the unit), if it exists. */
+static void credential(char *dst, size_t size, const char *name)
+{
+	const char *dir = getenv("CREDENTIALS_DIRECTORY");
+	char path[PATH_MAX];
+
+	if (dir && *dir && (size_t)snprintf(path, sizeof path, "%s/%s", dir, name) < size &&
+	    access(path, R_OK) == 0)
+		snprintf(dst, size, "%s", path);
 }
 
 static void default_paths(struct config *c)
@@ -115,6 +136,8 @@ static void default_paths(struct config *c)
 	snprintf(c->python, sizeof c->python, "%s", TORCHLOOPD_PREFIX "/.venv/bin/python");
 	snprintf(c->worker, sizeof c->worker, "%s",
 	         TORCHLOOPD_PREFIX "/daemon/worker/compile_worker.py");
+	credential(c->remote_secret_file, sizeof c->remote_secret_file, "remote-secret");
+	credential(c->remote_auth_file, sizeof c->remote_auth_file, "remote-auth");
 }
 
 static int parse_limit(struct config *c, size_t i, const char *arg)
@@ -207,6 +230,14 @@ static int parse_other(struct config *c, int opt, const char *arg)
 			return -1;
 		}
 		return 0;
+	case OPT_REMOTE:
+		return set_path(c->remote_url, sizeof c->remote_url, arg, "--remote-cache");
+	case OPT_REMOTE_SECRET:
+		return set_path(c->remote_secret_file, sizeof c->remote_secret_file, arg,
+		                "--remote-secret-file");
+	case OPT_REMOTE_AUTH:
+		return set_path(c->remote_auth_file, sizeof c->remote_auth_file, arg,
+		                "--remote-auth-file");
 	case OPT_LOG:
 		for (int i = 0; i < 4; i++)
 			if (strcmp(arg, levels[i]) == 0)
@@ -231,7 +262,7 @@ static long usable_cpus(void)
 
 int config_parse(struct config *c, int argc, char **argv)
 {
-	struct option opts[N_LIMITS + 17];
+	struct option opts[N_LIMITS + 20];
 	size_t n = 0;
 	long cores;
 	int opt;
@@ -257,6 +288,10 @@ int config_parse(struct config *c, int argc, char **argv)
 	opts[n++] = (struct option){"no-probe", no_argument, NULL, OPT_NO_PROBE};
 	opts[n++] = (struct option){"log-level", required_argument, NULL, OPT_LOG};
 	opts[n++] = (struct option){"target-isa", required_argument, NULL, OPT_ISA};
+	opts[n++] = (struct option){"remote-cache", required_argument, NULL, OPT_REMOTE};
+	opts[n++] =
+	    (struct option){"remote-secret-file", required_argument, NULL, OPT_REMOTE_SECRET};
+	opts[n++] = (struct option){"remote-auth-file", required_argument, NULL, OPT_REMOTE_AUTH};
 	opts[n++] = (struct option){"help", no_argument, NULL, OPT_HELP};
 	opts[n++] = (struct option){"version", no_argument, NULL, OPT_VERSION};
 	opts[n] = (struct option){0};

@@ -53,7 +53,16 @@
 	X("max-shm", max_shm, 0, 1LL << 30, 64LL << 30,                                            \
 	  "bytes of shared memory one connection may attach (0: attach refused)")                  \
 	X("max-shm-total", max_shm_total, 0, 16LL << 30, 1LL << 40,                                \
-	  "bytes of shared memory all connections together may attach")
+	  "bytes of shared memory all connections together may attach")                            \
+	X("remote-timeout", remote_timeout, 10, 2000, 60000,                                       \
+	  "milliseconds one remote-cache command may take before the daemon compiles locally")     \
+	X("remote-max-object", remote_max_object, 1LL << 20, 64LL << 20, 1LL << 30,                \
+	  "bytes of the largest artifact fetched from or published to the remote cache")           \
+	X("remote-ttl", remote_ttl, 60, 604800, 31536000,                                          \
+	  "seconds a published artifact stays in the remote cache")                                \
+	X("remote-lease-ms", remote_lease_ms, 500, 20000, 600000,                                  \
+	  "milliseconds a node's compile lease lasts (renewed while it compiles); another node "   \
+	  "takes an expired one over")
 
 /* What compiled graphs are generated for (--target-isa): the host's own CPU,
  * or a fixed x86-64 level that runs on other machines and under valgrind. */
@@ -70,6 +79,10 @@ struct config {
 	char python[PATH_MAX];
 	char worker[PATH_MAX];
 	char admin_group[64];
+	/* the remote cache tier (daemon/remote.h): "" = off */
+	char remote_url[PATH_MAX];
+	char remote_secret_file[PATH_MAX];
+	char remote_auth_file[PATH_MAX];
 	gid_t admin_gid;
 	bool has_admin_gid;
 	bool probe;

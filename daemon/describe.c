@@ -139,3 +139,22 @@ void describe_lanes(struct writer *w, const struct compiler *c, bool full)
 		writer_key_u64(w, "promoted", st.promoted);
 	}
 }
+
+void describe_remote(struct writer *w, const struct remote *r, bool full)
+{
+	const struct remote_stats *st;
+
+	if (r == NULL || !full) {
+		writer_str(w, r == NULL ? "off" : remote_state(r));
+		return;
+	}
+	st = remote_stats(r);
+#define REMOTE_STAT_ONE(name, help) +1
+	msgpack_pack_map(&w->pk, 2 + (0 REMOTE_STATS(REMOTE_STAT_ONE)));
+#undef REMOTE_STAT_ONE
+	writer_key_str(w, "state", remote_state(r));
+	writer_key_str(w, "last_error", remote_last_error(r));
+#define REMOTE_STAT_KEY(name, help) writer_key_u64(w, #name, st->name);
+	REMOTE_STATS(REMOTE_STAT_KEY)
+#undef REMOTE_STAT_KEY
+}

@@ -26,5 +26,7 @@ void describe_specs(struct writer *w, const struct adapter *a);
  * workers, busy, queued, max, paused, jobs, preempted (with full; else the
  * first three). */
 void describe_lanes(struct writer *w, const struct compiler *c, bool full);
+/* The remote tier: "off", or its state, last error and counters (full). */
+void describe_remote(struct writer *w, const struct remote *r, bool full);
 
 #endif

@@ -24,6 +24,32 @@
 /* the graph layer never sees a request or a connection (docs/architecture.md) */
 #pragma GCC poison request conn outmsg daemon
 
+/* The remote tier, when --remote-cache names one: -1 when it is misconfigured. */
+static int open_remote(struct graphs *g)
+{
+	const struct config *c = g->cfg;
+	struct remote_opts o = {
+	    c->remote_url,     c->remote_secret_file,          c->remote_auth_file,
+	    c->remote_timeout, (uint64_t)c->remote_max_object, c->remote_ttl,
+	    c->remote_lease_ms};
+	char why[512];
+	int bad;
+
+	g->remote = remote_open(g->loop, &o, why, sizeof why, &bad);
+	if (bad) {
+		log_error("remote cache: %s", why);
+		return -1;
+	}
+	if (g->remote)
+		log_info("remote cache %s: on (lease %lld ms, timeout %lld ms, objects up to %lld "
+		         "bytes, kept %lld s)",
+		         c->remote_url, c->remote_lease_ms, c->remote_timeout, c->remote_max_object,
+		         c->remote_ttl);
+	else if (why[0])
+		log_warn("remote cache %s: %s", c->remote_url, why);
+	return 0;
+}
+
 int graphs_open(struct graphs *g, uv_loop_t *loop, const struct config *cfg, struct cache *cache,
                 const char *worker_sha, const char *isa)
 {
@@ -32,6 +58,8 @@ int graphs_open(struct graphs *g, uv_loop_t *loop, const struct config *cfg, str
 	g->cache = cache;
 	g->worker_sha = worker_sha;
 	g->isa = isa;
+	if (open_remote(g) != 0)
+		return -1;
 	if (runner_start(&g->runner, loop) != 0)
 		log_warn("graph runs with an OpenMP team go to the thread pool");
 	return 0;
@@ -47,6 +75,8 @@ void graphs_stop_runs(struct graphs *g)
 void graphs_close(struct graphs *g)
 {
 	adapter_clear(&g->reg);
+	remote_close(g->remote);
+	g->remote = NULL;
 }
 
 static void budget_exhausted(struct adapter *a, struct proto_err *err)

@@ -17,6 +17,7 @@
 
 #include "cache.h"
 #include "compiler.h"
+#include "remote.h"
 #include "config.h"
 #include "engine.h"
 #include "protocol.h"
@@ -193,6 +194,7 @@ struct graphs {
 	const struct config *cfg;
 	struct cache *cache;
 	struct compiler *compiler;
+	struct remote *remote;        /* the remote tier (--remote-cache), or NULL */
 	const char *worker_sha, *isa; /* parts of every cache key */
 	struct registry reg;
 	bool stopping; /* shutdown began: a busy key's lock is no longer waited for */

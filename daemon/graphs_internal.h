@@ -12,10 +12,13 @@
 
 /* The cold path's stages (coldpath.c's table; docs/architecture.md). */
 enum load_stage {
-	STAGE_LOOKUP,    /* pool: cache lookup, flock tried, dlopen on a hit */
-	STAGE_LOCK_WAIT, /* loop timer: another holder compiles this key */
-	STAGE_COMPILE,   /* the worker builds it */
-	STAGE_COMMIT,    /* pool: commit to the cache, dlopen */
+	STAGE_LOOKUP,     /* pool: cache lookup, flock tried, dlopen on a hit */
+	STAGE_LOCK_WAIT,  /* loop timer: another holder compiles this key */
+	STAGE_REMOTE,     /* loop: the remote tier's blob of the key (--remote-cache) */
+	STAGE_LEASE,      /* loop: the remote tier's compile lease of the key */
+	STAGE_LEASE_WAIT, /* loop timer: another node compiles this key */
+	STAGE_COMPILE,    /* the worker builds it */
+	STAGE_COMMIT,     /* pool: commit to the cache (a fetched blob verified first), dlopen */
 	STAGES
 };
 
@@ -51,6 +54,15 @@ struct load_job {
 	 * of this job's compile and of its upgrade; NULL: random inputs */
 	uint8_t *sample;
 	size_t sample_len;
+	/* the remote tier: a fetched blob (COMMIT verifies it; refusal says why
+	 * not), the sealed blob to publish after a compile's COMMIT, the lease */
+	uint8_t *blob, *publish;
+	size_t blob_len, publish_len;
+	enum remote_refusal refusal;
+	bool publish_skipped, leased;
+	struct lease_renewal *renewal; /* while the lease is ours and the worker builds */
+	double lease_wait_started;
+	char strategy_done[16]; /* a fetched blob's strategy, for the cache metadata */
 };
 
 /* coldpath.c: the state machine */

@@ -1,7 +1,9 @@
 /*
  * op_health.c - health: live (the loop answered) and ready (worker alive,
  * start-up done, preloaded adapters' graphs loaded, the thread pool taking
- * work); "worker_state" and "pool" say which part is not.
+ * work); "worker_state" and "pool" say which part is not.  "remote" is the
+ * remote cache tier: "off", "ok" or "degraded" (it never makes the daemon
+ * unready: a fault there means local compiles).
  */
 #include "describe.h"
 
@@ -9,7 +11,7 @@ static void op_health(struct request *req)
 {
 	struct daemon *d = req->d;
 	bool worker = compiler_alive(d->compiler);
-	struct outmsg *out = request_begin_result(req, 11);
+	struct outmsg *out = request_begin_result(req, 12);
 
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
@@ -23,6 +25,9 @@ static void op_health(struct request *req)
 	writer_str(&out->w, "lanes");
 	describe_lanes(&out->w, d->compiler, false);
 	writer_key_str(&out->w, "pool", d->pool_stalled ? "stalled" : "ok");
+	/* a remote tier at fault degrades (the daemon compiles locally), never unreadies */
+	writer_str(&out->w, "remote");
+	describe_remote(&out->w, d->graphs.remote, false);
 	writer_key_f64(&out->w, "pool_wait", daemon_pool_wait(d));
 	writer_key_bool(&out->w, "stopping", d->shutting_down);
 	writer_key_u64(&out->w, "adapters", d->graphs.reg.count);

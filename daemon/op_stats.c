@@ -5,7 +5,7 @@
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 29);
+	struct outmsg *out = request_begin_result(req, 30);
 	uint32_t n_codes = 0;
 
 	if (out == NULL) {
@@ -40,6 +40,8 @@ static void op_stats(struct request *req)
 	writer_key_u64(&out->w, "graphs_evicted", d->stats.graphs_evicted);
 	writer_key_u64(&out->w, "failed_evictions", d->graphs.failed_evictions);
 	writer_key_u64(&out->w, "busy", d->stats.busy);
+	writer_str(&out->w, "remote");
+	describe_remote(&out->w, d->graphs.remote, true);
 	for (int c = 1; c < PROTO_E__COUNT; c++)
 		n_codes += d->stats.error_codes[c] != 0;
 	writer_str(&out->w, "error_codes");

@@ -17,7 +17,8 @@ msgpack_pkg() {
 }
 
 PKGS=(build-essential pkg-config libuv1-dev libcriterion-dev libsystemd-dev libjansson-dev
-      clang clang-format valgrind strace systemd python3-venv ca-certificates file)
+      clang clang-format valgrind strace systemd python3-venv ca-certificates file
+      libhiredis-dev libssl-dev redis-server)
 
 missing_pkgs() {
 	local p

@@ -632,12 +632,13 @@ make build build/bench_c
 .venv/bin/python tests/bench/bigruns.py build build/bench/bigruns.json
 .venv/bin/python tests/bench/capture.py build build/bench/capture.json
 .venv/bin/python tests/bench/checkpoint.py build build/bench/checkpoint.json
+.venv/bin/python tests/bench/remote.py build build/bench/remote.json
 .venv/bin/python tests/bench/bench.py build build/bench
 .venv/bin/python tests/bench/report.py build/bench docs/performance.md
 cp build/bench/*.png docs/
 ```
 
-Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/checkpoint.json`, `build/bench/bench.json`. Timings
+Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/checkpoint.json`, `build/bench/remote.json`, `build/bench/bench.json`. Timings
 are never asserted in tests; they live here.
 """
 
@@ -769,6 +770,28 @@ the plain one (target: at most 1.6x), forward + backward {c['time_ratio']:.2f}x.
 """
 
 
+def remote_section(r: dict) -> str:
+    if not r:
+        return "## Many nodes: the remote cache tier\n\n(remote.json missing: run `make bench`.)\n"
+    rows = "\n".join(
+        f"| {x['graph']} (T = {x['T']}) | {x['cold_s']:.1f} | {x['remote_s']:.3f} | "
+        f"{x['local_s']:.3f} | {x['blob_mib']:.2f} | {x['fetch_ms_per_mib']:.1f} |"
+        for x in r["rows"])
+    return f"""## Many nodes: the remote cache tier
+
+`tests/bench/remote.py`: a `redis-server` on a private socket and daemons on
+fresh local caches (docs/operations.md, "Running on many nodes"). Node A's
+first scan compiles the graph and publishes it; node B's first scan of the
+same graph fetches the blob, verifies its HMAC, commits it to its own cache,
+loads and runs it; B again after a restart is a local-cache hit. The tier's
+cost per MiB is (remote hit - local hit) / blob size.
+
+| graph | cold compile, first scan (s) | second node, remote hit (s) | local hit (s) | blob (MiB) | fetch (ms/MiB) |
+| --- | ---: | ---: | ---: | ---: | ---: |
+{rows}
+"""
+
+
 def main() -> None:
     bench_dir, out_md = sys.argv[1], sys.argv[2]
     with open(os.path.join(bench_dir, "bench.json")) as f:
@@ -780,10 +803,11 @@ def main() -> None:
     big = optional(bench_dir, "bigruns.json", {})
     cap = optional(bench_dir, "capture.json", {})
     ckpt = optional(bench_dir, "checkpoint.json", {})
+    remote = optional(bench_dir, "remote.json", {})
     doc = "\n".join([header(b), strategy_section(strategy), tier_section(tier),
                       batch_section(batch),
                      latency_section(b), bigruns_section(big), pyclient_section(b),
-                     capture_section(cap), checkpoint_section(ckpt),
+                     capture_section(cap), checkpoint_section(ckpt), remote_section(remote),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b), time_section(b), history_section()])
     with open(out_md, "w") as f:

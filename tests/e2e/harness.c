@@ -54,6 +54,13 @@ void h_tmpdir(char *out, size_t size, const char *tag)
 	chmod(out, 0755);
 }
 
+const char *h_build(void)
+{
+	const char *b = getenv("TORCHLOOP_TEST_BUILD");
+
+	return b && *b ? b : "build";
+}
+
 void hd_start(struct hd *d, const char *cache, const char *const *extra)
 {
 	const char *argv[64];
@@ -66,8 +73,7 @@ void hd_start(struct hd *d, const char *cache, const char *const *extra)
 	snprintf(d->log, sizeof d->log, "%s/log", d->dir);
 	snprintf(d->cache, sizeof d->cache, "%s", cache ? cache : h_shared_cache());
 	/* TORCHLOOPD_TEST_HOOKS=1: the build with test-only hooks (Makefile) */
-	snprintf(bin, sizeof bin, "%s/%s/torchloopd%s", h_root(),
-	         getenv("TORCHLOOP_TEST_BUILD") ? getenv("TORCHLOOP_TEST_BUILD") : "build",
+	snprintf(bin, sizeof bin, "%s/%s/torchloopd%s", h_root(), h_build(),
 	         getenv("TORCHLOOPD_TEST_HOOKS") ? "-testhooks" : "");
 	argv[n++] = bin;
 	argv[n++] = "--socket";

@@ -26,6 +26,8 @@ struct hd {
 
 /* Root of the source tree (tests run from there). */
 const char *h_root(void);
+/* The build under test: TORCHLOOP_TEST_BUILD (build, or build-san for make sanitize). */
+const char *h_build(void);
 /* The compile cache shared by the whole test run. */
 const char *h_shared_cache(void);
 /* A fresh private directory under the run's scratch space. */

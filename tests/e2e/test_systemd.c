@@ -42,10 +42,10 @@ static void staged_units(char *dir, size_t size)
 
 	h_tmpdir(dir, size, "units");
 	snprintf(cmd, sizeof cmd,
-	         "sed 's|/usr/local/bin/torchloopd|%s/build/torchloopd|' "
+	         "sed 's|/usr/local/bin/torchloopd|%s/%s/torchloopd|' "
 	         "%s/systemd/torchloopd.service > %s/torchloopd.service && "
 	         "cp %s/systemd/torchloopd.socket %s/",
-	         h_root(), h_root(), dir, h_root(), dir);
+	         h_root(), h_build(), h_root(), dir, h_root(), dir);
 	cr_assert_eq(h_run((const char *[]){"sh", "-c", cmd, NULL}, NULL), 0);
 }
 
@@ -59,6 +59,40 @@ Test(systemd, systemd_analyze_verify_accepts_the_units)
 	snprintf(log, sizeof log, "%s/verify.log", dir);
 	cr_assert_eq(h_run((const char *[]){"systemd-analyze", "verify", sock, svc, NULL}, log), 0,
 	             "see %s", log);
+}
+
+/* The remote-cache drop-in (systemd/remote-cache.conf) loads with the unit
+ * without a warning, and its ExecStart flags are ones the daemon takes
+ * (parsed in full: --version comes last). */
+Test(systemd, the_remote_cache_drop_in_verifies_and_its_flags_parse)
+{
+	char dir[512], cmd[4096], log[600], line[1024];
+	FILE *f;
+	int warnings = 0;
+
+	staged_units(dir, sizeof dir);
+	snprintf(cmd, sizeof cmd,
+	         "mkdir -p %s/torchloopd.service.d && sed 's|/usr/local/bin/torchloopd|%s/%s/"
+	         "torchloopd|' %s/systemd/remote-cache.conf > %s/torchloopd.service.d/"
+	         "remote-cache.conf && SYSTEMD_UNIT_PATH=%s: systemd-analyze verify "
+	         "torchloopd.service",
+	         dir, h_root(), h_build(), h_root(), dir, dir);
+	snprintf(log, sizeof log, "%s/verify-dropin.log", dir);
+	cr_assert_eq(h_run((const char *[]){"sh", "-c", cmd, NULL}, log), 0, "see %s", log);
+	f = fopen(log, "r");
+	while (f && fgets(line, sizeof line, f))
+		warnings += strstr(line, "remote-cache.conf") != NULL;
+	if (f)
+		fclose(f);
+	cr_assert_eq(warnings, 0, "the drop-in has lines systemd does not take: %s", log);
+	snprintf(
+	    cmd, sizeof cmd,
+	    "set -- $(sed -n 's|^ExecStart=/usr/local/bin/torchloopd ||p' "
+	    "%s/systemd/remote-cache.conf | sed 's|--admin-group torchloop|--admin-group root|') "
+	    "&& %s/%s/torchloopd \"$@\" --version",
+	    h_root(), h_root(), h_build());
+	cr_assert_eq(h_run((const char *[]){"sh", "-c", cmd, NULL}, log), 0,
+	             "the drop-in's flags: see %s", log);
 }
 
 /* The unit's LimitNOFILE admits the default --max-connections: the daemon,
@@ -346,7 +380,7 @@ Test(systemd, a_socket_activated_daemon_serves_on_the_inherited_socket_and_leave
 	unsetenv("WATCHDOG_USEC");
 	h_tmpdir(dir, sizeof dir, "activate");
 	snprintf(path, sizeof path, "%s/activated.sock", dir);
-	snprintf(bin, sizeof bin, "%s/build/torchloopd", h_root());
+	snprintf(bin, sizeof bin, "%s/%s/torchloopd", h_root(), h_build());
 	snprintf(log, sizeof log, "%s/log", dir);
 	pid = fork();
 	if (pid == 0) {
