@@ -27,19 +27,24 @@
 
 #define CUMSUM "examples/bodies/cumsum.py"
 #define SECRET "a shared secret of this test"
+#define PASS   "the redis password of this test"
 
 /* ---- redis-server --------------------------------------------------------- */
 
 struct redis {
 	pid_t pid;
-	char dir[512], sock[600], url[640], secret[600];
+	char dir[512], sock[600], url[640], secret[600], auth[600];
 };
 
 static redisContext *redis_cli(const struct redis *r)
 {
 	redisContext *c = redisConnectUnix(r->sock);
+	redisReply *rep;
 
 	cr_assert(c != NULL && c->err == 0, "cannot connect to %s", r->sock);
+	rep = redisCommand(c, "AUTH %s", PASS);
+	cr_assert(rep && rep->type == REDIS_REPLY_STATUS, "AUTH");
+	freeReplyObject(rep);
 	return c;
 }
 
@@ -59,13 +64,13 @@ static void redis_up(struct redis *r)
 		dup2(null, 2);
 		execlp("redis-server", "redis-server", "--port", "0", "--unixsocket", r->sock,
 		       "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--logfile",
-		       log, (char *)NULL);
+		       log, "--requirepass", PASS, (char *)NULL);
 		_exit(127);
 	}
 	for (int k = 0; k < 100; k++) {
 		redisContext *c = redisConnectUnix(r->sock);
 		redisReply *rep = c && !c->err ? redisCommand(c, "PING") : NULL;
-		bool up = rep && rep->type == REDIS_REPLY_STATUS;
+		bool up = rep != NULL; /* NOAUTH: it answers */
 		if (rep)
 			freeReplyObject(rep);
 		if (c)
@@ -100,6 +105,13 @@ static void redis_start(struct redis *r)
 	fputs(SECRET "\n", f);
 	fclose(f);
 	chmod(r->secret, 0600);
+	/* every test's Redis wants a password: the daemons read it from a file */
+	snprintf(r->auth, sizeof r->auth, "%s/auth", r->dir);
+	f = fopen(r->auth, "w");
+	cr_assert_not_null(f);
+	fputs(PASS "\n", f);
+	fclose(f);
+	chmod(r->auth, 0600);
 	redis_up(r);
 }
 
@@ -137,9 +149,12 @@ struct node {
 
 static void node_up(struct node *n, const struct redis *r, const char *const *more)
 {
-	const char *args[24] = {"--no-probe", "--remote-cache",   r->url, "--remote-secret-file",
-	                        r->secret,    "--remote-timeout", "500",  NULL};
-	int k = 7;
+	const char *args[24] = {"--no-probe", "--remote-cache",
+	                        r->url,       "--remote-secret-file",
+	                        r->secret,    "--remote-auth-file",
+	                        r->auth,      "--remote-timeout",
+	                        "500",        NULL};
+	int k = 9;
 	char inductor[700];
 
 	/* one Inductor cache for every daemon: another node's graph recompiles quickly */
@@ -439,6 +454,22 @@ Test(remote, forged_cut_misplaced_and_oversized_blobs_are_refused_and_compiled_l
 	other = remote_blob_seal((const uint8_t *)SECRET, strlen(SECRET), "0123456789abcdef", &m,
 	                         blob, len, &other_len);
 	refused(&r, key, other, other_len, "wrong_key", NULL);
+	/* garbage: not even a string under the key (STRLEN: WRONGTYPE) */
+	c = redis_cli(&r);
+	freeReplyObject(redisCommand(c, "DEL %s", key));
+	freeReplyObject(redisCommand(c, "RPUSH %s x", key));
+	redisFree(c);
+	{
+		struct node n;
+		node_up(&n, &r, NULL);
+		cumsum_ok(n.c, 6);
+		cr_assert_geq(remote_stat(n.c, "errors"), 1, "the garbage is an error");
+		cr_assert_eq(hd_counter(n.c, "r.cumsum", "compiles"), 1, "compiled locally");
+		node_down(&n);
+	}
+	c = redis_cli(&r);
+	freeReplyObject(redisCommand(c, "DEL %s", key));
+	redisFree(c);
 	big = calloc(1, 2 << 20);
 	memcpy(big, blob, len < (2u << 20) ? len : (2u << 20));
 	refused(&r, key, big, 2 << 20, "too_large", small);
