@@ -478,7 +478,8 @@ static void remote_refused(struct load_job *j)
 	case BLOB_TOO_LARGE:
 		st->too_large++;
 		break;
-	case BLOB_OK:
+	case BLOB_OK: /* it verified, but did not commit or load here */
+		st->errors++;
 		break;
 	}
 	log_line(LOG_WARN, 0, j->sp->adapter->def.name,
@@ -660,8 +661,9 @@ static void committed(struct load_job *j)
 	struct remote *r = j->g->remote;
 
 	stop_renewal(j);
-	if (j->blob != NULL && j->rc != 0 && j->refusal != BLOB_OK) {
-		/* a fetched blob refused (counted): what the worker builds replaces it */
+	if (j->blob != NULL && j->rc != 0) {
+		/* a fetched blob refused, or not loadable here (counted): what the
+		 * worker builds replaces it -- never a failed scan for the remote tier */
 		remote_refused(j);
 		compile_locally(j);
 		return;

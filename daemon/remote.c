@@ -35,7 +35,7 @@
 #pragma GCC diagnostic pop
 
 #define RECONNECT_MS 1000
-#define KEY_MAX      (4 + CACHE_KEY_HEX)
+#define KEY_MAX      (sizeof "tl:a:" - 1 + CACHE_KEY_HEX) /* prefix, key, NUL */
 
 struct remote {
 	uv_loop_t *loop;

@@ -261,13 +261,16 @@ Test(remote, a_second_node_loads_what_the_first_compiled_without_compiling)
 {
 	struct redis r;
 	struct node a, b;
+	char key[128];
 
 	redis_start(&r);
 	node_up(&a, &r, NULL);
 	cumsum_ok(a.c, 3);
 	cr_assert_eq(hd_counter(a.c, "r.cumsum", "compiles"), 1);
 	await_stat(a.c, "publishes", 1, 30);
-	cr_assert_eq(redis_keys(&r, "tl:a:*", NULL, 0), 1);
+	cr_assert_eq(redis_keys(&r, "tl:a:*", key, sizeof key), 1);
+	cr_assert_eq(strlen(key), strlen("tl:a:") + CACHE_KEY_HEX - 1, "the whole cache key: %s",
+	             key);
 	cr_assert_eq(redis_keys(&r, "tl:l:*", NULL, 0), 0, "the lease was released");
 	node_up(&b, &r, NULL);
 	cumsum_ok(b.c, 3);
@@ -419,7 +422,7 @@ static void refused(const struct redis *r, const char *key, const void *blob, si
 	node_down(&n);
 }
 
-Test(remote, forged_cut_misplaced_and_oversized_blobs_are_refused_and_compiled_locally)
+Test(remote, forged_cut_misplaced_unloadable_and_oversized_blobs_are_refused_and_compiled_locally)
 {
 	const char *small[] = {"--remote-max-object", "1048576", NULL};
 	struct redis r;
@@ -454,6 +457,11 @@ Test(remote, forged_cut_misplaced_and_oversized_blobs_are_refused_and_compiled_l
 	other = remote_blob_seal((const uint8_t *)SECRET, strlen(SECRET), "0123456789abcdef", &m,
 	                         blob, len, &other_len);
 	refused(&r, key, other, other_len, "wrong_key", NULL);
+	/* sealed right, for this key, but not an artifact this node can load */
+	free(other);
+	other = remote_blob_seal((const uint8_t *)SECRET, strlen(SECRET), key + 5, &m,
+	                         (const uint8_t *)"not an ELF", 10, &other_len);
+	refused(&r, key, other, other_len, "errors", NULL);
 	/* garbage: not even a string under the key (STRLEN: WRONGTYPE) */
 	c = redis_cli(&r);
 	freeReplyObject(redisCommand(c, "DEL %s", key));
