@@ -255,6 +255,17 @@ static void await_stat(struct tl_client *c, const char *name, double at_least, i
 	cr_assert_fail("remote %s stayed below %g", name, at_least);
 }
 
+/* `torchloop stats --prometheus` of n prints the line want. */
+static void prometheus_says(const struct node *n, const char *want)
+{
+	char cmd[2048], log[700];
+
+	snprintf(log, sizeof log, "%s/prometheus.txt", n->d.dir);
+	snprintf(cmd, sizeof cmd, "%s/%s/torchloop --socket %s stats --prometheus | grep -qx '%s'",
+	         h_root(), h_build(), n->d.sock, want);
+	cr_assert_eq(h_run((const char *[]){"sh", "-c", cmd, NULL}, log), 0, "no line '%s'", want);
+}
+
 /* ---- tests ---------------------------------------------------------------- */
 
 Test(remote, a_second_node_loads_what_the_first_compiled_without_compiling)
@@ -277,6 +288,7 @@ Test(remote, a_second_node_loads_what_the_first_compiled_without_compiling)
 	cr_assert_eq(hd_counter(b.c, "r.cumsum", "compiles"), 0, "no compile on the second node");
 	cr_assert_eq(remote_stat(b.c, "hits"), 1);
 	cr_assert_gt(remote_stat(b.c, "bytes_in"), 0);
+	prometheus_says(&b, "torchloopd_remote_hits_total 1");
 	node_down(&b);
 	node_down(&a);
 	redis_down(&r);
