@@ -31,7 +31,7 @@ PROTO_SRC  := $(wildcard proto/*.c)
 PROTO_OBJ  := $(PROTO_SRC:%.c=$(BUILD)/%.o)
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
-CLIENT_SRC := $(filter-out client/cli.c client/treejson.c,$(wildcard client/*.c))
+CLIENT_SRC := $(filter-out client/cli.c client/cli_stats.c client/treejson.c,$(wildcard client/*.c))
 CLIENT_OBJ := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
 DAEMON_LIB := $(if $(DAEMON_SRC),$(BUILD)/libdaemon.a)
 UNIT_SRC   := $(wildcard tests/unit/test_*.c)
@@ -91,7 +91,7 @@ $(BUILD)/libtorchloop.a: $(CLIENT_OBJ) $(PROTO_OBJ)
 $(BUILD)/libtorchloop.so: $(CLIENT_OBJ) $(PROTO_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(MSGPACK_LIBS)
 
-$(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/client/treejson.o $(BUILD)/libtorchloop.a
+$(BUILD)/torchloop: $(BUILD)/client/cli.o $(BUILD)/client/cli_stats.o $(BUILD)/client/treejson.o $(BUILD)/libtorchloop.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(shell pkg-config --libs jansson 2>/dev/null) $(MSGPACK_LIBS) -lm
 
 TEST_DEPS := $(BUILD)/libproto.a $(DAEMON_LIB) $(wildcard tests/unit/*.h tests/unit/helpers.c)

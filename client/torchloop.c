@@ -497,32 +497,6 @@ int tl_hello(struct tl_client *c, struct tl_error *err)
 	return rc;
 }
 
-static const msgpack_object *result_field(const struct tl_reply *r, const char *key)
-{
-	return msg_obj_field(msg_field(&r->msg, "result"), key);
-}
-
-double tl_reply_number(const struct tl_reply *r, const char *key)
-{
-	const msgpack_object *o = result_field(r, key);
-
-	if (o == NULL)
-		return NAN;
-	switch (o->type) {
-	case MSGPACK_OBJECT_BOOLEAN:
-		return o->via.boolean;
-	case MSGPACK_OBJECT_POSITIVE_INTEGER:
-		return (double)o->via.u64;
-	case MSGPACK_OBJECT_NEGATIVE_INTEGER:
-		return (double)o->via.i64;
-	case MSGPACK_OBJECT_FLOAT32:
-	case MSGPACK_OBJECT_FLOAT64:
-		return o->via.f64;
-	default:
-		return NAN;
-	}
-}
-
 int tl_health(struct tl_client *c, int *ready, struct tl_error *err)
 {
 	struct writer w;
@@ -577,37 +551,4 @@ int tl_unregister(struct tl_client *c, const char *name, struct tl_error *err)
 	rc = tlc_roundtrip(c, &w, id, NULL, err);
 	writer_destroy(&w);
 	return rc;
-}
-
-/* After a successful scan/grad: decode the result's trees (views). */
-int tlc_read_trees(struct tl_reply *r, struct tl_error *err)
-{
-	static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
-	const msgpack_object *res = msg_field(&r->msg, "result");
-	struct proto_err perr;
-	struct tree_region region = {0};
-
-	if (r->shm) {
-		region.base = r->shm->base;
-		region.size = r->shm->size;
-	}
-	for (size_t i = 0; i < 4; i++) {
-		const msgpack_object *o = msg_obj_field(res, keys[i]);
-		if (o == NULL)
-			continue;
-		if (tree_decode_in(o, r->msg.up.zone, keys[i], r->shm ? &region : NULL,
-		                   &r->trees[r->n], &perr) != 0)
-			return tlc_fail(err, proto_code_name(perr.code), perr.path, "%s",
-			                perr.message);
-		r->names[r->n++] = keys[i];
-	}
-	return 0;
-}
-
-const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key)
-{
-	for (int i = 0; i < r->n; i++)
-		if (strcmp(r->names[i], key) == 0)
-			return (const struct tl_tree *)&r->trees[i];
-	return NULL;
 }

@@ -45,37 +45,18 @@
 
 /* ---- the stages --------------------------------------------------------- */
 
-static void looked_up(struct load_job *j);
-static void lock_waited(struct load_job *j);
-static void start_fetch(struct load_job *j);
-static void start_lease(struct load_job *j);
-static void start_lease_wait(struct load_job *j);
-static void fetched(struct load_job *j);
-static void leased(struct load_job *j);
-static void lease_waited(struct load_job *j);
-static void compiled(struct load_job *j);
-static void committed(struct load_job *j);
-static void start_pool(struct load_job *j);
-static void start_lock_wait(struct load_job *j);
-static void start_compile(struct load_job *j);
 static int prepare_compile(struct load_job *j, struct proto_err *err);
 
 /* Each stage: its work on a pool thread (or none), how it begins on the
- * loop, and the loop's continuation that picks the next stage. */
-static const struct stage {
+ * loop, and the loop's continuation that picks the next stage (the table is
+ * at the end of this file, below the functions it names). */
+struct stage {
 	const char *name;
 	uv_work_cb pool;
 	void (*start)(struct load_job *j);
 	void (*done)(struct load_job *j);
-} stages[STAGES] = {
-    [STAGE_LOOKUP] = {"lookup", lookup_work, start_pool, looked_up},
-    [STAGE_LOCK_WAIT] = {"lock_wait", NULL, start_lock_wait, lock_waited},
-    [STAGE_REMOTE] = {"remote", NULL, start_fetch, fetched},
-    [STAGE_LEASE] = {"lease", NULL, start_lease, leased},
-    [STAGE_LEASE_WAIT] = {"lease_wait", NULL, start_lease_wait, lease_waited},
-    [STAGE_COMPILE] = {"compile", NULL, start_compile, compiled},
-    [STAGE_COMMIT] = {"commit", commit_work, start_pool, committed},
 };
+static const struct stage stages[STAGES];
 
 static void enter(struct load_job *j, enum load_stage s)
 {
@@ -125,11 +106,10 @@ static void upgrade_over(struct load_job *j, const struct proto_err *err)
 	free_job(j);
 }
 
-static void stop_renewal(struct load_job *j);
-
 static void job_failed(struct load_job *j, const struct proto_err *err)
 {
-	stop_renewal(j);
+	remote_keeper_stop(j->renewal);
+	j->renewal = NULL;
 	if (j->leased) /* waiting nodes take it over at once, not after the lease time */
 		remote_lease_release(j->g->remote, j->key);
 	j->leased = false;
@@ -362,48 +342,6 @@ static void start_lease(struct load_job *j)
 	remote_lease(j->g->remote, j->key, on_leased, j);
 }
 
-struct lease_renewal {
-	uv_timer_t timer;
-	struct remote *r;
-	char key[CACHE_KEY_HEX];
-};
-
-static void renewal_closed(uv_handle_t *h)
-{
-	free(h->data);
-}
-
-static void on_renew(uv_timer_t *t)
-{
-	struct lease_renewal *rn = t->data;
-
-	remote_lease_renew(rn->r, rn->key);
-}
-
-static void stop_renewal(struct load_job *j)
-{
-	if (j->renewal == NULL)
-		return;
-	uv_timer_stop(&j->renewal->timer);
-	uv_close((uv_handle_t *)&j->renewal->timer, renewal_closed);
-	j->renewal = NULL;
-}
-
-/* The lease is ours: renewed every third of its time while the worker builds. */
-static void keep_lease(struct load_job *j)
-{
-	uint64_t every = (uint64_t)j->g->cfg->remote_lease_ms / 3;
-
-	j->renewal = malloc(sizeof *j->renewal);
-	if (j->renewal == NULL)
-		return; /* it may expire mid-compile: another node compiles too */
-	j->renewal->r = j->g->remote;
-	memcpy(j->renewal->key, j->key, sizeof j->renewal->key);
-	uv_timer_init(j->g->loop, &j->renewal->timer);
-	j->renewal->timer.data = j->renewal;
-	uv_timer_start(&j->renewal->timer, on_renew, every, every);
-}
-
 static void leased(struct load_job *j)
 {
 	struct remote_stats *st = remote_counters(j->g->remote);
@@ -411,7 +349,9 @@ static void leased(struct load_job *j)
 	if (j->leased) {
 		if (j->lease_wait_started != 0)
 			st->lease_takeovers++; /* its holder went away without a blob */
-		keep_lease(j);
+		/* renewed every third of its time while the worker builds; without
+		 * memory for that it may expire mid-compile: another node compiles too */
+		j->renewal = remote_keep_lease(j->g->remote, j->key);
 		compile_locally(j);
 	} else if (j->rc == 0) {
 		if (j->lease_wait_started == 0)
@@ -463,25 +403,7 @@ static void lease_waited(struct load_job *j)
 /* COMMIT refused a fetched blob: counted by why. */
 static void remote_refused(struct load_job *j)
 {
-	struct remote_stats *st = remote_counters(j->g->remote);
-
-	switch (j->refusal) {
-	case BLOB_TRUNCATED:
-		st->truncated++;
-		break;
-	case BLOB_WRONG_KEY:
-		st->wrong_key++;
-		break;
-	case BLOB_BAD_MAC:
-		st->hmac_rejected++;
-		break;
-	case BLOB_TOO_LARGE:
-		st->too_large++;
-		break;
-	case BLOB_OK: /* it verified, but did not commit or load here */
-		st->errors++;
-		break;
-	}
+	remote_count_refusal(j->g->remote, j->refusal);
 	log_line(LOG_WARN, 0, j->sp->adapter->def.name,
 	         "remote cache: %.16s refused: %s; compiling it", j->key, j->err.message);
 	free(j->blob);
@@ -493,24 +415,6 @@ static void remote_refused(struct load_job *j)
 
 static void on_compiled(struct compile_job *cj, const struct compile_result *res,
                         const struct proto_err *err);
-
-static void largest_leaf(const struct tree_node *n, uint64_t *max)
-{
-	if (n->kind == TREE_TENSOR && n->tensor.numel > *max)
-		*max = n->tensor.numel;
-	for (uint32_t i = 0; i < n->count; i++)
-		largest_leaf(&n->items[i], max);
-}
-
-/* The largest batch size whose leaves stay within max_elements (sizes at 1). */
-static int64_t max_batch(const struct specialization *sp)
-{
-	uint64_t per = 1;
-
-	largest_leaf(&sp->carry, &per);
-	largest_leaf(&sp->inputs, &per);
-	return sp->adapter->def.max_elements / (int64_t)(per ? per : 1);
-}
 
 /* Fills job for the worker; refuses a definition that crashed the worker twice. */
 static int prepare_compile(struct load_job *j, struct proto_err *err)
@@ -538,7 +442,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.inputs = &sp->inputs;
 	j->job.dtype = sp->dtype;
 	j->job.steps = sp->steps;
-	j->job.max_batch = sp->batch ? max_batch(sp) : 0;
+	j->job.max_batch = sp->batch ? spec_max_batch(sp) : 0;
 	j->job.sample = j->sample;
 	j->job.key = j->key;
 	j->job.sample_len = j->sample_len;
@@ -569,37 +473,6 @@ static void start_compile(struct load_job *j)
 	compiler_submit(j->g->compiler, &j->job);
 }
 
-/*
- * The worker died while compiling this definition.  Once is a transient
- * failure (the next request tries again); twice and the definition is
- * refused -- remembered against this adapter until it is re-registered --
- * so one body cannot keep the worker in a crash loop.
- */
-static void note_worker_crash(struct adapter *a, struct proto_err *err)
-{
-	if (++a->worker_crashes < 2)
-		return;
-	proto_fail(&a->crash_err, PROTO_E_WORKER_CRASHED, NULL,
-	           "the compile worker died %u times compiling adapter %s's body; it is not "
-	           "compiled again until the adapter is re-registered",
-	           a->worker_crashes, a->def.name);
-	*err = a->crash_err;
-}
-
-/*
- * A quick tier's compile failed in a way the unrolled loop may not: the body
- * and its carry were fine in the eager dry run (BODY_ERROR and
- * CARRY_MISMATCH come before any lowering, and say the same of both), and
- * the daemon is not stopping.  A MISCOMPILE is a verdict already: the worker
- * rebuilt the graph once before giving it (build_placed), and no third build
- * is tried.
- */
-static bool lowering_failed(const struct proto_err *e)
-{
-	return e->code != PROTO_E_BODY_ERROR && e->code != PROTO_E_CARRY_MISMATCH &&
-	       e->code != PROTO_E_SHUTTING_DOWN && e->code != PROTO_E_MISCOMPILE;
-}
-
 /* The worker's reply: kept in the job, then the stage's continuation. */
 static void on_compiled(struct compile_job *cj, const struct compile_result *res,
                         const struct proto_err *err)
@@ -626,11 +499,11 @@ static void compiled(struct load_job *j)
 	if (j->rc != 0) {
 		struct proto_err e = j->err;
 		if (e.flags & PROTO_ERR_JOB_CRASH)
-			note_worker_crash(sp->adapter, &e);
+			spec_note_worker_crash(sp->adapter, &e);
 		if (e.code == PROTO_E_MISCOMPILE && j->sample == NULL)
 			e.flags |=
 			    PROTO_ERR_TRANSIENT; /* random inputs: not a verdict on real ones */
-		if (j->quick && j->purpose != LOAD_UPGRADE && lowering_failed(&e)) {
+		if (j->quick && j->purpose != LOAD_UPGRADE && tier_lowering_failed(&e)) {
 			/* the scan op could not take it: the unrolled loop may */
 			log_line(LOG_WARN, 0, sp->adapter->def.name,
 			         "%s %s: the quick tier failed (%s: %s); compiling it unrolled",
@@ -660,7 +533,8 @@ static void committed(struct load_job *j)
 {
 	struct remote *r = j->g->remote;
 
-	stop_renewal(j);
+	remote_keeper_stop(j->renewal);
+	j->renewal = NULL;
 	if (j->blob != NULL && j->rc != 0) {
 		/* a fetched blob refused, or not loadable here (counted): what the
 		 * worker builds replaces it -- never a failed scan for the remote tier */
@@ -730,3 +604,13 @@ static void start_upgrade(struct graphs *g, struct specialization *sp, struct lo
 	spec_key(g, sp, j->strategy, key);
 	start_lookup(g, sp, j, key);
 }
+
+static const struct stage stages[STAGES] = {
+    [STAGE_LOOKUP] = {"lookup", lookup_work, start_pool, looked_up},
+    [STAGE_LOCK_WAIT] = {"lock_wait", NULL, start_lock_wait, lock_waited},
+    [STAGE_REMOTE] = {"remote", NULL, start_fetch, fetched},
+    [STAGE_LEASE] = {"lease", NULL, start_lease, leased},
+    [STAGE_LEASE_WAIT] = {"lease_wait", NULL, start_lease_wait, lease_waited},
+    [STAGE_COMPILE] = {"compile", NULL, start_compile, compiled},
+    [STAGE_COMMIT] = {"commit", commit_work, start_pool, committed},
+};

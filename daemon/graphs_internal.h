@@ -60,7 +60,7 @@ struct load_job {
 	size_t blob_len, publish_len;
 	enum remote_refusal refusal;
 	bool publish_skipped, leased;
-	struct lease_renewal *renewal; /* while the lease is ours and the worker builds */
+	struct remote_keeper *renewal; /* while the lease is ours and the worker builds */
 	double lease_wait_started;
 	char strategy_done[16]; /* a fetched blob's strategy, for the cache metadata */
 };
@@ -91,12 +91,19 @@ void spec_start_progress(struct graphs *g, struct specialization *sp);
 /* The ends: the waiters get the graph, or the error (remembered unless transient). */
 void spec_ready(struct graphs *g, struct specialization *sp);
 void spec_failed(struct graphs *g, struct specialization *sp, const struct proto_err *err);
+/* The largest batch size whose leaves stay within max_elements (sizes at 1). */
+int64_t spec_max_batch(const struct specialization *sp);
+/* The worker died compiling a's body: the second time, err is the refusal
+ * remembered against the adapter until it is registered again. */
+void spec_note_worker_crash(struct adapter *a, struct proto_err *err);
 /* Stacked outputs over max_elements at batch size 1 (err filled). */
 bool spec_outputs_too_large(struct specialization *sp, struct proto_err *err);
 
 /* upgrade.c: the policy, which never calls back here (tests/python/test_layers.py) */
 /* The unrolled graph is worth a quick tier: long, not cached, one batch size. */
 bool tier_applies(const struct graphs *g, const struct specialization *sp);
+/* A quick tier's compile failed in a way the unrolled loop may not. */
+bool tier_lowering_failed(const struct proto_err *e);
 /* sp's quick graph serves: fills sp->upgrade's plan; false when there is no upgrade. */
 bool upgrade_plan(const struct graphs *g, struct specialization *sp);
 /* The upgrade j loaded serves from now on, on trial beside the quick graph. */

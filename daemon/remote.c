@@ -352,6 +352,58 @@ void remote_lease_release(struct remote *r, const char *key)
 	          (const char *[]){"EVAL", RELEASE_LUA, "1", NULL, r->node});
 }
 
+struct remote_keeper {
+	uv_timer_t timer;
+	struct remote *r;
+	char key[CACHE_KEY_HEX];
+};
+
+static void keeper_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+static void on_renew(uv_timer_t *t)
+{
+	struct remote_keeper *k = t->data;
+
+	remote_lease_renew(k->r, k->key);
+}
+
+struct remote_keeper *remote_keep_lease(struct remote *r, const char *key)
+{
+	struct remote_keeper *k = malloc(sizeof *k);
+	uint64_t every = (uint64_t)r->o.lease_ms / 3;
+
+	if (k == NULL)
+		return NULL;
+	k->r = r;
+	snprintf(k->key, sizeof k->key, "%s", key);
+	uv_timer_init(r->loop, &k->timer);
+	k->timer.data = k;
+	uv_timer_start(&k->timer, on_renew, every, every);
+	return k;
+}
+
+void remote_keeper_stop(struct remote_keeper *k)
+{
+	if (k == NULL)
+		return;
+	uv_timer_stop(&k->timer);
+	uv_close((uv_handle_t *)&k->timer, keeper_closed);
+}
+
+void remote_count_refusal(struct remote *r, enum remote_refusal why)
+{
+	uint64_t *counter[] = {[BLOB_OK] = &r->stats.errors,
+	                       [BLOB_TRUNCATED] = &r->stats.truncated,
+	                       [BLOB_WRONG_KEY] = &r->stats.wrong_key,
+	                       [BLOB_BAD_MAC] = &r->stats.hmac_rejected,
+	                       [BLOB_TOO_LARGE] = &r->stats.too_large};
+
+	(*counter[why])++;
+}
+
 static void publish_reply(struct cmd *c, redisReply *reply)
 {
 	if (reply != NULL)

@@ -64,6 +64,10 @@ struct remote_stats {
 };
 
 struct remote;
+struct remote_keeper;
+
+/* Why a fetched blob was refused (remote_blob_open). */
+enum remote_refusal { BLOB_OK, BLOB_TRUNCATED, BLOB_WRONG_KEY, BLOB_BAD_MAC, BLOB_TOO_LARGE };
 
 /*
  * The tier as configured: NULL with *why filled when it is off (no URL: why
@@ -99,6 +103,13 @@ void remote_lease_held(struct remote *r, const char *key, remote_done_cb cb, voi
 /* Renewed for another lease time / given up (ours only); fire and forget. */
 void remote_lease_renew(struct remote *r, const char *key);
 void remote_lease_release(struct remote *r, const char *key);
+/* key's lease renewed every third of --remote-lease-ms until stopped (NULL:
+ * out of memory; the lease may then expire under its holder). */
+struct remote_keeper *remote_keep_lease(struct remote *r, const char *key);
+void remote_keeper_stop(struct remote_keeper *k);
+/* A fetched blob refused (counted by why; BLOB_OK: it verified but did not
+ * commit or load here, an error). */
+void remote_count_refusal(struct remote *r, enum remote_refusal why);
 /* SET PX ttl of key's sealed blob (taken: freed when sent); fire and
  * forget, then the lease released. */
 void remote_publish(struct remote *r, const char *key, uint8_t *blob, size_t len);
@@ -118,7 +129,6 @@ struct remote_meta {
 uint8_t *remote_blob_seal(const uint8_t *secret, size_t secret_len, const char *key,
                           const struct remote_meta *meta, const uint8_t *so, size_t so_len,
                           size_t *out_len);
-enum remote_refusal { BLOB_OK, BLOB_TRUNCATED, BLOB_WRONG_KEY, BLOB_BAD_MAC, BLOB_TOO_LARGE };
 /* Opens blob as key's: BLOB_OK with meta and the .so's bytes pointing into
  * blob; else why it is refused (err filled). */
 enum remote_refusal remote_blob_open(const uint8_t *secret, size_t secret_len, const char *key,

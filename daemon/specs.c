@@ -344,3 +344,37 @@ struct specialization *spec_new(struct graphs *g, struct adapter *a, const struc
 	sp->last_used = ++g->reg.tick;
 	return sp;
 }
+
+static void largest_leaf(const struct tree_node *n, uint64_t *max)
+{
+	if (n->kind == TREE_TENSOR && n->tensor.numel > *max)
+		*max = n->tensor.numel;
+	for (uint32_t i = 0; i < n->count; i++)
+		largest_leaf(&n->items[i], max);
+}
+
+int64_t spec_max_batch(const struct specialization *sp)
+{
+	uint64_t per = 1;
+
+	largest_leaf(&sp->carry, &per);
+	largest_leaf(&sp->inputs, &per);
+	return sp->adapter->def.max_elements / (int64_t)(per ? per : 1);
+}
+
+/*
+ * The worker died while compiling this definition.  Once is a transient
+ * failure (the next request tries again); twice and the definition is
+ * refused -- remembered against this adapter until it is re-registered --
+ * so one body cannot keep the worker in a crash loop.
+ */
+void spec_note_worker_crash(struct adapter *a, struct proto_err *err)
+{
+	if (++a->worker_crashes < 2)
+		return;
+	proto_fail(&a->crash_err, PROTO_E_WORKER_CRASHED, NULL,
+	           "the compile worker died %u times compiling adapter %s's body; it is not "
+	           "compiled again until the adapter is re-registered",
+	           a->worker_crashes, a->def.name);
+	*err = a->crash_err;
+}

@@ -228,3 +228,17 @@ void upgrade_run_measured(struct specialization *sp, int arm, int team_trial, do
 	if (u->n[0] == UPGRADE_TRIAL_RUNS && u->n[1] == UPGRADE_TRIAL_RUNS)
 		verdict(sp);
 }
+
+/*
+ * A quick tier's compile failed in a way the unrolled loop may not: the body
+ * and its carry were fine in the eager dry run (BODY_ERROR and
+ * CARRY_MISMATCH come before any lowering, and say the same of both), and
+ * the daemon is not stopping.  A MISCOMPILE is a verdict already: the worker
+ * rebuilt the graph once before giving it (build_placed), and no third build
+ * is tried.
+ */
+bool tier_lowering_failed(const struct proto_err *e)
+{
+	return e->code != PROTO_E_BODY_ERROR && e->code != PROTO_E_CARRY_MISMATCH &&
+	       e->code != PROTO_E_SHUTTING_DOWN && e->code != PROTO_E_MISCOMPILE;
+}

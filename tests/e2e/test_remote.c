@@ -92,26 +92,27 @@ static void redis_down(struct redis *r)
 	}
 }
 
+/* A credentials file: text, mode 0600. */
+static void write_private(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+
+	cr_assert_not_null(f, "%s", path);
+	fputs(text, f);
+	fclose(f);
+	chmod(path, 0600);
+}
+
 static void redis_start(struct redis *r)
 {
-	FILE *f;
-
 	h_tmpdir(r->dir, sizeof r->dir, "redis");
 	snprintf(r->sock, sizeof r->sock, "%s/redis.sock", r->dir);
 	snprintf(r->url, sizeof r->url, "unix://%s", r->sock);
 	snprintf(r->secret, sizeof r->secret, "%s/secret", r->dir);
-	f = fopen(r->secret, "w");
-	cr_assert_not_null(f);
-	fputs(SECRET "\n", f);
-	fclose(f);
-	chmod(r->secret, 0600);
+	write_private(r->secret, SECRET "\n");
 	/* every test's Redis wants a password: the daemons read it from a file */
 	snprintf(r->auth, sizeof r->auth, "%s/auth", r->dir);
-	f = fopen(r->auth, "w");
-	cr_assert_not_null(f);
-	fputs(PASS "\n", f);
-	fclose(f);
-	chmod(r->auth, 0600);
+	write_private(r->auth, PASS "\n");
 	redis_up(r);
 }
 
