@@ -77,7 +77,8 @@ $(BUILD)/torchloopd: $(BUILD)/daemon/main.o $(BUILD)/libdaemon.a $(BUILD)/libpro
 	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 # The same daemon with test-only hooks (SIGUSR2 stalls the loop, for the
-# watchdog test); the installed torchloopd never has them.
+# watchdog test; SIGUSR1 the graph runner and a pool thread, for health's
+# pool test); the installed torchloopd never has them.
 $(BUILD)/daemon/daemon-testhooks.o: daemon/daemon.c $(wildcard proto/*.h daemon/*.h client/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -DTORCHLOOPD_TEST_HOOKS $(CFLAGS) -c $< -o $@

@@ -214,17 +214,71 @@ static void start_reload(struct daemon *d)
 		reloaded(d, 1);
 }
 
+#ifdef TORCHLOOPD_TEST_HOOKS
+/*
+ * Test hooks (build/torchloopd-testhooks only): SIGUSR2 stalls the event loop
+ * for 3 s (the watchdog test), SIGUSR1 the graph runner and a pool thread
+ * for 4 s (health's "pool": "stalled" test), as a graph run or compile of seconds
+ * would, but for as long on every machine.
+ */
+static struct runner_item hook_runner_item;
+static uv_work_t hook_pool_work;
+static int hook_out; /* of the two: a second SIGUSR1 meanwhile does nothing */
+
+static void hook_sleep_runner(struct runner_item *it)
+{
+	(void)it;
+	sleep(4);
+}
+
+static void hook_sleep_pool(uv_work_t *w)
+{
+	(void)w;
+	sleep(4);
+}
+
+static void hook_runner_done(struct runner_item *it)
+{
+	(void)it;
+	hook_out--;
+}
+
+static void hook_pool_done(uv_work_t *w, int status)
+{
+	(void)w;
+	(void)status;
+	hook_out--;
+}
+
+static bool test_hook(struct daemon *d, int signum)
+{
+	if (signum == SIGUSR2) {
+		log_warn("test hook: stalling the event loop for 3 s");
+		sleep(3);
+		return true;
+	}
+	if (signum != SIGUSR1)
+		return false;
+	if (hook_out == 0 && d->graphs.runner.started) {
+		hook_out = 2;
+		log_warn("test hook: stalling the graph runner and a pool thread for 4 s");
+		hook_runner_item.work = hook_sleep_runner;
+		hook_runner_item.done = hook_runner_done;
+		runner_submit(&d->graphs.runner, &hook_runner_item);
+		if (uv_queue_work(d->loop, &hook_pool_work, hook_sleep_pool, hook_pool_done) != 0)
+			hook_out--;
+	}
+	return true;
+}
+#endif
+
 static void on_signal(void *arg, int signum)
 {
 	struct daemon *d = arg;
 
 #ifdef TORCHLOOPD_TEST_HOOKS
-	if (signum == SIGUSR2) {
-		/* test hook: a stalled loop must stop the watchdog pings */
-		log_warn("test hook: stalling the event loop for 3 s");
-		sleep(3);
+	if (test_hook(d, signum))
 		return;
-	}
 #endif
 	if (signum == SIGHUP) {
 		if (!d->shutting_down)
@@ -375,6 +429,7 @@ int daemon_block_signals(struct daemon *d)
 	sigaddset(&d->sig.set, SIGHUP);
 #ifdef TORCHLOOPD_TEST_HOOKS
 	/* only in build/torchloopd-testhooks (the Makefile), never in torchloopd */
+	sigaddset(&d->sig.set, SIGUSR1);
 	sigaddset(&d->sig.set, SIGUSR2);
 #endif
 	return sigthread_block(&d->sig.set);

@@ -157,7 +157,7 @@ struct daemon {
 	uv_timer_t conn_sweep; /* conn.c: frame/write stalls and idle connections */
 	uv_idle_t resume_idle; /* conn.c: resumes paused connections at a safe point */
 	unsigned n_paused;     /* connections whose reads are paused */
-	struct sigthread sig;  /* SIGTERM, SIGINT, SIGHUP (+ SIGUSR2 in the test build) */
+	struct sigthread sig;  /* SIGTERM, SIGINT, SIGHUP (+ SIGUSR1/2 in the test build) */
 	uv_timer_t drain_timer, watchdog, exit_timer;
 	/* the thread pool's canary (daemon.c): a no-op job queued every second */
 	uv_timer_t pool_timer;
