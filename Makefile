@@ -10,7 +10,9 @@ PKGS      := libuv libsystemd jansson $(MSGPACK_PC)
 
 CC        ?= cc
 WARN      := -std=c11 -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wno-missing-field-initializers
-CPPFLAGS  += -D_GNU_SOURCE -Iproto -Idaemon -Iclient -DTORCHLOOPD_PREFIX=\"$(CURDIR)\"
+# the daemon's layers are its folders (docs/architecture.md): ops, server, graph, base
+DAEMON_DIRS := daemon/ops daemon/server daemon/graph daemon/base
+CPPFLAGS  += -D_GNU_SOURCE -Iproto $(DAEMON_DIRS:%=-I%) -Iclient -DTORCHLOOPD_PREFIX=\"$(CURDIR)\"
 CFLAGS    ?= -O2 -g
 CFLAGS    += $(WARN) -fPIC $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 ifeq ($(SAN),1)
@@ -20,7 +22,7 @@ endif
 MSGPACK_LIBS := $(shell pkg-config --libs $(MSGPACK_PC) 2>/dev/null)
 UV_LIBS      := $(shell pkg-config --libs libuv 2>/dev/null)
 SD_LIBS      := $(shell pkg-config --libs libsystemd 2>/dev/null)
-# the remote cache tier (daemon/remote*.c): Redis, HMAC
+# the remote cache tier (daemon/base/remote*.c): Redis, HMAC
 REMOTE_LIBS  := $(shell pkg-config --libs hiredis libcrypto 2>/dev/null)
 # DT_RPATH (not RUNPATH): it also serves the artifacts the daemon dlopens,
 # which NEED libtorch.so; linking libtorch keeps that SONAME loaded anyway.
@@ -29,7 +31,7 @@ CRIT_LIBS    := $(shell pkg-config --libs criterion 2>/dev/null)
 
 PROTO_SRC  := $(wildcard proto/*.c)
 PROTO_OBJ  := $(PROTO_SRC:%.c=$(BUILD)/%.o)
-DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
+DAEMON_SRC := $(filter-out daemon/server/main.c,$(wildcard $(DAEMON_DIRS:%=%/*.c)))
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
 CLIENT_SRC := $(filter-out client/cli.c client/cli_stats.c client/treejson.c,$(wildcard client/*.c))
 CLIENT_OBJ := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
@@ -52,7 +54,7 @@ build: setup
 	@$(MAKE) --no-print-directory binaries
 
 BINARIES := $(BUILD)/libproto.a
-ifneq ($(wildcard daemon/main.c),)
+ifneq ($(wildcard daemon/server/main.c),)
 BINARIES += $(BUILD)/torchloopd
 endif
 ifneq ($(wildcard client/cli.c),)
@@ -63,7 +65,8 @@ endif
 binaries: $(BINARIES)
 tests: $(UNIT_BIN) $(E2E_BIN) $(BUILD)/torchloopd-testhooks
 
-$(BUILD)/%.o: %.c $(wildcard proto/*.h daemon/*.h client/*.h)
+HEADERS := $(wildcard proto/*.h $(DAEMON_DIRS:%=%/*.h) client/*.h)
+$(BUILD)/%.o: %.c $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
 
@@ -73,17 +76,17 @@ $(BUILD)/libproto.a: $(PROTO_OBJ)
 $(BUILD)/libdaemon.a: $(DAEMON_OBJ)
 	ar rcs $@ $^
 
-$(BUILD)/torchloopd: $(BUILD)/daemon/main.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
+$(BUILD)/torchloopd: $(BUILD)/daemon/server/main.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 # The same daemon with test-only hooks (SIGUSR2 stalls the loop, for the
 # watchdog test; SIGUSR1 the graph runner and a pool thread, for health's
 # pool test); the installed torchloopd never has them.
-$(BUILD)/daemon/daemon-testhooks.o: daemon/daemon.c $(wildcard proto/*.h daemon/*.h client/*.h)
+$(BUILD)/daemon/server/daemon-testhooks.o: daemon/server/daemon.c $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) -DTORCHLOOPD_TEST_HOOKS $(CFLAGS) -c $< -o $@
 
-$(BUILD)/torchloopd-testhooks: $(BUILD)/daemon/main.o $(BUILD)/daemon/daemon-testhooks.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
+$(BUILD)/torchloopd-testhooks: $(BUILD)/daemon/server/main.o $(BUILD)/daemon/server/daemon-testhooks.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 $(BUILD)/libtorchloop.a: $(CLIENT_OBJ) $(PROTO_OBJ)
@@ -166,7 +169,7 @@ $(BUILD)/torchloop.pc: client/torchloop.pc.in proto/protocol.h
 
 PREFIX      ?= /usr/local
 SYSTEMD_DIR ?= /etc/systemd/system
-# the compile worker's script and its package (daemon/worker_target.c digests the
+# the compile worker's script and its package (daemon/server/worker_target.c digests the
 # package's every module)
 WORKER_PKG := $(wildcard daemon/worker/torchloop_worker/*.py)
 INSTALL_FILES = $(DESTDIR)$(PREFIX)/bin/torchloopd $(DESTDIR)$(PREFIX)/bin/torchloop \
@@ -200,7 +203,7 @@ uninstall:
 	rm -rf $(DESTDIR)$(PREFIX)/share/torchloopd $(DESTDIR)$(PREFIX)/lib/torchloopd
 
 format:
-	clang-format -i proto/*.[ch] $(wildcard daemon/*.[ch] client/*.[ch] client/python/torchloop/*.c tests/*/*.[ch])
+	clang-format -i proto/*.[ch] $(wildcard daemon/*/*.[ch] client/*.[ch] client/python/torchloop/*.c tests/*/*.[ch])
 
 clean:
 	rm -rf build build-san

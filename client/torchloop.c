@@ -290,11 +290,24 @@ uint64_t tl_polled_reads(const struct tl_client *c)
 	return c->polled;
 }
 
-static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error *err)
+/* An end of stream inside a frame (after `done` of its bytes): FRAME_TRUNCATED,
+ * not the clean close between frames that read_some reports. */
+static int truncated(struct tl_client *c, ssize_t got, size_t done, struct tl_error *err)
 {
+	if (got != 0 || done == 0 || !c->broken)
+		return -1;
+	return tlc_fail(err, "FRAME_TRUNCATED", NULL,
+	                "torchloopd closed the connection %zu bytes into a reply frame", done);
+}
+
+/* Reads n bytes of a frame of which `done` bytes came already. */
+static int read_full(struct tl_client *c, uint8_t *p, size_t n, size_t done, struct tl_error *err)
+{
+	size_t want = n;
+
 	while (n > 0) {
 		size_t have = c->rb_len - c->rb_off, k;
-		ssize_t got;
+		ssize_t got = -1;
 
 		if (have > 0) {
 			k = have < n ? have : n;
@@ -306,13 +319,13 @@ static int read_full(struct tl_client *c, uint8_t *p, size_t n, struct tl_error 
 		}
 		if (n >= TL_RBUF) { /* large: in place */
 			if (read_some(c, p, n, &got, err) != 0)
-				return -1;
+				return truncated(c, got, done + want - n, err);
 			p += got;
 			n -= (size_t)got;
 			continue;
 		}
 		if (read_some(c, c->rbuf, TL_RBUF, &got, err) != 0)
-			return -1;
+			return truncated(c, got, done + want - n, err);
 		c->rb_off = 0;
 		c->rb_len = (uint32_t)got;
 	}
@@ -345,7 +358,7 @@ static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, stru
 		uint32_t len;
 		struct proto_err perr;
 
-		if (read_full(c, head, 4, err) != 0)
+		if (read_full(c, head, 4, 0, err) != 0)
 			return -1;
 		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 |
 		      head[3];
@@ -354,7 +367,7 @@ static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, stru
 		r->body = frame_alloc(len);
 		if (r->body == NULL)
 			return tlc_fail(err, "IO", NULL, "out of memory for a %u-byte reply", len);
-		if (read_full(c, r->body, len, err) != 0)
+		if (read_full(c, r->body, len, 4, err) != 0)
 			return -1;
 		if (msg_parse(&r->msg, r->body, len, MSG_REPLY, &perr) != 0)
 			return tlc_fail(err, proto_code_name(perr.code), NULL, "bad reply: %s",

@@ -14,7 +14,7 @@
  * costs about a window itself, so with both sides at 0 no wait is ever
  * shorter than the maximum, and a grow test at 1x never recovers (measured:
  * the Python client stuck at 51-111 µs per small scan in some runs).
- * Used by the daemon's loop (daemon_run in daemon/daemon.c), libtorchloop
+ * Used by the daemon's loop (daemon_run in daemon/server/daemon.c), libtorchloop
  * (client/torchloop.c) and the Python client's C codec
  * (client/python/torchloop/_fast.c).  Header-only: _fast.c is built by
  * setuptools from its own directory.

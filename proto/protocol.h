@@ -70,7 +70,7 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 
 /*
  * The ops: enum name and wire name (the `op` field, #id).  The daemon's op
- * table is generated from this list (daemon/ops.c): each op's descriptor
+ * table is generated from this list (daemon/ops/ops.c): each op's descriptor
  * op_<id>_desc lives in daemon/op_<id>.c, so an op listed here without one
  * does not link.
  */

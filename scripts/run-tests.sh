@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # run-tests.sh BUILD BIN... - runs each Criterion test binary, then the
 # Python package's pytest suite, prints their output, and ends with one
-# summary line "N passed, N failed".  Exits 1 if
-# any test failed or crashed, or if a binary exited non-zero.
+# summary line "tests: N passed, M failed, K skipped" (a skipped test says why
+# above it: "[SKIP]" or pytest's "SKIPPED"), after the slowest Criterion tests.
+# Exits 1 if any test failed or crashed, or if a binary exited non-zero.
 set -uo pipefail
 build=$1; shift
-passed=0 failed=0 status=0
+passed=0 failed=0 skipped=0 status=0
+times=$(mktemp)
 export TORCHLOOP_TEST_BUILD="$build"
 # One compile cache per checkout, shared by `make test` and `make sanitize`, so
 # each specialization compiles once; scratch (sockets, logs) under /tmp keeps
@@ -24,8 +26,12 @@ for bin in "$@"; do
 	[ -x "$bin" ] || continue
 	echo "=== $bin"
 	t0=$(date +%s)
-	out=$("$bin" --jobs "${CRITERION_JOBS:-2}" 2>&1); rc=$?
-	printf '%s\n' "$out"
+	# --verbose: a line per test, so that skips are seen and counted (Criterion
+	# leaves them out of "Tested") and times kept; the RUN/PASS lines are not shown
+	out=$("$bin" --jobs "${CRITERION_JOBS:-2}" --verbose 2>&1); rc=$?
+	printf '%s\n' "$out" | grep -vE '^\[(RUN |PASS)\] '
+	printf '%s\n' "$out" | sed -n 's/^\[PASS\] \(.*\): (\([0-9.]*\)s)$/\2 \1/p' >>"$times"
+	skipped=$((skipped + $(printf '%s\n' "$out" | grep -c '^\[SKIP\]')))
 	echo "(${bin##*/}: $(( $(date +%s) - t0 )) s)"
 	line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
 	t=$(sed -n 's/.*Tested: \([0-9]*\).*/\1/p' <<<"$line")
@@ -62,7 +68,7 @@ if .venv/bin/python -c 'import xdist' 2>/dev/null; then
 else
 	echo "!!! pytest-xdist is not installed (make setup): the Python tests run in one process"
 fi
-out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider "${xdist[@]}" --durations=15 tests/python 2>&1); rc=$?
+out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --durations=15 tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
 echo "(pytest: $(( $(date +%s) - t0 )) s)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
@@ -70,11 +76,16 @@ count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' | head -1; }
 p=$(count passed)
 f=$(count failed)
 e=$(count error)
+k=$(count skipped)
 if [ -z "$line" ] || [ "$rc" != 0 ]; then status=1; fi
 passed=$((passed + ${p:-0}))
 failed=$((failed + ${f:-0} + ${e:-0}))
+skipped=$((skipped + ${k:-0}))
 [ "$failed" = 0 ] || status=1
+echo "slowest Criterion tests (s):"
+sort -rn "$times" | head -10 | sed 's/^/  /'
+rm -f "$times"
 echo "compiles in this run: $(grep -h 'compiling ' "$TORCHLOOP_TEST_TMP"/*/log 2>/dev/null | wc -l) (cache: $TORCHLOOP_TEST_CACHE)"
 echo "test time: $(( $(date +%s) - start )) s"
-echo "tests: $passed passed, $failed failed"
+echo "tests: $passed passed, $failed failed, $skipped skipped"
 exit $status

@@ -146,7 +146,7 @@ struct tl_client *hd_connect(struct hd *d)
 	return c;
 }
 
-static char *slurp(const char *path)
+char *h_slurp(const char *path)
 {
 	FILE *f = fopen(path, "r");
 	char *buf;
@@ -178,7 +178,7 @@ void hd_register_strategy(struct tl_client *c, const char *name, const char *bod
 	struct tl_adapter_def def;
 
 	snprintf(path, sizeof path, "%s/%s", h_root(), body_file);
-	src = slurp(path);
+	src = h_slurp(path);
 	def = (struct tl_adapter_def){name,     src,       path,         entry,
 	                              strategy, max_steps, max_elements, budget};
 	cr_assert_eq(tl_register(c, &def, &err), 0, "register %s: %s %s", name, err.code,
@@ -238,6 +238,26 @@ double hd_counter(struct tl_client *c, const char *adapter, const char *counter)
 	json_decref(j);
 	free(text);
 	return v;
+}
+
+void h_wait_spec_state(struct tl_client *c, const char *adapter, const char *state, int timeout_s)
+{
+	bool seen = false;
+
+	for (int k = 0; k < timeout_s * 20 && !seen; k++) {
+		json_t *j = h_call_json(c, "describe", adapter), *sp;
+		size_t i;
+
+		json_array_foreach(json_object_get(j, "specializations"), i, sp)
+		{
+			const char *st = json_string_value(json_object_get(sp, "state"));
+			seen = seen || (st && strcmp(st, state) == 0);
+		}
+		json_decref(j);
+		if (!seen)
+			usleep(50 * 1000);
+	}
+	cr_assert(seen, "%s: no specialization %s within %d s", adapter, state, timeout_s);
 }
 
 void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed)
@@ -505,12 +525,15 @@ void raw_send_frame(int fd, const void *body, size_t n)
 	raw_send(fd, body, n);
 }
 
-static int read_n(int fd, uint8_t *p, size_t n)
+/* Reads n bytes: 0, or the number read before the stream ended (-1: none). */
+static ssize_t read_n(int fd, uint8_t *p, size_t n)
 {
+	size_t want = n;
+
 	while (n > 0) {
 		ssize_t k = recv(fd, p, n, 0);
 		if (k <= 0)
-			return -1;
+			return want == n ? -1 : (ssize_t)(want - n);
 		p += k;
 		n -= (size_t)k;
 	}
@@ -524,8 +547,10 @@ int raw_recv_msg(int fd, uint8_t **body, struct msg *m)
 	struct proto_err err;
 
 	do {
-		if (read_n(fd, head, 4) != 0)
-			return -1;
+		ssize_t got = read_n(fd, head, 4);
+		cr_assert_leq(got, 0, "a reply frame cut after %zd of its 4 header bytes", got);
+		if (got != 0)
+			return -1; /* a close between frames */
 		len = (uint32_t)head[0] << 24 | (uint32_t)head[1] << 16 | (uint32_t)head[2] << 8 |
 		      head[3];
 		*body = frame_alloc(len);

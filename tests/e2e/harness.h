@@ -56,6 +56,13 @@ long h_rss_kib(pid_t pid);
 /* A counter of the adapter's describe output (e.g. "compiles"). */
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
 
+/* Waits (describe, every 50 ms) until a specialization of adapter is in state
+ * ("compiling", "ready", ...); asserts within timeout_s. */
+void h_wait_spec_state(struct tl_client *c, const char *adapter, const char *state, int timeout_s);
+
+/* A file's whole text, NUL-terminated (asserts it can be read); free it. */
+char *h_slurp(const char *path);
+
 /* Deterministic pseudo-random fill in [-1, 1). */
 void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed);
 

@@ -121,9 +121,9 @@ Test(cli, a_scan_from_npy_files_matches_eager_pytorch)
 		cr_assert_not_null(doc);
 		tj.base = out;
 		h_assert_close(treejson_load(&tj, json_object_get(doc, "carry"), msg, sizeof msg),
-		               h_load_ref(&rj, dir, "carry"), 1e-6, 1e-12, "carry");
+		               h_load_ref(&rj, dir, "carry"), 1e-10, 1e-12, "carry");
 		h_assert_close(treejson_load(&tj, json_object_get(doc, "outputs"), msg, sizeof msg),
-		               h_load_ref(&rj, dir, "outputs"), 1e-6, 1e-12, "outputs");
+		               h_load_ref(&rj, dir, "outputs"), 1e-10, 1e-12, "outputs");
 		json_decref(doc);
 	}
 	treejson_free(&tj);

@@ -1,5 +1,5 @@
 /*
- * test_lanes.c - the compile service's lanes (daemon/compiler.h): a first
+ * test_lanes.c - the compile service's lanes (daemon/base/compiler.h): a first
  * scan never waits behind a background compile, a registration never waits
  * behind a compile, the background upgrade is stopped while foreground work
  * runs and finishes afterwards.

@@ -326,7 +326,7 @@ Test(reliability, re_registering_mid_compile_never_blocks_a_pool_thread)
 	scan_sum_ok(c, "rel.warm", 3); /* a warm graph to scan meanwhile */
 	reg_ok(c, "rel.wedge", src);
 	bg_start(&scans[0], &d, "rel.wedge", 3);
-	sleep(1);
+	h_wait_spec_state(c, "rel.wedge", "compiling", 60);
 	for (int k = 1; k < 5; k++) {
 		cr_assert_eq(tl_unregister(c, "rel.wedge", &err), 0, "%s", err.message);
 		reg_ok(c, "rel.wedge", src);
@@ -1147,7 +1147,7 @@ Test(reliability, a_dead_daemons_worker_dies_and_its_leftovers_are_cleaned)
 	c = up(&d, cache, (const char *const[]){"--no-probe", NULL});
 	reg_ok(c, "rel.slow", SLOW_SRC);
 	bg_start(&slow, &d, "rel.slow", 1);
-	sleep(2);
+	h_wait_spec_state(c, "rel.slow", "compiling", 60);
 	w = h_child_of(d.pid);
 	cr_assert_gt(w, 0, "the worker is compiling");
 	dead = d.pid;

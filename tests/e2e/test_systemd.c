@@ -253,6 +253,18 @@ static int find(struct receiver *r, int from, const char *needle)
 	return found;
 }
 
+/* find(), waiting up to timeout_s for the message to arrive: its index or -1. */
+static int await(struct receiver *r, int from, const char *needle, double timeout_s)
+{
+	int found = find(r, from, needle);
+
+	for (int k = 0; found < 0 && k < (int)(timeout_s * 20); k++) {
+		usleep(50 * 1000);
+		found = find(r, from, needle);
+	}
+	return found;
+}
+
 static int pings(struct receiver *r, double from, double to, double *max_gap)
 {
 	double last = -1;
@@ -284,10 +296,8 @@ static void notify_lifecycle(bool abstract)
 	setenv("WATCHDOG_USEC", "2000000", 1);
 	unsetenv("WATCHDOG_PID");
 	hd_start(&d, NULL, ARGS);
-	receiver_collect(&r, 1.0);
 	hd_wait_ready(&d, 120);
-	receiver_collect(&r, 0.5);
-	ready = find(&r, 0, "READY=1");
+	ready = await(&r, 0, "READY=1", 30);
 	cr_assert_geq(ready, 0, "READY=1 was sent");
 	t0 = now();
 	receiver_collect(&r, 10.0);
@@ -300,16 +310,14 @@ static void notify_lifecycle(bool abstract)
 	/* SIGHUP: RELOADING=1 then READY=1 */
 	n = receiver_count(&r);
 	kill(d.pid, SIGHUP);
-	receiver_collect(&r, 1.0);
 	{
-		int reloading = find(&r, n, "RELOADING=1");
+		int reloading = await(&r, n, "RELOADING=1", 30);
 		cr_assert_geq(reloading, 0, "RELOADING=1 on SIGHUP");
-		cr_assert_geq(find(&r, reloading, "READY=1"), 0, "READY=1 after the reload");
+		cr_assert_geq(await(&r, reloading, "READY=1", 30), 0, "READY=1 after the reload");
 	}
 	n = receiver_count(&r);
 	kill(d.pid, SIGTERM);
-	receiver_collect(&r, 1.0);
-	cr_assert_geq(find(&r, n, "STOPPING=1"), 0, "STOPPING=1 on SIGTERM");
+	cr_assert_geq(await(&r, n, "STOPPING=1", 30), 0, "STOPPING=1 on SIGTERM");
 	cr_assert_eq(hd_stop(&d), 0);
 	receiver_close(&r);
 }

@@ -416,3 +416,25 @@ def test_a_graph_compiled_with_the_scan_op_lifts_its_constants(open_daemon: str)
         torch.testing.assert_close(params[0], W, rtol=0, atol=0)
         (sp,) = client.describe(name)["specializations"]
         assert sp["lowered"] == "scan", sp
+
+
+def test_a_scan_unlike_its_captured_graph_is_spec_mismatch(open_daemon: str) -> None:
+    """A graph adapter scanned with tensors other than those it was captured
+    with (another length, a captured tensor missing): the worker's loader
+    refuses the specialization with SPEC_MISMATCH before anything is built,
+    and the graph then serves its own shapes (the scan-op test's graph)."""
+    from test_graph_loader import W, capture, step
+
+    c0, xs = torch.rand(N, dtype=torch.float64), torch.rand(T, N, dtype=torch.float64)
+    text = capture(step, (c0, None), xs[0])
+    name = "g.spec-mismatch.test"
+    longer = torch.rand(N + 1, dtype=torch.float64), torch.rand(T, N + 1, dtype=torch.float64)
+    with torchloop.Client(open_daemon) as client:
+        client.register_graph(name, text, strategy="scan", **BOUNDS)
+        for carry, inputs in [(((longer[0], None), (W,)), longer[1]), (((c0, None), ()), xs)]:
+            with pytest.raises(TorchloopError) as info:
+                client.scan(name, carry, inputs)
+            assert info.value.code == "SPEC_MISMATCH", info.value
+        (final, _), _ = client.scan(name, ((c0, None), (W,)), xs)
+        (ref_final, _), _ = eager.scan(step, (c0, None), xs)
+        torch.testing.assert_close(final[0], ref_final, **TOL)

@@ -1,11 +1,18 @@
 """The daemon's layering (docs/architecture.md), checked on the build under test.
 
+The layers are daemon/'s folders: base/ (leaf modules: engine, cache,
+compiler supervision, signature, runner, log, ...), graph/ (adapters,
+specializations, the cold path, runs, the tier, the index), server/
+(connections, requests, shared memory, start-up) and ops/ (one file per op
+and the op table).
+
 - No call cycle between daemon/ and proto/ files: the file-level graph of
   which object file uses which other's symbols (nm) has no strongly connected
   component of more than one file.  main.c wires the layers and is left out.
+- base/ calls only base/ and proto/; graph/ calls nothing of server/ or ops/.
 - No include cycle between their headers.
-- The graph layer (adapter.c, graphs.c and its parts, run.c) includes no server header
-  and names no server type (the files also poison the names for the compiler).
+- The graph layer includes no server header and names no server type (the
+  files also poison the names for the compiler).
 
 Each check is also run on a made-up graph with a cycle, so that a check
 that cannot fail is caught here too.
@@ -23,9 +30,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / os.environ.get("TORCHLOOP_TEST_BUILD", "build")
-GRAPH_LAYER = ("adapter.c", "coldpath.c", "coldpath_pool.c", "graphs.c", "graphs_index.c", "kinds.c",
-               "run.c", "specs.c", "upgrade.c")
-SERVER_HEADERS = ("daemon.h", "describe.h", "scanrun.h", "shm.h")
+LAYERS = ("base", "graph", "server", "ops")
+
+
+def layer_files(layer: str, ext: str) -> list[Path]:
+    return sorted((ROOT / "daemon" / layer).glob(f"*.{ext}"))
+
+
+GRAPH_LAYER = [p.name for p in layer_files("graph", "c")]
+SERVER_HEADERS = tuple(p.name for layer in ("server", "ops") for p in layer_files(layer, "h"))
+
+
+def test_every_daemon_source_is_in_a_layer_folder() -> None:
+    loose = sorted(p.name for p in (ROOT / "daemon").glob("*.[ch]"))
+    assert loose == [], f"daemon/ files outside a layer folder: {loose}"
+    assert len(GRAPH_LAYER) > 5 and SERVER_HEADERS, "the layer folders are missing"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -88,16 +107,20 @@ def call_graph(objs: list[Path]) -> dict[str, set[str]]:
 def test_no_call_cycle_between_daemon_files() -> None:
     if shutil.which("nm") is None:
         pytest.fail("nm (binutils) is not installed: the layering cannot be checked")
-    objs = [o for o in sorted((BUILD / "daemon").glob("*.o")) + sorted((BUILD / "proto").glob("*.o"))
-            if o.stem not in ("main", "daemon-testhooks")]
+    layer_of = {p.stem: layer for layer in LAYERS for p in layer_files(layer, "c")}
+    objs = [o for layer in LAYERS for o in sorted((BUILD / "daemon" / layer).glob("*.o"))
+            if o.stem in layer_of and o.stem != "main"]
+    objs += sorted((BUILD / "proto").glob("*.o"))
     assert len(objs) > 20, f"no daemon objects in {BUILD}: build first"
     graph = call_graph(objs)
     assert cycles(graph) == [], "files that call each other (directly or around a loop)"
-    # and the graph layer calls nothing of the server layer
-    server = {"conn", "request", "ops", "daemon", "scanrun", "systemd", "shm", "describe",
-              "registry", "persist", "probe"} | {o.stem for o in objs if o.stem.startswith("op_")}
-    for f in (Path(f).stem for f in GRAPH_LAYER):
-        assert not graph[f] & server, f"{f}.c calls into the server layer: {graph[f] & server}"
+    allowed = {"base": {"base"}, "graph": {"base", "graph"}}
+    for f, callees in graph.items():
+        layer = layer_of.get(f)
+        if layer not in allowed:
+            continue
+        above = {c for c in callees if layer_of.get(c, "proto") not in allowed[layer] | {"proto"}}
+        assert not above, f"daemon/{layer}/{f}.c calls into a layer above: {sorted(above)}"
 
 
 def includes(path: Path) -> set[str]:
@@ -105,7 +128,8 @@ def includes(path: Path) -> set[str]:
 
 
 def test_no_include_cycle_and_the_graph_layer_includes_no_server_header() -> None:
-    headers = {p.name: p for d in ("daemon", "proto") for p in (ROOT / d).glob("*.h")}
+    headers = {p.name: p for layer in LAYERS for p in layer_files(layer, "h")}
+    headers.update({p.name: p for p in (ROOT / "proto").glob("*.h")})
     graph = {name: includes(p) & headers.keys() for name, p in headers.items()}
     assert cycles(graph) == []
 
@@ -121,7 +145,7 @@ def test_no_include_cycle_and_the_graph_layer_includes_no_server_header() -> Non
         return seen
 
     for f in GRAPH_LAYER:
-        src = ROOT / "daemon" / f
+        src = ROOT / "daemon" / "graph" / f
         reach = closure(includes(src))
         assert not reach & set(SERVER_HEADERS), f"{f} reaches {reach & set(SERVER_HEADERS)}"
         text = src.read_text()
@@ -132,12 +156,12 @@ def test_no_include_cycle_and_the_graph_layer_includes_no_server_header() -> Non
 def test_the_docs_cold_path_table_matches_the_stage_enum_and_table() -> None:
     """docs/architecture.md, "The cold path", lists exactly the stages of
     enum load_stage, in order, and coldpath.c's table has a row for each."""
-    header = (ROOT / "daemon" / "graphs_internal.h").read_text()
+    header = (ROOT / "daemon" / "graph" / "graphs_internal.h").read_text()
     body = re.search(r"enum load_stage \{(.*?)\};", header, re.S)
     assert body, "enum load_stage not found"
     enum = [m for m in re.findall(r"\bSTAGE_([A-Z_]+)\b", body.group(1))]
     assert enum and "STAGES" not in enum
-    table = re.findall(r"\[STAGE_([A-Z_]+)\] = \{", (ROOT / "daemon" / "coldpath.c").read_text())
+    table = re.findall(r"\[STAGE_([A-Z_]+)\] = \{", (ROOT / "daemon" / "graph" / "coldpath.c").read_text())
     assert table == enum, f"coldpath.c's stages table {table} vs the enum {enum}"
     docs = (ROOT / "docs" / "architecture.md").read_text()
     section = docs.split("## The cold path", 1)[1].split("\n## ", 1)[0]

@@ -20,7 +20,7 @@ import eager
 import torchloop
 
 MAX_STEPS = 8
-TOL = {torch.float64: dict(rtol=1e-6, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +164,8 @@ def _solver(sock: str, seed: int, out: "multiprocessing.Queue") -> None:
     carry, xs = inputs_for(MAX_STEPS, torch.float64, seed=seed)
     final, ys = a.scan(bodies.ema, carry, xs)
     want_final, want_ys = eager.scan(bodies.ema, carry, xs)
-    out.put(bool(torch.allclose(final, want_final, rtol=1e-6, atol=1e-12)
-                 and torch.allclose(ys, want_ys, rtol=1e-6, atol=1e-12)))
+    out.put(bool(torch.allclose(final, want_final, rtol=1e-10, atol=1e-12)
+                 and torch.allclose(ys, want_ys, rtol=1e-10, atol=1e-12)))
 
 
 def _compiles(sock: str) -> int:

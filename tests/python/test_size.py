@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FILE_LINES = 900
 FUNCTION_LINES = 80
-SOURCES = ["proto/*.[ch]", "daemon/*.[ch]", "daemon/worker/*.py", "daemon/worker/*/*.py",
+SOURCES = ["proto/*.[ch]", "daemon/*/*.[ch]", "daemon/worker/*.py", "daemon/worker/*/*.py",
            "client/*.[ch]", "client/python/*.py", "client/python/torchloop/*.py",
            "client/python/torchloop/*.[ch]"]
 

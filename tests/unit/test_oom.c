@@ -221,7 +221,7 @@ Test(oom, a_frame_that_cannot_be_flattened_is_an_error)
 	cr_assert_geq(sweep(flatten), 1);
 }
 
-/* ---- daemon/run.c: a run job (symbolic batch: its own bound signature) -- */
+/* ---- daemon/graph/run.c: a run job (symbolic batch: its own bound signature) -- */
 
 static struct adapter fake_adapter;
 static struct specialization fake_sp;

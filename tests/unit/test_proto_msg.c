@@ -268,7 +268,7 @@ Test(msg, every_code_and_op_name_maps_back_to_itself)
 	}
 }
 
-/* ---- the daemon's op table (daemon/ops.c, generated from PROTO_OPS) -------- */
+/* ---- the daemon's op table (daemon/ops/ops.c, generated from PROTO_OPS) -------- */
 
 #include "daemon.h"
 

@@ -551,7 +551,7 @@ Test(tree, placed_leaves_encode_as_references_and_decode_into_the_region)
 	free(mem);
 }
 
-/* ---- symbolic batch: signatures and shape trees (daemon/signature.c, proto/shapes.c) -- */
+/* ---- symbolic batch: signatures and shape trees (daemon/base/signature.c, proto/shapes.c) -- */
 
 #include "shapes.h"
 #include "signature.h"

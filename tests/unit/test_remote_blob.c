@@ -1,5 +1,5 @@
 /*
- * test_remote_blob.c - the remote tier's sealed blobs (daemon/remote_blob.c):
+ * test_remote_blob.c - the remote tier's sealed blobs (daemon/base/remote_blob.c):
  * a blob opens under its key and secret with its metadata and artifact
  * intact; every change of a byte, every cut, another key, another secret
  * and a size over the cap are refused, each with its own reason, and

@@ -1,5 +1,5 @@
 /*
- * test_runner.c - the graph runner thread (daemon/runner.c): items run in
+ * test_runner.c - the graph runner thread (daemon/base/runner.c): items run in
  * order on one thread that is not the loop's, each item's done is called on
  * the loop, the loop stays alive while items are out, and closing with items
  * still out lets them finish before the thread is joined and the handle

@@ -47,9 +47,10 @@ struct fast_globals G;
  * non-blocking (Python's settimeout): a wait longer than timeout_ms raises
  * lost("IO", "... timed out").  The GIL is released around every system
  * call; a signal (EINTR) runs Python's handlers, and a handler's exception
- * ends the call.  Broken connections raise lost("IO", message), a reply over
- * the frame limit lost("FRAME_TOO_LARGE", message): the Client drops the
- * connection on either.  A wait for bytes polls the socket for up to
+ * ends the call.  Broken connections raise lost("IO", message) (or
+ * lost("FRAME_TRUNCATED", message) when the stream ends inside a reply
+ * frame), a reply over the frame limit lost("FRAME_TOO_LARGE", message): the
+ * Client drops the connection on each.  A wait for bytes polls the socket for up to
  * busy_poll_us first (adaptive, proto/busypoll.h; 0: never). */
 
 #define STAGE 16384
@@ -169,8 +170,11 @@ static ssize_t conn_recv(Conn *c, void *p, size_t n)
 			c->polled += polling != 0;
 			return k;
 		}
-		if (k == 0)
+		if (k == 0 && c->between)
 			return lost(c, "IO", 1, "torchloopd closed the connection");
+		if (k == 0)
+			return lost(c, "FRAME_TRUNCATED", 1,
+			            "torchloopd closed the connection inside a reply frame");
 		if (polling && err == EAGAIN)
 			polling = 0; /* nothing yet: sleep (or wait out the timeout) */
 		else if (conn_retry(c, err, POLLIN, "read from") != 0)

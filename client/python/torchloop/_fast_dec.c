@@ -38,7 +38,6 @@ static int take_len(struct rd *r, int w, size_t *n)
 	return 0;
 }
 
-
 static PyObject *dec_value(struct rd *r, int depth);
 
 static PyObject *dec_tensor(struct rd *r, size_t start, size_t n)

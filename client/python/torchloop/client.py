@@ -182,8 +182,9 @@ class Client:
             if sent:
                 views[0] = views[0][sent:]
 
-    def _recv_some(self, buf: memoryview) -> int:
-        """One recv_into buf: at least one byte, or ConnectionLost."""
+    def _recv_some(self, buf: memoryview, in_frame: bool = False) -> int:
+        """One recv_into buf: at least one byte, or ConnectionLost (its code
+        FRAME_TRUNCATED when the stream ends inside a reply frame)."""
         sock = self._sock
         assert sock is not None
         try:
@@ -193,6 +194,9 @@ class Client:
             raise ConnectionLost("IO", f"read from torchloopd: {exc}") from exc
         if n == 0:
             self._drop()
+            if in_frame:
+                raise ConnectionLost("FRAME_TRUNCATED",
+                                     "torchloopd closed the connection inside a reply frame")
             raise ConnectionLost("IO", "torchloopd closed the connection")
         return n
 
@@ -206,9 +210,9 @@ class Client:
                 self._staged = self._staged[k:]
                 got += k
             elif len(buf) - got >= len(self._stage):
-                got += self._recv_some(buf[got:])
+                got += self._recv_some(buf[got:], in_frame=True)
             else:
-                n = self._recv_some(memoryview(self._stage))
+                n = self._recv_some(memoryview(self._stage), in_frame=True)
                 self._staged = memoryview(self._stage)[:n]
 
     def _recv(self, area: Any = None) -> dict:

@@ -26,10 +26,10 @@ Modules, in the order a job meets them:
   parity       the new artifact against the eager scan
   errors       JobError and the classification of failures
   compile      a compile job from start to reply
-The daemon's cache keys digest every module here (daemon/worker_target.c).
+The daemon's cache keys digest every module here (daemon/server/worker_target.c).
 """
 
 MIN_TORCH = (2, 14)
 # The worker protocol's version, checked by the daemon at hello
-# (daemon/compiler.h WORKER_PROTOCOL).
+# (daemon/base/compiler.h WORKER_PROTOCOL).
 PROTOCOL = 1

@@ -11,7 +11,7 @@ A blocked graph sits between them:
 
 Its compile grows with K + r, not T, and it pays q loop iterations instead
 of T.  The daemon picks K for a quick tier's upgrade from the step's size
-and --upgrade-budget (daemon/upgrade.c), then keeps whichever of the two
+and --upgrade-budget (daemon/graph/upgrade.c), then keeps whichever of the two
 graphs runs faster -- which is not always the blocked one.  Measured through
 AOTInductor (torch 2.14, one block's steps fused into one vectorized kernel):
 ema at T = 64 ran 17 us blocked by 32 against 53 us for the scan op and 10

@@ -10,13 +10,18 @@ from typing import Callable, cast
 
 import torch
 
-from .elf import clear_exec_stack
+from .elf import clear_exec_stack, set_exec_stack
 from .errors import JobError, classify
 from .frames import log
 from .stack_into import StackIntoOutputs
 
 # a build: (artifact file name, the post-grad pass or None) -> the .so's path
 Build = Callable[[str, StackIntoOutputs | None], str]
+
+# TORCHLOOP_TEST_EXEC_STACK=1 (tests only: e2e test_codes.c): every artifact
+# is marked as needing an executable stack after the build, so that the
+# artifact check (elf.py) refuses it with UNSAFE_ARTIFACT
+TEST_EXEC_STACK = "TORCHLOOP_TEST_EXEC_STACK"
 
 
 def aoti_options(out_path: str, batched: bool = False) -> dict[str, object]:
@@ -122,6 +127,8 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
     built = so if isinstance(so, str) else so_path
     if clear_exec_stack(built):
         log(f"{built}: cleared the executable-stack flag ld set")
+    if os.environ.get(TEST_EXEC_STACK) == "1":  # a test's hook: check_artifact must refuse it
+        set_exec_stack(built, True)
     return built
 
 
@@ -129,12 +136,13 @@ def build_placed(build: Build, notes: list[str]) -> str:
     """build(name, placer) with StackIntoOutputs; placing the stacked results
     into the buffers is an optimisation, so if a graph it rewrote fails to
     build or to match eager, builds it again as Inductor would and says so in
-    notes.  A failure of the machine (transient) is not retried."""
+    notes.  A failure of the machine (transient) is not retried, nor an
+    artifact refused for how it was linked (the placement does not link)."""
     placer = StackIntoOutputs()
     try:
         return build("graph.so", placer)
     except JobError as exc:
-        if not placer.rewritten or exc.transient:
+        if not placer.rewritten or exc.transient or exc.code == "UNSAFE_ARTIFACT":
             raise
         notes.append(f"placing the stacked results into the result buffers failed ({exc.code}: "
                      f"{exc.message[:160]}); compiled with them copied in instead")

@@ -170,14 +170,20 @@ def clear_exec_stack(so_path: str) -> bool:
     (only GCC's nested-function trampolines need one). Returns True if the
     flag was set and has been cleared.
     """
+    return set_exec_stack(so_path, False)
+
+
+def set_exec_stack(so_path: str, executable: bool) -> bool:
+    """Sets or clears PF_X on PT_GNU_STACK; True if the flag changed."""
     with open(so_path, "r+b") as f:
         elf = Elf.parse(f.read())
         off = elf.gnu_stack_flags() if elf is not None else None
         if elf is None or off is None:
             return False
         (flags,) = struct.unpack_from("<I", elf.data, off)
-        if not flags & PF_X:
+        new = flags | PF_X if executable else flags & ~PF_X
+        if new == flags:
             return False
         f.seek(off)
-        f.write(struct.pack("<I", flags & ~PF_X))
+        f.write(struct.pack("<I", new))
     return True

@@ -20,7 +20,7 @@ Body = Callable[[Tree, Tree], object]
 
 # Job kinds -> whether the graph is a VJP (takes the cotangents after the
 # inputs, returns the gradients after the outputs); the daemon's spec kinds
-# (daemon/graphs.c, SPEC_KINDS) name them.
+# (daemon/graph/graphs.c, SPEC_KINDS) name them.
 KINDS = {"forward": False, "vjp": True, "vjp_checkpoint": True}
 
 

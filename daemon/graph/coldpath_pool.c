@@ -207,8 +207,12 @@ void lookup_work(uv_work_t *w)
 			fill_expected(sp);
 			fill_expected_out(sp);
 		}
-	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT)
+	} else if (j->err.code == PROTO_E_ARTIFACT_CORRUPT || j->err.code == PROTO_E_ENGINE_ERROR) {
+		/* an entry that does not load here never will: set aside, and not
+		 * remembered, so the next request compiles it again */
 		cache_quarantine(j->g->cache, j->key, j->err.message);
+		j->err.flags |= PROTO_ERR_TRANSIENT;
+	}
 }
 
 /* Pool: COMMIT the worker's artifact to the cache, then load it. */

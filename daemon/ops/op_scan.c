@@ -5,12 +5,12 @@
 static void scan_ready(struct request *req, struct specialization *sp)
 {
 	struct proto_err err;
-	struct run_job *j = scan_run_new(req, sp, &err);
+	struct run_job *j = scanrun_new(req, sp, &err);
 
 	if (j == NULL)
 		request_fail(req, &err);
 	else
-		scan_run_start(j, req);
+		scanrun_start(j, req);
 }
 
 static void op_scan(struct request *req)
@@ -19,9 +19,9 @@ static void op_scan(struct request *req)
 	struct scan_args args = {0};
 	struct proto_err err;
 
-	if (scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
-	    scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
-	    scan_chunk(req, a, &args, &err) != 0 || shm_out_decode(req, &req->out, &err) != 0) {
+	if (scanrun_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	    scanrun_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
+	    scanrun_chunk(req, a, &args, &err) != 0 || shm_out_decode(req, &req->out, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

@@ -234,7 +234,7 @@ void conn_close(struct conn *c)
 	uv_close((uv_handle_t *)&c->handle, conn_closed);
 }
 
-struct outmsg *outmsg_new(struct conn *c)
+struct outmsg *conn_outmsg_new(struct conn *c)
 {
 	struct outmsg *out = calloc(1, sizeof *out);
 
@@ -247,7 +247,7 @@ struct outmsg *outmsg_new(struct conn *c)
 	return out;
 }
 
-void outmsg_free(struct outmsg *out)
+void conn_outmsg_free(struct outmsg *out)
 {
 	if (out->cleanup)
 		out->cleanup(out->cleanup_arg);
@@ -272,7 +272,7 @@ static void on_write(uv_write_t *req, int status)
 		conn_close(c);
 	else
 		memory_freed(c);
-	outmsg_free(out);
+	conn_outmsg_free(out);
 }
 
 /*
@@ -308,7 +308,7 @@ static void sent_now(struct conn *c, struct outmsg *out)
 {
 	if (out->close_after)
 		conn_close(c);
-	outmsg_free(out);
+	conn_outmsg_free(out);
 }
 
 /*
@@ -327,13 +327,13 @@ void conn_send(struct conn *c, struct outmsg *out)
 	int n, first = 0, sent;
 
 	if (c->closing || iv == NULL || bv == NULL) {
-		outmsg_free(out);
+		conn_outmsg_free(out);
 		goto done;
 	}
 	n = writer_finish(&out->w, iv, need, (uint32_t)c->d->cfg.max_frame, &err);
 	if (n < 0) {
 		log_error("cannot send a reply: %s", err.message);
-		outmsg_free(out);
+		conn_outmsg_free(out);
 		goto done;
 	}
 	for (int i = 0; i < n; i++) {
@@ -345,7 +345,7 @@ void conn_send(struct conn *c, struct outmsg *out)
 	           : UV_EAGAIN;
 	if (sent < 0 && sent != UV_EAGAIN) {
 		conn_close(c);
-		outmsg_free(out);
+		conn_outmsg_free(out);
 		goto done;
 	}
 	if (sent > 0 && (size_t)sent == total) {
@@ -374,7 +374,7 @@ void conn_send(struct conn *c, struct outmsg *out)
 		c->write_since = log_now();
 	if (uv_write(&out->req, (uv_stream_t *)&c->handle, bv + first, (unsigned)(n - first),
 	             on_write) != 0) {
-		outmsg_free(out);
+		conn_outmsg_free(out);
 		conn_close(c);
 		goto done;
 	}
@@ -390,7 +390,7 @@ done:
 /* A frame-level error: reply without an id. */
 void conn_frame_error(struct conn *c, const struct proto_err *err, bool close_after)
 {
-	struct outmsg *out = outmsg_new(c);
+	struct outmsg *out = conn_outmsg_new(c);
 
 	c->d->stats.frame_errors++;
 	c->d->stats.error_codes[err->code]++;
@@ -642,7 +642,7 @@ static int make_parent(const char *path, struct proto_err *err)
 	return 0;
 }
 
-int server_listen(struct daemon *d, struct proto_err *err)
+int conn_listen(struct daemon *d, struct proto_err *err)
 {
 	const char *path = d->cfg.socket_path;
 	int rc;
@@ -672,12 +672,12 @@ int server_listen(struct daemon *d, struct proto_err *err)
 }
 
 /* Starts accepting on an already bound (or inherited) socket. */
-void server_start_listening(struct daemon *d, int *rc)
+void conn_start_listening(struct daemon *d, int *rc)
 {
 	*rc = uv_listen((uv_stream_t *)&d->server, 128, on_connection);
 }
 
-void server_close(struct daemon *d)
+void conn_server_close(struct daemon *d)
 {
 	if (!d->server_open)
 		return;

@@ -16,13 +16,11 @@ static void op_unregister(struct request *req)
 		                  (int)len, name);
 		return;
 	}
-	registry_forget(req->d, name, len);
+	persist_forget(req->d, name, len);
 	log_line(LOG_INFO, req->id, NULL, "unregistered %.*s", (int)len, name);
 	out = request_begin_result(req, 1);
-	if (out == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (out == NULL)
 		return;
-	}
 	writer_str(&out->w, "name");
 	writer_strn(&out->w, name, len);
 	request_reply(req, out);

@@ -17,10 +17,8 @@ static void compile_ready(struct request *req, struct specialization *sp)
 {
 	struct outmsg *out = request_begin_result(req, 5 + DESCRIBE_LOWERING);
 
-	if (out == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (out == NULL)
 		return;
-	}
 	writer_key_str(&out->w, "signature", sp->signature);
 	writer_key_str(&out->w, "kind", spec_kinds[sp->kind].name);
 	writer_key_bool(&out->w, "from_cache", sp->from_cache);
@@ -101,8 +99,8 @@ static void op_compile(struct request *req)
 	req->adapter = a;
 	a->stats.requests++;
 	if (parse(req, &args, &err) != 0 ||
-	    scan_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
-	    scan_chunk(req, a, &args, &err) != 0) {
+	    scanrun_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
+	    scanrun_chunk(req, a, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

@@ -194,7 +194,8 @@ void request_reply(struct request *req, struct outmsg *out);
 void request_fail(struct request *req, const struct proto_err *err);
 void request_fail_code(struct request *req, enum proto_code code, const char *path, const char *fmt,
                        ...) __attribute__((format(printf, 4, 5)));
-/* Begins a reply frame {id, result: {nfields...}}; returns NULL when out of memory. */
+/* Begins a reply frame {id, result: {nfields...}}; out of memory, it fails the
+ * request (INTERNAL) and returns NULL: the caller just returns. */
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields);
 /* A request of c for a whole frame (owned from here); NULL when out of memory. */
 struct request *request_new(struct conn *c, uint8_t *body, uint32_t len);
@@ -209,10 +210,10 @@ void request_acquire(struct request *req, struct adapter *a, const struct scan_a
 int request_name(struct request *req, const char **name, uint32_t *len);
 
 /* conn.c */
-int server_listen(struct daemon *d, struct proto_err *err);
+int conn_listen(struct daemon *d, struct proto_err *err);
 /* Starts accepting on d->server (bound here, or inherited from systemd). */
-void server_start_listening(struct daemon *d, int *rc);
-void server_close(struct daemon *d);
+void conn_start_listening(struct daemon *d, int *rc);
+void conn_server_close(struct daemon *d);
 void conn_send(struct conn *c, struct outmsg *out);
 void conn_ref(struct conn *c);
 void conn_unref(struct conn *c);
@@ -234,8 +235,8 @@ void conn_drop_stray_fd(struct conn *c);
 /* conn.c, for conn_sweep.c: an error frame (then a close, if asked); a close. */
 void conn_frame_error(struct conn *c, const struct proto_err *err, bool close_after);
 void conn_close(struct conn *c);
-struct outmsg *outmsg_new(struct conn *c);
-void outmsg_free(struct outmsg *out);
+struct outmsg *conn_outmsg_new(struct conn *c);
+void conn_outmsg_free(struct outmsg *out);
 
 /* registry.c: adapter definition files */
 /* Reads dir's *.adapter files off the loop, registers them, then done(d, failed). */
@@ -243,10 +244,10 @@ void outmsg_free(struct outmsg *out);
 int registry_load_from(struct daemon *d, const char *dir, enum adapter_origin origin, bool reload,
                        void (*done)(struct daemon *d, int failed));
 /* persist.c: registrations kept in --state-dir (no-ops without one). */
-int registry_persist(struct daemon *d, const struct adapter_def *def, struct proto_err *err);
-void registry_forget(struct daemon *d, const char *name, size_t len);
+int persist_save(struct daemon *d, const struct adapter_def *def, struct proto_err *err);
+void persist_forget(struct daemon *d, const char *name, size_t len);
 /* Registers the persisted registrations, then calls done(d, failed). */
-int registry_restore(struct daemon *d, void (*done)(struct daemon *d, int failed));
+int persist_restore(struct daemon *d, void (*done)(struct daemon *d, int failed));
 int registry_load_dir(struct daemon *d, const char *dir, bool reload,
                       void (*done)(struct daemon *d, int failed));
 

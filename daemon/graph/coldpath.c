@@ -230,29 +230,36 @@ static void looked_up(struct load_job *j)
 
 /* ---- LOCK_WAIT ---------------------------------------------------------- */
 
-struct lock_retry {
-	uv_timer_t timer;
-	struct load_job *job;
-};
-
-static void lock_retry_closed(uv_handle_t *h)
+static void wait_closed(uv_handle_t *h)
 {
-	free(h->data);
+	free(h);
 }
 
-static void on_lock_retry(uv_timer_t *t)
+static void on_waited(uv_timer_t *t)
 {
-	struct lock_retry *r = t->data;
+	struct load_job *j = t->data;
 
-	stages[STAGE_LOCK_WAIT].done(r->job);
-	uv_close((uv_handle_t *)t, lock_retry_closed);
+	uv_close((uv_handle_t *)t, wait_closed);
+	stages[j->stage].done(j);
+}
+
+/* The stage's continuation in ms (LOCK_WAIT, LEASE_WAIT); -1 without memory. */
+static int wait_ms(struct load_job *j, uint64_t ms)
+{
+	uv_timer_t *t = malloc(sizeof *t);
+
+	if (t == NULL)
+		return -1;
+	uv_timer_init(j->g->loop, t);
+	t->data = j;
+	uv_timer_start(t, on_waited, ms, 0);
+	return 0;
 }
 
 /* The key's lock was busy: look again in CACHE_LOCK_RETRY_MS, for at most
  * --compile-timeout seconds in all, and not once the daemon is stopping. */
 static void start_lock_wait(struct load_job *j)
 {
-	struct lock_retry *r;
 	double waited;
 
 	if (j->lock_wait_started == 0)
@@ -275,16 +282,10 @@ static void start_lock_wait(struct load_job *j)
 	/* the holder may be our own background upgrade: a request now waits for it */
 	if (j->purpose != LOAD_UPGRADE)
 		compiler_promote(j->g->compiler, j->key);
-	r = malloc(sizeof *r);
-	if (r == NULL) {
+	if (wait_ms(j, CACHE_LOCK_RETRY_MS) != 0) {
 		proto_fail(&j->err, PROTO_E_INTERNAL, NULL, "out of memory");
 		job_failed(j, &j->err);
-		return;
 	}
-	r->job = j;
-	uv_timer_init(j->g->loop, &r->timer);
-	r->timer.data = r;
-	uv_timer_start(&r->timer, on_lock_retry, CACHE_LOCK_RETRY_MS, 0);
 }
 
 static void lock_waited(struct load_job *j)
@@ -363,35 +364,15 @@ static void leased(struct load_job *j)
 	}
 }
 
-static void lease_poll_closed(uv_handle_t *h)
-{
-	free(h);
-}
-
-static void on_lease_poll(uv_timer_t *t)
-{
-	struct load_job *j = t->data;
-
-	uv_close((uv_handle_t *)t, lease_poll_closed);
-	stages[j->stage].done(j);
-}
-
 /* Another node compiles the key: look for its blob (and whether its lease
  * still stands) every LEASE_POLL_MS, for at most --compile-timeout. */
 static void start_lease_wait(struct load_job *j)
 {
-	uv_timer_t *t;
-
 	if (j->lease_wait_started == 0)
 		j->lease_wait_started = log_now();
 	if (log_now() - j->lease_wait_started > (double)j->g->cfg->compile_timeout ||
-	    j->g->stopping || (t = malloc(sizeof *t)) == NULL) {
+	    j->g->stopping || wait_ms(j, LEASE_POLL_MS) != 0)
 		compile_locally(j);
-		return;
-	}
-	uv_timer_init(j->g->loop, t);
-	t->data = j;
-	uv_timer_start(t, on_lease_poll, LEASE_POLL_MS, 0);
 }
 
 /* Its blob, if published; else the lease again (taken over once expired). */

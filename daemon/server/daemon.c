@@ -26,9 +26,9 @@
 #define FD_RESERVE    64 /* listening socket, worker pipes, cache files, dlopen, logs */
 
 void probe_start(struct daemon *d, void (*done)(struct daemon *d, const struct proto_err *err));
-int sd_glue_init(struct daemon *d);
-void sd_glue_notify(struct daemon *d, const char *state);
-void sd_glue_stop(struct daemon *d);
+int systemd_init(struct daemon *d);
+void systemd_notify(struct daemon *d, const char *state);
+void systemd_stop(struct daemon *d);
 
 static void on_exit_grace(uv_timer_t *t)
 {
@@ -59,7 +59,7 @@ static void finish_shutdown(struct daemon *d)
 	/* signals still arrive (and are ignored: shutting_down) but no longer
 	 * hold the loop; main() stops the thread once the loop is done */
 	sigthread_unref(&d->sig);
-	sd_glue_stop(d);
+	systemd_stop(d);
 	if (d->compiler)
 		compiler_stop(d->compiler);
 	graphs_stop_runs(&d->graphs);
@@ -164,8 +164,8 @@ void daemon_begin_shutdown(struct daemon *d, const char *why)
 	d->graphs.stopping = true;
 	d->ready = false;
 	log_info("shutting down (%s); %u requests in flight", why, d->inflight);
-	sd_glue_notify(d, "STOPPING=1");
-	server_close(d);
+	systemd_notify(d, "STOPPING=1");
+	conn_server_close(d);
 	if (d->inflight == 0)
 		finish_shutdown(d);
 	else
@@ -193,7 +193,7 @@ static void reloaded(struct daemon *d, int failed)
 		return;
 	}
 	if (!d->shutting_down)
-		sd_glue_notify(d, "READY=1");
+		systemd_notify(d, "READY=1");
 }
 
 static void start_reload(struct daemon *d)
@@ -202,10 +202,10 @@ static void start_reload(struct daemon *d)
 		d->reload_again = true; /* once the load in flight is done */
 		return;
 	}
-	sd_glue_notify(d, "RELOADING=1");
+	systemd_notify(d, "RELOADING=1");
 	if (d->cfg.adapters_dir[0] == '\0') {
 		log_info("SIGHUP: no --adapters directory to reload");
-		sd_glue_notify(d, "READY=1");
+		systemd_notify(d, "READY=1");
 		return;
 	}
 	log_info("SIGHUP: reloading %s", d->cfg.adapters_dir);
@@ -301,7 +301,7 @@ static void declare_ready(struct daemon *d)
 
 	d->ready = true;
 	snprintf(status, sizeof status, "READY=1\nSTATUS=ready: %u adapters", d->graphs.reg.count);
-	sd_glue_notify(d, status);
+	systemd_notify(d, status);
 	log_info("ready: %u adapters, torch %s", d->graphs.reg.count,
 	         compiler_info(d->compiler)->torch);
 	if (d->on_ready)
@@ -357,7 +357,7 @@ static void probe_done(struct daemon *d, const struct proto_err *err)
 		return;
 	}
 	log_info("probe: compile, cache and run work");
-	if (registry_restore(d, restored) != 0)
+	if (persist_restore(d, restored) != 0)
 		restored(d, 1);
 }
 
@@ -480,9 +480,12 @@ int daemon_start(struct daemon *d)
 		finish_shutdown(d);
 		return -1;
 	}
-	if (sd_glue_init(d) != 0 || (!d->server_open && server_listen(d, &err) != 0)) {
-		if (!d->server_open || err.message[0])
-			log_error("%s", err.message);
+	if (systemd_init(d) != 0) { /* it says why */
+		finish_shutdown(d);
+		return -1;
+	}
+	if (!d->server_open && conn_listen(d, &err) != 0) {
+		log_error("%s", err.message);
 		finish_shutdown(d);
 		return -1;
 	}

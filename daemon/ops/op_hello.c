@@ -25,10 +25,8 @@ static void op_hello(struct request *req)
 		return;
 	}
 	out = request_begin_result(req, 4);
-	if (out == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (out == NULL)
 		return;
-	}
 	writer_key_u64(&out->w, "protocol", PROTO_VERSION);
 	writer_key_str(&out->w, "daemon", TORCHLOOP_VERSION);
 	writer_key_str(&out->w, "torch", compiler_info(d->compiler)->torch);

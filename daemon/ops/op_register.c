@@ -224,15 +224,13 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	}
 	a->def.origin = ADAPTER_REGISTERED;
 	persisted = req->d->cfg.state_dir[0] != '\0' && !a->def.graph;
-	if (persisted && registry_persist(req->d, &a->def, &err) != 0) {
+	if (persisted && persist_save(req->d, &a->def, &err) != 0) {
 		log_line(LOG_WARN, req->id, a->def.name, "not persisted: %s", err.message);
 		persisted = false;
 	}
 	out = request_begin_result(req, 4);
-	if (out == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (out == NULL)
 		return;
-	}
 	writer_key_str(&out->w, "name", a->def.name);
 	writer_key_bool(&out->w, "replaced", replaced);
 	writer_key_bool(&out->w, "unchanged", unchanged);

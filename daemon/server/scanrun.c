@@ -128,8 +128,8 @@ static int input_leaf(const struct tree_node *leaf, const char *path, void *ctx)
 	return check_batch(leaf, path, 1, c) || check_elements(leaf, path, c) ? -1 : 0;
 }
 
-int scan_validate(const struct adapter *a, const struct tree_node *carry, bool params,
-                  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
+int scanrun_validate(const struct adapter *a, const struct tree_node *carry, bool params,
+                     const struct tree_node *inputs, struct scan_args *args, struct proto_err *err)
 {
 	struct check_ctx c = {.a = a, .args = args, .batched = adapter_batched(a), .err = err};
 
@@ -230,11 +230,12 @@ static void reply_run(struct run_job *j, void *arg)
 	}
 	c.placed = run_placed(j, &needed);
 	out = request_begin_result(req, (spec_grad(sp) ? 4 + req->params : 2) + req->out.set);
-	if (out != NULL && req->out.set)
+	if (out == NULL)
+		return;
+	if (req->out.set)
 		writer_key_u64(&out->w, "out_needed", needed);
-	if (out == NULL || put_results(out, &c, sp) != 0) {
-		if (out)
-			outmsg_free(out);
+	if (put_results(out, &c, sp) != 0) {
+		conn_outmsg_free(out);
 		proto_fail(&err, PROTO_E_ENGINE_ERROR, NULL,
 		           "the graph's outputs do not match its signature");
 		request_fail(req, &err);
@@ -245,7 +246,7 @@ static void reply_run(struct run_job *j, void *arg)
 	request_reply(req, out);
 }
 
-struct run_job *scan_run_new(struct request *req, struct specialization *sp, struct proto_err *err)
+struct run_job *scanrun_new(struct request *req, struct specialization *sp, struct proto_err *err)
 {
 	struct run_area area = {req->out.set ? req->out.base : NULL, req->out.size};
 	struct run_job *j = run_new(&req->d->graphs, sp, req->batch, &area, err);
@@ -271,8 +272,8 @@ static void chunk_leaves(struct tree_node *n, int64_t steps)
 		chunk_leaves(&n->items[i], steps);
 }
 
-int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
-               struct proto_err *err)
+int scanrun_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
+                  struct proto_err *err)
 {
 	const int64_t k = PROTO_CHUNK_STEPS;
 
@@ -289,7 +290,7 @@ int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *a
 	return 0;
 }
 
-void scan_run_start(struct run_job *j, struct request *req)
+void scanrun_start(struct run_job *j, struct request *req)
 {
 	run_submit(j, reply_run, req);
 }
@@ -306,11 +307,11 @@ static int decode_params(struct request *req, struct tree_node *carry, struct pr
 	if (rc != 0)
 		return rc < 0 ? -1 : 0;
 	req->params = true;
-	return scan_pair(req, carry, &params, err);
+	return scanrun_pair(req, carry, &params, err);
 }
 
-int scan_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
-              struct proto_err *err)
+int scanrun_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
+                 struct proto_err *err)
 {
 	struct tree_node *pair = msgpack_zone_malloc(req->msg.up.zone, 2 * sizeof *pair);
 
@@ -325,8 +326,8 @@ int scan_pair(struct request *req, struct tree_node *first, const struct tree_no
 	return 0;
 }
 
-int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
-                struct tree_node *inputs, struct proto_err *err)
+int scanrun_decode(struct request *req, struct adapter **a, struct tree_node *carry,
+                   struct tree_node *inputs, struct proto_err *err)
 {
 	const char *name;
 	uint32_t len;

@@ -38,10 +38,13 @@ void request_free(struct request *req)
 
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields)
 {
-	struct outmsg *out = outmsg_new(req->conn);
+	struct outmsg *out = conn_outmsg_new(req->conn);
 
-	if (out != NULL)
-		msg_begin_result(&out->w, req->has_id, req->id, nfields);
+	if (out == NULL) {
+		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory for the reply");
+		return NULL;
+	}
+	msg_begin_result(&out->w, req->has_id, req->id, nfields);
 	return out;
 }
 
@@ -75,7 +78,7 @@ static void params_path(char *s, size_t size)
 
 void request_fail(struct request *req, const struct proto_err *failed)
 {
-	struct outmsg *out = outmsg_new(req->conn);
+	struct outmsg *out = conn_outmsg_new(req->conn);
 	struct daemon *d = req->d;
 	struct proto_err said = *failed, *err = &said;
 
@@ -116,7 +119,7 @@ void request_fail_code(struct request *req, enum proto_code code, const char *pa
 static void request_event(struct request *req, const char *event, const char *adapter,
                           const char *signature, double elapsed)
 {
-	struct outmsg *out = outmsg_new(req->conn);
+	struct outmsg *out = conn_outmsg_new(req->conn);
 
 	if (out == NULL)
 		return;

@@ -79,7 +79,7 @@ struct config {
 	char python[PATH_MAX];
 	char worker[PATH_MAX];
 	char admin_group[64];
-	/* the remote cache tier (daemon/remote.h): "" = off */
+	/* the remote cache tier (daemon/base/remote.h): "" = off */
 	char remote_url[PATH_MAX];
 	char remote_secret_file[PATH_MAX];
 	char remote_auth_file[PATH_MAX];

@@ -13,18 +13,18 @@
  * contract; fills args (dtype, steps).  Errors name the leaf path; with
  * params, carry is the pair (carry, params) and paths say which.
  */
-int scan_validate(const struct adapter *a, const struct tree_node *carry, bool params,
-                  const struct tree_node *inputs, struct scan_args *args, struct proto_err *err);
+int scanrun_validate(const struct adapter *a, const struct tree_node *carry, bool params,
+                     const struct tree_node *inputs, struct scan_args *args, struct proto_err *err);
 
 /* Reads `adapter`, `carry`, `inputs` and `params` (optional: then carry is
  * the pair (carry, params) and req->params is set); sets req->adapter (a
  * reference). */
-int scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
-                struct tree_node *inputs, struct proto_err *err);
+int scanrun_decode(struct request *req, struct adapter **a, struct tree_node *carry,
+                   struct tree_node *inputs, struct proto_err *err);
 
 /* first becomes the tuple (first, second), its nodes in req's zone. */
-int scan_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
-              struct proto_err *err);
+int scanrun_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
+                 struct proto_err *err);
 
 /*
  * strategy = chunk: a scan (not a grad) of T > PROTO_CHUNK_STEPS steps, T a
@@ -32,19 +32,19 @@ int scan_pair(struct request *req, struct tree_node *first, const struct tree_no
  * (args now say so) and runs it T / PROTO_CHUNK_STEPS times (req->chunks).
  * Anything else is left as it is.
  */
-int scan_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
-               struct proto_err *err);
+int scanrun_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
+                  struct proto_err *err);
 
 /*
  * A run of a READY specialization for req, at its batch size, its results
  * into its shared-memory area if it named one.  NULL with err: out of memory,
  * or (symbolic batch) stacked outputs over max_elements at that batch size.
  * The request's carry and inputs are its first inputs; more (a grad's cotangents)
- * are added with run_add / run_slots (graphs.h); scan_run_start submits
+ * are added with run_add / run_slots (graphs.h); scanrun_start submits
  * it and replies to req with its results or its error; a job that cannot be
  * started is freed with run_free.
  */
-struct run_job *scan_run_new(struct request *req, struct specialization *sp, struct proto_err *err);
-void scan_run_start(struct run_job *j, struct request *req);
+struct run_job *scanrun_new(struct request *req, struct specialization *sp, struct proto_err *err);
+void scanrun_start(struct run_job *j, struct request *req);
 
 #endif

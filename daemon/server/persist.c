@@ -4,7 +4,7 @@
  * What `register` added is written to <state>/registered as an adapter file
  * (`a.NAME.adapter`, the format of --adapters) and its body
  * (`a.NAME.py`), each by write + rename; `unregister` removes them; at start
- * registry_restore registers them again (origin "restored") before the
+ * persist_restore registers them again (origin "restored") before the
  * --adapters directory is read, so an operator's file of the same name wins.
  * The directory must be the daemon's own and not group/world-writable: its
  * bodies are imported as code.  Without --state-dir (and without systemd's
@@ -69,7 +69,7 @@ static void one_line(char *dst, size_t size, const char *s)
 	dst[i] = '\0';
 }
 
-int registry_persist(struct daemon *d, const struct adapter_def *def, struct proto_err *err)
+int persist_save(struct daemon *d, const struct adapter_def *def, struct proto_err *err)
 {
 	char dir[PATH_MAX - 128], path[PATH_MAX], shown[sizeof def->body_file], text[2048];
 	int n;
@@ -102,7 +102,7 @@ int registry_persist(struct daemon *d, const struct adapter_def *def, struct pro
 	return 0;
 }
 
-void registry_forget(struct daemon *d, const char *name, size_t len)
+void persist_forget(struct daemon *d, const char *name, size_t len)
 {
 	char dir[PATH_MAX - 128], path[PATH_MAX];
 	int n = len > ADAPTER_NAME_MAX ? ADAPTER_NAME_MAX : (int)len;
@@ -117,7 +117,7 @@ void registry_forget(struct daemon *d, const char *name, size_t len)
 		log_warn("cannot remove %s: %s", path, strerror(errno));
 }
 
-int registry_restore(struct daemon *d, void (*done)(struct daemon *d, int failed))
+int persist_restore(struct daemon *d, void (*done)(struct daemon *d, int failed))
 {
 	char dir[PATH_MAX - 128];
 	struct proto_err err;

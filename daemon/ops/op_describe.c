@@ -17,10 +17,8 @@ static void op_describe(struct request *req)
 		return;
 	}
 	out = request_begin_result(req, DESCRIBE_BOUNDS + 2 + 1 + 1);
-	if (out == NULL) {
-		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory");
+	if (out == NULL)
 		return;
-	}
 	describe_bounds(&out->w, a);
 	describe_origin(&out->w, req->d, a);
 	writer_str(&out->w, "specializations");

@@ -47,7 +47,7 @@ static int adopt_socket(struct daemon *d)
 	d->own_socket = false;
 	rc = uv_pipe_open(&d->server, SD_LISTEN_FDS_START);
 	if (rc == 0)
-		server_start_listening(d, &rc);
+		conn_start_listening(d, &rc);
 	if (rc != 0) {
 		log_error("cannot use the inherited socket: %s", uv_strerror(rc));
 		return -1;
@@ -56,7 +56,7 @@ static int adopt_socket(struct daemon *d)
 	return 0;
 }
 
-int sd_glue_init(struct daemon *d)
+int systemd_init(struct daemon *d)
 {
 	int enabled = sd_watchdog_enabled(0, &watchdog_usec);
 
@@ -69,13 +69,13 @@ int sd_glue_init(struct daemon *d)
 	return adopt_socket(d);
 }
 
-void sd_glue_notify(struct daemon *d, const char *state)
+void systemd_notify(struct daemon *d, const char *state)
 {
 	(void)d;
 	sd_notify(0, state);
 }
 
-void sd_glue_stop(struct daemon *d)
+void systemd_stop(struct daemon *d)
 {
 	uv_timer_stop(&d->watchdog);
 	uv_close((uv_handle_t *)&d->watchdog, NULL);
