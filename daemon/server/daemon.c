@@ -165,7 +165,7 @@ void daemon_begin_shutdown(struct daemon *d, const char *why)
 	d->ready = false;
 	log_info("shutting down (%s); %u requests in flight", why, d->inflight);
 	systemd_notify(d, "STOPPING=1");
-	conn_server_close(d);
+	listen_close(d);
 	if (d->inflight == 0)
 		finish_shutdown(d);
 	else
@@ -484,7 +484,7 @@ int daemon_start(struct daemon *d)
 		finish_shutdown(d);
 		return -1;
 	}
-	if (!d->server_open && conn_listen(d, &err) != 0) {
+	if (!d->server_open && listen_open(d, &err) != 0) {
 		log_error("%s", err.message);
 		finish_shutdown(d);
 		return -1;

@@ -209,11 +209,13 @@ void request_acquire(struct request *req, struct adapter *a, const struct scan_a
 /* Reads the `name` field; on error fails the request (INVALID_NAME) and returns -1. */
 int request_name(struct request *req, const char **name, uint32_t *len);
 
+/* listen.c: the socket file (bound, stale one replaced, removed at the end) */
+int listen_open(struct daemon *d, struct proto_err *err);
+void listen_close(struct daemon *d);
+
 /* conn.c */
-int conn_listen(struct daemon *d, struct proto_err *err);
-/* Starts accepting on d->server (bound here, or inherited from systemd). */
+/* Starts accepting on d->server (bound by listen.c, or inherited from systemd). */
 void conn_start_listening(struct daemon *d, int *rc);
-void conn_server_close(struct daemon *d);
 void conn_send(struct conn *c, struct outmsg *out);
 void conn_ref(struct conn *c);
 void conn_unref(struct conn *c);
