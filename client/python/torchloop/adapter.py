@@ -254,19 +254,22 @@ class _Driver:
             return body, []
         if not callable(body):
             raise TypeError("body must be a callable body(carry, x) -> (new_carry, y)")
-        xs = leaves[n_carry:]
-        rows = _rows(xs, self.max_steps)
+        rows = _rows(leaves, n_carry, self.max_steps)
         if rows is None:
-            check_rows(inputs_def, xs, self.max_steps)
+            check_rows(inputs_def, leaves[n_carry:], self.max_steps)
         cs = leaves[:n_carry]
-        if any(t.requires_grad for t in cs):  # the body sees the carry's values only
-            cs = [t.detach() for t in cs]
-            carry = unflatten(carry_def, cs, [0])
+        for t in cs:
+            if t.requires_grad:  # the body sees the carry's values only
+                cs = [t.detach() for t in cs]
+                carry = unflatten(carry_def, cs, [0])
+                break
         g, args, result = self.capturer.capture(body, carry, unflatten(inputs_def, rows, [0]))
+        if g.plain is not None:  # bound, and nothing baked: the one document
+            return g.plain, g.pick_live(args)
         if not g.bound:
             g.bind(args, cs, rows, result, leaves[0].dtype)
         target = g.document(args, cs + rows, n_carry, carry_def, inputs_def, self.graph_def)
-        return target, [args[j] for j in g.live]
+        return target, g.pick_live(args)
 
     def scan(self, body: Callable[..., Any], carry: Any, inputs: Any) -> tuple[Any, Any]:
         if torch.compiler.is_compiling():
@@ -293,16 +296,16 @@ class _Driver:
 Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
 
 
-def _rows(xs: list[torch.Tensor], max_steps: int) -> list[torch.Tensor] | None:
+def _rows(leaves: list[torch.Tensor], n_carry: int, max_steps: int) -> list[torch.Tensor] | None:
     """Row 0 of every input leaf (what capture traces the step at), or None
     when check_rows has an error to raise."""
-    if not xs or not xs[0].ndim:
+    if len(leaves) <= n_carry or not leaves[n_carry].ndim:
         return None
-    steps = xs[0].shape[0]
+    steps = leaves[n_carry].shape[0]
     if not 1 <= steps <= max_steps:
         return None
     rows = []
-    for t in xs:
+    for t in leaves[n_carry:]:
         if not t.ndim or t.shape[0] != steps:
             return None
         rows.append(t.detach()[0] if t.requires_grad else t[0])

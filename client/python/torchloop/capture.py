@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _graph
+from . import _graph, _polyfills
 from ._graph import CaptureError, TreeDef
 
 MAX_VARIANTS = 16  # exported graphs kept per capture (one per set of baked values)
@@ -55,8 +55,12 @@ RECORDED = _Recorded()
 
 def code_key(body: object) -> object:
     """What one compiled step is made for: the body's code (a closure rebuilt
-    per run shares it), a partial's or a method's function's code."""
-    fn = getattr(body, "func", None) or getattr(body, "__func__", None) or body
+    per run shares it; a bound method reads its function's), a partial's
+    function's code."""
+    code = getattr(body, "__code__", None)
+    if code is not None:
+        return code
+    fn = getattr(body, "func", None) or body
     return getattr(fn, "__code__", None) or type(fn)
 
 
@@ -75,12 +79,17 @@ class StepGraph:
         self.live: list[int] = []
         self.baked: list[int] = []
         self.bound = False
+        self.plain: Optional[tuple[str, str]] = None  # the document, once bound with nothing baked
         self.docs: dict[bytes, tuple[str, str]] = {}  # baked values' digest -> (name, text)
         self.lock = threading.Lock()
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         RECORDED.call = (self, args)
         return self.fake
+
+    def pick_live(self, args: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """This call's live captured tensors (the request's params)."""
+        return [args[j] for j in self.live]
 
     def bind(self, args: tuple[torch.Tensor, ...], carry: list[torch.Tensor],
              xrow: list[torch.Tensor], result: object, dtype: torch.dtype) -> None:
@@ -146,6 +155,8 @@ class StepGraph:
                 if len(self.docs) >= MAX_VARIANTS:  # the oldest baked values go
                     self.docs.pop(next(iter(self.docs)))
                 doc = self.docs[digest] = (_graph.identity(text, **definition), text)
+                if not baked:
+                    self.plain = doc
             return doc
 
 
@@ -273,6 +284,7 @@ class Capturer:
             with self.lock:
                 entry = self.steps.get(key)
                 if entry is None:
+                    _polyfills.register()  # array_namespace's guards, once
                     # a code object of its own: dynamo's recompile limit (8
                     # variants) counts per body code, not per adapter
                     unique = FunctionType(_step.__code__.replace(), _step.__globals__)
@@ -300,7 +312,7 @@ class Capturer:
         finally:
             if grad:
                 torch._C._set_grad_enabled(True)
-        rec, RECORDED.call = RECORDED.call, None
+        rec = RECORDED.call
         if rec is None:
             raise RuntimeError(
                 "torch.compile ran the body without a graph (its recompile limit, "
@@ -308,4 +320,5 @@ class Capturer:
                 "was reached for this body, or compilation is disabled); torchloop needs the "
                 "captured graph"
             )
+        RECORDED.call = None
         return rec[0], rec[1], result
