@@ -22,17 +22,19 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(
 # the access-control test connects as uid 65534: scratch must be traversable
 chmod 755 "$TORCHLOOP_TEST_TMP"
 start=$(date +%s)
+# Inductor compiles so far (the daemons' logs say "compiling" once each)
+compiles() { grep -h 'compiling ' "$TORCHLOOP_TEST_TMP"/*/log 2>/dev/null | wc -l; }
 for bin in "$@"; do
 	[ -x "$bin" ] || continue
 	echo "=== $bin"
-	t0=$(date +%s)
+	t0=$(date +%s) c0=$(compiles)
 	# --verbose: a line per test, so that skips are seen and counted (Criterion
 	# leaves them out of "Tested") and times kept; the RUN/PASS lines are not shown
 	out=$("$bin" --jobs "${CRITERION_JOBS:-2}" --verbose 2>&1); rc=$?
 	printf '%s\n' "$out" | grep -vE '^\[(RUN |PASS)\] '
 	printf '%s\n' "$out" | sed -n 's/^\[PASS\] \(.*\): (\([0-9.]*\)s)$/\2 \1/p' >>"$times"
 	skipped=$((skipped + $(printf '%s\n' "$out" | grep -c '^\[SKIP\]')))
-	echo "(${bin##*/}: $(( $(date +%s) - t0 )) s)"
+	echo "(${bin##*/}: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
 	line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
 	t=$(sed -n 's/.*Tested: \([0-9]*\).*/\1/p' <<<"$line")
 	p=$(sed -n 's/.*Passing: \([0-9]*\).*/\1/p' <<<"$line")
@@ -59,7 +61,7 @@ if [ "${TORCHLOOP_TEST_SAN:-0}" = 1 ]; then
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1
 		LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)")
 fi
-t0=$(date +%s)
+t0=$(date +%s) c0=$(compiles)
 # two processes, a file each at a time (a file's tests share their daemons):
 # while one waits on a compile, the other runs
 xdist=()
@@ -70,7 +72,7 @@ else
 fi
 out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --durations=15 tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
-echo "(pytest: $(( $(date +%s) - t0 )) s)"
+echo "(pytest: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
 count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' | head -1; }
 p=$(count passed)
@@ -85,7 +87,7 @@ skipped=$((skipped + ${k:-0}))
 echo "slowest Criterion tests (s):"
 sort -rn "$times" | head -10 | sed 's/^/  /'
 rm -f "$times"
-echo "compiles in this run: $(grep -h 'compiling ' "$TORCHLOOP_TEST_TMP"/*/log 2>/dev/null | wc -l) (cache: $TORCHLOOP_TEST_CACHE)"
+echo "compiles in this run: $(compiles) (cache: $TORCHLOOP_TEST_CACHE)"
 echo "test time: $(( $(date +%s) - start )) s"
 echo "tests: $passed passed, $failed failed, $skipped skipped"
 exit $status

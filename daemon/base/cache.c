@@ -499,13 +499,15 @@ int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
 void cache_quarantine(const struct cache *c, const char *key, const char *why)
 {
 	static const char *const exts[] = {"meta", "so"};
+	static atomic_uint seq; /* one key quarantined twice in a second keeps both */
 	char src[PATH_MAX], dst[PATH_MAX];
 	long stamp = (long)time(NULL);
+	unsigned n = atomic_fetch_add(&seq, 1);
 
 	for (size_t i = 0; i < 2; i++) {
 		entry_path(c, key, exts[i], src, sizeof src);
-		snprintf(dst, sizeof dst, "%s/quarantine/%s.%ld.%ld.%s", c->dir, key, stamp,
-		         (long)getpid(), exts[i]);
+		snprintf(dst, sizeof dst, "%s/quarantine/%s.%ld.%ld.%u.%s", c->dir, key, stamp,
+		         (long)getpid(), n, exts[i]);
 		if (rename(src, dst) != 0 && errno != ENOENT)
 			unlink(src);
 	}
