@@ -111,16 +111,6 @@ bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
 	       a->def.max_elements == def->max_elements && a->def.budget == def->budget;
 }
 
-struct adapter *adapter_find(struct registry *r, const char *name, size_t len)
-{
-	for (struct adapter *a = r->head; a; a = a->next)
-		if (strlen(a->def.name) == len && memcmp(a->def.name, name, len) == 0) {
-			a->last_found = ++r->tick;
-			return a;
-		}
-	return NULL;
-}
-
 unsigned adapter_count_graphs(struct registry *r, uid_t owner, struct adapter **lru)
 {
 	unsigned n = 0;

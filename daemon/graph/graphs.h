@@ -24,6 +24,7 @@
 #include "runner.h"
 #include "tree.h"
 
+#include <assert.h>
 #include <msgpack.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -141,7 +142,7 @@ struct specialization {
 	bool from_cache;
 	uint64_t runs;     /* completed runs (loop thread only) */
 	double run_ema_us; /* their engine time, exponential moving average */
-	/* OpenMP team for its runs (scanrun.c): tried both ways on the first runs,
+	/* OpenMP team for its runs (run.c): tried both ways on the first runs,
 	 * then the faster kept; loop thread only */
 	int omp_team; /* 0 while trying */
 	unsigned omp_tries;
@@ -212,7 +213,16 @@ void adapter_def_defaults(struct adapter_def *def);
  * dropped; *unchanged: the same definition was registered already. */
 struct adapter *adapter_register(struct registry *r, struct adapter_def *def, bool *replaced,
                                  bool *unchanged);
-struct adapter *adapter_find(struct registry *r, const char *name, size_t len);
+/* The adapter named so (inline: every request looks one up). */
+static inline struct adapter *adapter_find(struct registry *r, const char *name, size_t len)
+{
+	for (struct adapter *a = r->head; a; a = a->next)
+		if (strlen(a->def.name) == len && memcmp(a->def.name, name, len) == 0) {
+			a->last_found = ++r->tick;
+			return a;
+		}
+	return NULL;
+}
 int adapter_unregister(struct registry *r, const char *name, size_t len);
 /* Captured-graph adapters of owner; *lru: the least recently found one. */
 unsigned adapter_count_graphs(struct registry *r, uid_t owner, struct adapter **lru);
@@ -235,6 +245,7 @@ static inline void adapter_ref(struct adapter *a)
 
 static inline void adapter_unref(struct adapter *a)
 {
+	assert(a->refs > 0);
 	if (--a->refs > 0)
 		return;
 	free(a->def.source);
@@ -281,8 +292,20 @@ void graphs_close(struct graphs *g);
  * run (maybe before this returns) or cannot. */
 void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args *args,
                     struct graph_waiter *w);
-void graphs_ref(struct specialization *sp);
-void graphs_unref(struct specialization *sp);
+/* Frees a specialization its last reference let go (specs.c). */
+void spec_free(struct specialization *sp);
+/* (inline: a warm scan holds and lets go of its specialization) */
+static inline void graphs_ref(struct specialization *sp)
+{
+	sp->refs++;
+}
+
+static inline void graphs_unref(struct specialization *sp)
+{
+	assert(sp->refs > 0);
+	if (--sp->refs == 0)
+		spec_free(sp);
+}
 void graphs_drop_all(struct adapter *a);
 /*
  * Stacked outputs within max_elements at this batch size (the specialization's

@@ -31,20 +31,13 @@ void spec_unlock(struct specialization *sp)
 	sp->lock_fd = -1;
 }
 
-void graphs_ref(struct specialization *sp)
-{
-	sp->refs++;
-}
-
 static void progress_closed(uv_handle_t *h)
 {
 	free(h);
 }
 
-void graphs_unref(struct specialization *sp)
+void spec_free(struct specialization *sp)
 {
-	if (--sp->refs > 0)
-		return;
 	if (sp->progress)
 		uv_close((uv_handle_t *)sp->progress, progress_closed);
 	engine_unload(sp->graph);

@@ -6,7 +6,7 @@
  * without a single tensor being sent: an unprivileged client could fill the
  * budget for everyone (docs/operations.md, "Who may do what").
  */
-#include "scanrun.h"
+#include "op_scan.h"
 #include "describe.h"
 
 #include "signature.h"
@@ -99,8 +99,8 @@ static void op_compile(struct request *req)
 	req->adapter = a;
 	a->stats.requests++;
 	if (parse(req, &args, &err) != 0 ||
-	    scanrun_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
-	    scanrun_chunk(req, a, &args, &err) != 0) {
+	    op_scan_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
+	    op_scan_chunk(req, a, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

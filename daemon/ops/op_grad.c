@@ -5,7 +5,7 @@
  * The vjp graph is its own specialization (kind "grad", or with checkpoint
  * "grad_checkpoint") and counts against the adapter's budget.
  */
-#include "scanrun.h"
+#include "op_scan.h"
 #include "shm.h"
 #include "signature.h"
 
@@ -124,7 +124,7 @@ static int add_cotangents(struct run_job *j, struct request *req, struct special
 static void grad_ready(struct request *req, struct specialization *sp)
 {
 	struct proto_err err;
-	struct run_job *j = scanrun_new(req, sp, &err);
+	struct run_job *j = op_scan_new(req, sp, &err);
 
 	if (j == NULL) {
 		request_fail(req, &err);
@@ -135,7 +135,7 @@ static void grad_ready(struct request *req, struct specialization *sp)
 		request_fail(req, &err);
 		return;
 	}
-	scanrun_start(j, req);
+	op_scan_start(j, req);
 }
 
 static int optional_tree(struct request *req, const char *key, struct tree_node *out,
@@ -155,7 +155,7 @@ static int pair_cot_carry(struct request *req, struct proto_err *err)
 
 	if (!req->params || req->cot_carry.kind == TREE_NONE)
 		return 0;
-	return scanrun_pair(req, &req->cot_carry, &none, err);
+	return op_scan_pair(req, &req->cot_carry, &none, err);
 }
 
 /* checkpoint: true asks for the checkpointed VJP (carries saved, steps
@@ -178,8 +178,8 @@ static void op_grad(struct request *req)
 	struct proto_err err;
 
 	if (grad_kind(req, &kind, &err) != 0 ||
-	    scanrun_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
-	    scanrun_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
+	    op_scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	    op_scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
 	    optional_tree(req, "cot_carry", &req->cot_carry, &err) != 0 ||
 	    pair_cot_carry(req, &err) != 0 ||
 	    optional_tree(req, "cot_outputs", &req->cot_outputs, &err) != 0 ||

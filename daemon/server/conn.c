@@ -28,6 +28,7 @@
 #include "log.h"
 #include "shm.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
@@ -197,6 +198,7 @@ void conn_ref(struct conn *c)
 
 void conn_unref(struct conn *c)
 {
+	assert(c->refs > 0);
 	if (--c->refs > 0)
 		return;
 	if (c->pending_fd >= 0)

@@ -28,6 +28,7 @@ void request_free(struct request *req)
 		adapter_unref(req->adapter);
 	msg_destroy(&req->msg);
 	frame_free(req->body);
+	assert(req->conn->inflight > 0);
 	req->conn->inflight--;
 	req->conn->last_activity = log_now();
 	conn_account_request(req->conn, -(int64_t)req->len);

@@ -339,7 +339,7 @@ def syscalls_per_scan(build: str, d: Daemon, tmp: str, iters: int = 2000) -> dic
     return calls
 
 
-PROFILE_FUNCS = ("on_read", "ops_dispatch", "msg_parse", "scanrun_decode", "scanrun_validate",
+PROFILE_FUNCS = ("on_read", "ops_dispatch", "msg_parse", "op_scan_decode", "op_scan_validate",
                  "graphs_acquire", "signature_of", "engine_run", "conn_send", "after_run")
 
 

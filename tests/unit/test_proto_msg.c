@@ -164,57 +164,53 @@ Test(msg, integers_exclude_bools_and_floats_as_in_the_reference)
 	tbuf_destroy(&b);
 }
 
-Test(msg, an_error_reply_round_trips_code_message_and_path)
+/* sent, written as an error reply (with id when has_id) and parsed back:
+ * the reply's message, got from it */
+static void error_round_trip(const struct proto_err *sent, bool has_id, uint64_t id, struct msg *m,
+                             struct proto_err *got)
 {
 	struct writer w;
-	struct proto_err sent, got;
-	struct msg m;
 	size_t len;
 	uint8_t *bytes, *body;
 
-	proto_fail(&sent, PROTO_E_TOO_MANY_STEPS, "inputs[\"f\"][1]",
-	           "inputs[\"f\"][1]: T=200 exceeds max_steps=128");
 	cr_assert_eq(writer_init(&w), 0);
-	msg_write_error(&w, true, 77, &sent);
+	msg_write_error(&w, has_id, id, sent);
 	bytes = writer_to_bytes(&w, &len);
 	writer_destroy(&w);
 	body = frame_alloc(len - 4);
 	memcpy(body, bytes + 4, len - 4);
-	cr_assert_eq(msg_parse(&m, body, len - 4, MSG_REPLY, &got), 0);
-	cr_assert(m.is_error);
+	free(bytes);
+	cr_assert_eq(msg_parse(m, body, len - 4, MSG_REPLY, got), 0);
+	cr_assert(m->is_error);
+	cr_assert_eq(m->has_id, has_id);
+	msg_reply_error(m, got);
+	msg_destroy(m);
+	frame_free(body);
+}
+
+Test(msg, an_error_reply_round_trips_code_message_and_path)
+{
+	struct proto_err sent, got;
+	struct msg m;
+
+	proto_fail(&sent, PROTO_E_TOO_MANY_STEPS, "inputs[\"f\"][1]",
+	           "inputs[\"f\"][1]: T=200 exceeds max_steps=128");
+	error_round_trip(&sent, true, 77, &m, &got);
 	cr_assert_eq(m.id, 77);
-	msg_reply_error(&m, &got);
 	cr_assert_eq(got.code, PROTO_E_TOO_MANY_STEPS);
 	cr_assert_str_eq(got.path, sent.path);
 	cr_assert_str_eq(got.message, sent.message);
-	msg_destroy(&m);
-	frame_free(body);
-	free(bytes);
 }
 
 Test(msg, an_error_without_an_id_carries_nil)
 {
-	struct writer w;
 	struct proto_err sent, got;
 	struct msg m;
-	size_t len;
-	uint8_t *bytes, *body;
 
 	proto_fail(&sent, PROTO_E_NOT_A_MAP, NULL, "frame body must be a msgpack map");
-	cr_assert_eq(writer_init(&w), 0);
-	msg_write_error(&w, false, 0, &sent);
-	bytes = writer_to_bytes(&w, &len);
-	writer_destroy(&w);
-	body = frame_alloc(len - 4);
-	memcpy(body, bytes + 4, len - 4);
-	cr_assert_eq(msg_parse(&m, body, len - 4, MSG_REPLY, &got), 0);
-	cr_assert_not(m.has_id);
-	msg_reply_error(&m, &got);
+	error_round_trip(&sent, false, 0, &m, &got);
 	cr_assert_eq(got.code, PROTO_E_NOT_A_MAP);
 	cr_assert_str_eq(got.path, "");
-	msg_destroy(&m);
-	frame_free(body);
-	free(bytes);
 }
 
 Test(msg, a_stream_stays_usable_after_a_malformed_but_framed_message)

@@ -276,23 +276,23 @@ static void int_key(struct tbuf *b)
 	msgpack_pack_int(&b->pk, 1);
 	msgpack_pack_nil(&b->pk);
 }
-static void long_key(struct tbuf *b)
+/* {"kkk…": None} with a key of n bytes */
+static void key_of(struct tbuf *b, size_t n)
 {
 	char k[258];
-	memset(k, 'k', 257);
-	k[257] = '\0';
+	memset(k, 'k', n);
+	k[n] = '\0';
 	msgpack_pack_map(&b->pk, 1);
 	tbuf_str(b, k);
 	msgpack_pack_nil(&b->pk);
 }
+static void long_key(struct tbuf *b)
+{
+	key_of(b, 257);
+}
 static void key_256(struct tbuf *b)
 {
-	char k[257];
-	memset(k, 'k', 256);
-	k[256] = '\0';
-	msgpack_pack_map(&b->pk, 1);
-	tbuf_str(b, k);
-	msgpack_pack_nil(&b->pk);
+	key_of(b, 256);
 }
 static void unknown_ext(struct tbuf *b)
 {

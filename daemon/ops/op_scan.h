@@ -1,9 +1,9 @@
 /*
- * scanrun.h - validation, execution and replies shared by the scan, grad
- * and compile ops (scanrun.c).  Loop thread, except the pool work inside.
+ * op_scan.h - validation, execution and replies the scan, grad and compile
+ * ops share (op_scan.c).  Loop thread, except the pool work inside.
  */
-#ifndef TORCHLOOP_SCANRUN_H
-#define TORCHLOOP_SCANRUN_H
+#ifndef TORCHLOOP_OP_SCAN_H
+#define TORCHLOOP_OP_SCAN_H
 
 #include "daemon.h"
 #include "graphs.h"
@@ -13,17 +13,17 @@
  * contract; fills args (dtype, steps).  Errors name the leaf path; with
  * params, carry is the pair (carry, params) and paths say which.
  */
-int scanrun_validate(const struct adapter *a, const struct tree_node *carry, bool params,
+int op_scan_validate(const struct adapter *a, const struct tree_node *carry, bool params,
                      const struct tree_node *inputs, struct scan_args *args, struct proto_err *err);
 
 /* Reads `adapter`, `carry`, `inputs` and `params` (optional: then carry is
  * the pair (carry, params) and req->params is set); sets req->adapter (a
  * reference). */
-int scanrun_decode(struct request *req, struct adapter **a, struct tree_node *carry,
+int op_scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                    struct tree_node *inputs, struct proto_err *err);
 
 /* first becomes the tuple (first, second), its nodes in req's zone. */
-int scanrun_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
+int op_scan_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
                  struct proto_err *err);
 
 /*
@@ -32,7 +32,7 @@ int scanrun_pair(struct request *req, struct tree_node *first, const struct tree
  * (args now say so) and runs it T / PROTO_CHUNK_STEPS times (req->chunks).
  * Anything else is left as it is.
  */
-int scanrun_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
+int op_scan_chunk(struct request *req, const struct adapter *a, struct scan_args *args,
                   struct proto_err *err);
 
 /*
@@ -40,11 +40,11 @@ int scanrun_chunk(struct request *req, const struct adapter *a, struct scan_args
  * into its shared-memory area if it named one.  NULL with err: out of memory,
  * or (symbolic batch) stacked outputs over max_elements at that batch size.
  * The request's carry and inputs are its first inputs; more (a grad's cotangents)
- * are added with run_add / run_slots (graphs.h); scanrun_start submits
+ * are added with run_add / run_slots (graphs.h); op_scan_start submits
  * it and replies to req with its results or its error; a job that cannot be
  * started is freed with run_free.
  */
-struct run_job *scanrun_new(struct request *req, struct specialization *sp, struct proto_err *err);
-void scanrun_start(struct run_job *j, struct request *req);
+struct run_job *op_scan_new(struct request *req, struct specialization *sp, struct proto_err *err);
+void op_scan_start(struct run_job *j, struct request *req);
 
 #endif
