@@ -146,6 +146,10 @@ $(BUILD)/bench_c: tests/bench/bench_c.c $(BUILD)/libdaemon.a $(BUILD)/libtorchlo
 		$(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 bench: build
+	@mkdir -p $(BUILD)/bench
+	@c=$$(git rev-parse --short HEAD 2>/dev/null || echo '?'); \
+	 git status --porcelain -- . ':!docs' 2>/dev/null | grep -q . && c="$$c with uncommitted changes"; \
+	 echo "$$c" > $(BUILD)/bench/commit
 	@$(MAKE) --no-print-directory $(BUILD)/bench_c
 	@$(PY) -c 'import matplotlib' 2>/dev/null || .venv/bin/pip install -q -r requirements-bench.txt
 	$(PY) tests/bench/strategy.py $(BUILD) $(BUILD)/bench/strategy.json
@@ -154,6 +158,7 @@ bench: build
 	$(PY) tests/bench/outvariant.py $(BUILD)/bench/outvariant.json
 	$(PY) tests/bench/bigruns.py $(BUILD) $(BUILD)/bench/bigruns.json
 	$(PY) tests/bench/capture.py $(BUILD) $(BUILD)/bench/capture.json
+	$(PY) tests/bench/eagerfirst.py $(BUILD) $(BUILD)/bench/eagerfirst.json
 	$(PY) tests/bench/checkpoint.py $(BUILD) $(BUILD)/bench/checkpoint.json
 	$(PY) tests/bench/remote.py $(BUILD) $(BUILD)/bench/remote.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)

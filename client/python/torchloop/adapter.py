@@ -31,6 +31,7 @@ from typing import Any, Callable, NoReturn, Sequence, Union
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._eagerfirst import EagerFirst, copied, eager_scan
 from .capture import Capturer
 from .client import Client
 from .errors import TorchloopError, TorchloopValueError
@@ -167,8 +168,11 @@ class _Driver:
     module-level body's module source is registered (admins only)."""
 
     def __init__(self, max_steps: int, max_elements: int, socket: str | None,
-                 name: str | None, dynamic: str | None = None, capture: bool = True) -> None:
+                 name: str | None, dynamic: str | None = None, capture: bool = True,
+                 eager_first: bool = False) -> None:
         self.max_steps, self.max_elements = max_steps, max_elements
+        # _eagerfirst.py: captured graphs' scans run in process while they compile
+        self.eager = EagerFirst(socket) if eager_first else None
         self.dynamic = dynamic
         self.socket = socket
         self.client = Client(socket)
@@ -190,7 +194,7 @@ class _Driver:
     def __reduce__(self) -> tuple[Any, ...]:
         """A driver pickles as its settings: the unpickled one connects anew."""
         return (_Driver, (self.max_steps, self.max_elements, self.socket, self.name,
-                          self.dynamic, self.capture))
+                          self.dynamic, self.capture, self.eager is not None))
 
     def adapter_for(self, body: Callable[..., Any]) -> str:
         try:  # a body seen before: its module's source is not read again
@@ -285,12 +289,30 @@ class _Driver:
         target, params = self.prepare(body, carry, carry_def, inputs_def, leaves, n_carry)
         call = _Call(self, target, carry_def, inputs_def, n_carry, len(params), checkpointed)
         every = leaves + params
-        if torch.is_grad_enabled() and any(t.requires_grad for t in every):
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in every)
+        if self.eager is not None and isinstance(target, tuple) and \
+                self._compiling(target, every, grad, checkpointed, carry, inputs, params):
+            return eager_scan(body, carry, inputs_def, leaves[n_carry:], flatten, unflatten)
+        if grad:
             flat = _ScanFunction.apply(call, *every)
             pos = [0]
             return unflatten(call.final_def, list(flat), pos), unflatten(call.outputs_def, list(flat), pos)
         res = call.send("scan", carry, inputs, params)  # the user's own trees: checked by flatten
         return res["carry"], res["outputs"]
+
+
+    def _compiling(self, target: tuple[str, str], every: list[torch.Tensor], grad: bool,
+                   checkpointed: bool, carry: Any, inputs: Any, params: list[torch.Tensor]) -> bool:
+        """eager_first: whether the daemon is compiling this scan's graph
+        (_eagerfirst.py; the graph is registered first)."""
+        assert self.eager is not None
+        name, text = target
+        if name not in self.graphs:
+            self._register_graph(name, text)
+        key = EagerFirst.key(name, every, grad, checkpointed)
+        return self.eager.runs_eagerly(
+            key, lambda: dict(adapter=name, carry=copied(carry), inputs=copied(inputs),
+                              params=tuple(copied(p) for p in params)), grad, checkpointed)
 
 
 Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
@@ -462,12 +484,18 @@ def checkpoint(body: Callable[..., Any]) -> Checkpointed:
 
 def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_ELEMENTS,
                  socket: str | None = None, name: str | None = None,
-                 dynamic: str | None = None, capture: bool | None = None) -> Any:
+                 dynamic: str | None = None, capture: bool | None = None,
+                 eager_first: bool = False) -> Any:
     """A LoopAdapter whose scan runs in torchloopd (see the module docstring).
 
     dynamic="batch" compiles one graph per (structure, T, dtype) that serves
     every batch size: dimension 0 of each carry leaf and dimension 1 of each
     input leaf (docs/protocol.md, "Symbolic batch").
+
+    eager_first=True (captured bodies): while the daemon compiles a scan's
+    graph, that scan and the same scans after it run the body eagerly in
+    this process; the scan after the compile goes to the daemon
+    (_eagerfirst.py).
 
     Raises ValueError with the reference adapter's messages for bad bounds or
     a torch older than 2.14, and for a dynamic other than None, "none" or
@@ -481,5 +509,7 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
     elif capture and dynamic == "batch":
         raise ValueError('dynamic="batch" needs capture=False: a captured graph has the '
                          "static shapes it was captured at")
-    driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture)
+    if eager_first and not capture:
+        raise ValueError("eager_first=True needs capture: a source body is not traced here")
+    driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture, bool(eager_first))
     return _adapter_class()(scan=driver.scan, checkpoint=checkpoint)
