@@ -22,8 +22,9 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(
 # the access-control test connects as uid 65534: scratch must be traversable
 chmod 755 "$TORCHLOOP_TEST_TMP"
 start=$(date +%s)
-# Inductor compiles so far (the daemons' logs say "compiling" once each)
-compiles() { grep -h 'compiling ' "$TORCHLOOP_TEST_TMP"/*/log 2>/dev/null | wc -l; }
+# Inductor compiles so far: the daemons' logs (the C suites' and, under
+# pytest's basetemp, the Python suite's) say "compiling" once each
+compiles() { find "$TORCHLOOP_TEST_TMP" -name log -type f -exec grep -h 'compiling ' {} + 2>/dev/null | wc -l; }
 for bin in "$@"; do
 	[ -x "$bin" ] || continue
 	echo "=== $bin"
@@ -70,7 +71,8 @@ if .venv/bin/python -c 'import xdist' 2>/dev/null; then
 else
 	echo "!!! pytest-xdist is not installed (make setup): the Python tests run in one process"
 fi
-out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --durations=15 tests/python 2>&1); rc=$?
+out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --durations=15 \
+	--basetemp "$TORCHLOOP_TEST_TMP/pytest" tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
 echo "(pytest: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)

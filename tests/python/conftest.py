@@ -83,7 +83,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def open_daemon() -> Iterator[str]:
     """A daemon every uid can reach (socket 0666 in a 0755 directory), holding
     at most 4 captured graphs per uid: for the non-admin tests."""
-    tmp = Path(tempfile.mkdtemp(prefix="torchloop-open-"))
+    # under the run's scratch when there is one (0755; run-tests.sh counts
+    # compiles in the logs there)
+    tmp = Path(tempfile.mkdtemp(prefix="torchloop-open-", dir=os.environ.get("TORCHLOOP_TEST_TMP")))
     tmp.chmod(0o755)
     try:
         with running_daemon(tmp, "--socket-mode", "0666", "--max-graphs-per-uid", "4") as sock:

@@ -14,6 +14,7 @@ again.  Compiles: one (T = 3; the restarted daemon loads it from the cache).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -56,7 +57,7 @@ def up(tmp: Path) -> subprocess.Popen:
 
 @pytest.fixture
 def tmp() -> Path:
-    d = Path(tempfile.mkdtemp(prefix="torchloop-restart-"))
+    d = Path(tempfile.mkdtemp(prefix="torchloop-restart-", dir=os.environ.get("TORCHLOOP_TEST_TMP")))
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
