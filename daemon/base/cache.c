@@ -8,6 +8,7 @@
  * symlink planted there is refused, never waited on or followed).
  */
 #include "cache.h"
+#include "cache_internal.h"
 
 #include "log.h"
 
@@ -29,16 +30,6 @@
 #include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
-
-/* An I/O failure: the machine's, never remembered against a graph. */
-static int sys_fail(struct proto_err *err, const char *what, const char *path)
-{
-	int e = errno;
-
-	proto_fail(err, PROTO_E_INTERNAL, NULL, "%s: %s %s", strerror(e), what, path);
-	err->flags = PROTO_ERR_TRANSIENT;
-	return -1;
-}
 
 static int mkdir_p(const char *path, mode_t mode)
 {
@@ -64,7 +55,7 @@ int cache_trusted_dir(const char *path, struct proto_err *err)
 	struct stat st;
 
 	if (lstat(path, &st) != 0)
-		return sys_fail(err, "cannot stat", path);
+		return cache_sys_fail(err, "cannot stat", path);
 	if (!S_ISDIR(st.st_mode))
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "%s is not a directory", path);
 	if (st.st_uid != geteuid())
@@ -87,7 +78,7 @@ static int sub(const struct cache *c, const char *name, struct proto_err *err)
 
 	snprintf(p, sizeof p, "%s/%s", c->dir, name);
 	if (mkdir(p, 0700) != 0 && errno != EEXIST)
-		return sys_fail(err, "cannot create", p);
+		return cache_sys_fail(err, "cannot create", p);
 	return cache_trusted_dir(p, err);
 }
 
@@ -115,13 +106,13 @@ int cache_open(struct cache *c, const char *dir, struct proto_err *err)
 		                  dir);
 	snprintf(c->dir, sizeof c->dir, "%s", dir);
 	if (mkdir_p(dir, 0700) != 0)
-		return sys_fail(err, "cannot create cache directory", dir);
+		return cache_sys_fail(err, "cannot create cache directory", dir);
 	if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
-		return sys_fail(err, "cache path is not a directory:", dir);
+		return cache_sys_fail(err, "cache path is not a directory:", dir);
 	if (cache_trusted_dir(dir, err) != 0)
 		return -1;
 	if (access(dir, W_OK | X_OK) != 0)
-		return sys_fail(err, "cache directory is not writable:", dir);
+		return cache_sys_fail(err, "cache directory is not writable:", dir);
 	if (statvfs(dir, &vfs) == 0 && (vfs.f_flag & ST_NOEXEC))
 		return proto_fail(err, PROTO_E_INTERNAL, NULL,
 		                  "cache directory %s is on a noexec mount: compiled graphs could "
@@ -229,15 +220,9 @@ void cache_key(const char *const *parts, size_t n, char hex[CACHE_KEY_HEX])
 	sha256_hex(d, hex);
 }
 
-static void entry_path(const struct cache *c, const char *key, const char *ext, char *out,
-                       size_t size)
-{
-	snprintf(out, size, "%s/objects/%s.%s", c->dir, key, ext);
-}
-
 void cache_so_path(const struct cache *c, const char *key, char *out, size_t size)
 {
-	entry_path(c, key, "so", out, size);
+	cache_entry_path(c, key, "so", out, size);
 }
 
 void cache_tmp_path(const struct cache *c, const char *key, char *out, size_t size)
@@ -256,7 +241,7 @@ int cache_load_link(const struct cache *c, const char *key, char *out, size_t si
 	cache_so_path(c, key, so, sizeof so);
 	cache_tmp_path(c, key, out, size);
 	if (link(so, out) != 0)
-		return sys_fail(err, "cannot link for loading", so);
+		return cache_sys_fail(err, "cannot link for loading", so);
 	return 0;
 }
 
@@ -386,7 +371,7 @@ int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta
 
 	*quarantined = 0;
 	cache_so_path(c, key, so, sizeof so);
-	entry_path(c, key, "meta", mp, sizeof mp);
+	cache_entry_path(c, key, "meta", mp, sizeof mp);
 	errno = 0;
 	buf = slurp(mp, &len);
 	if (buf == NULL) {
@@ -398,7 +383,7 @@ int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta
 			*quarantined = 1;
 			return 0;
 		}
-		return sys_fail(err, "cannot read", mp);
+		return cache_sys_fail(err, "cannot read", mp);
 	}
 	if (parse_meta(buf, len, key, meta) != 0 || keep_y(buf, len, meta) != 0) {
 		free(buf);
@@ -460,12 +445,12 @@ static int write_meta(const struct cache *c, const char *key, const struct cache
 	if (bytes == NULL)
 		return -1;
 	cache_tmp_path(c, key, tmp, sizeof tmp);
-	entry_path(c, key, "meta", dst, sizeof dst);
+	cache_entry_path(c, key, "meta", dst, sizeof dst);
 	fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
 	if (fd < 0 || write(fd, bytes + 4, len - 4) != (ssize_t)(len - 4) || fsync(fd) != 0)
-		sys_fail(err, "cannot write", tmp);
+		cache_sys_fail(err, "cannot write", tmp);
 	else if (rename(tmp, dst) != 0)
-		sys_fail(err, "cannot rename to", dst);
+		cache_sys_fail(err, "cannot rename to", dst);
 	else
 		rc = 0;
 	if (fd >= 0)
@@ -482,13 +467,13 @@ int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
 	char so[PATH_MAX], objects[PATH_MAX];
 
 	if (fsync_path(tmp_so, O_RDONLY) != 0)
-		return sys_fail(err, "cannot fsync", tmp_so);
+		return cache_sys_fail(err, "cannot fsync", tmp_so);
 	if (hash_regular(tmp_so, meta->sha256, &meta->size) != 0)
-		return sys_fail(err, "cannot hash", tmp_so);
+		return cache_sys_fail(err, "cannot hash", tmp_so);
 	chmod(tmp_so, 0500);
 	cache_so_path(c, key, so, sizeof so);
 	if (rename(tmp_so, so) != 0)
-		return sys_fail(err, "cannot rename to", so);
+		return cache_sys_fail(err, "cannot rename to", so);
 	if (write_meta(c, key, meta, err) != 0)
 		return -1;
 	snprintf(objects, sizeof objects, "%s/objects", c->dir);
@@ -505,99 +490,11 @@ void cache_quarantine(const struct cache *c, const char *key, const char *why)
 	unsigned n = atomic_fetch_add(&seq, 1);
 
 	for (size_t i = 0; i < 2; i++) {
-		entry_path(c, key, exts[i], src, sizeof src);
+		cache_entry_path(c, key, exts[i], src, sizeof src);
 		snprintf(dst, sizeof dst, "%s/quarantine/%s.%ld.%ld.%u.%s", c->dir, key, stamp,
 		         (long)getpid(), n, exts[i]);
 		if (rename(src, dst) != 0 && errno != ENOENT)
 			unlink(src);
 	}
 	fprintf(stderr, "torchloopd: warn cache: quarantined %.16s: %s\n", key, why);
-}
-
-/* The lock we hold is still the file at p (a holder that was done may
- * have removed it between our open and our flock). */
-static bool still_linked(int fd, const char *p)
-{
-	struct stat held, now;
-
-	return fstat(fd, &held) == 0 && stat(p, &now) == 0 && held.st_ino == now.st_ino &&
-	       held.st_dev == now.st_dev;
-}
-
-/*
- * A lock file lives only while it is held: its holder removes it before
- * letting go (cache_unlock), so objects/ does not keep one per key ever
- * compiled.  Whoever locked an inode that was removed meanwhile tries again
- * on the path's new file.
- */
-int cache_trylock(const struct cache *c, const char *key, int *fd, struct proto_err *err)
-{
-	char p[PATH_MAX];
-
-	entry_path(c, key, "lock", p, sizeof p);
-	for (int tries = 0; tries < 8; tries++) {
-		*fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
-		if (*fd < 0)
-			return sys_fail(err, "cannot open", p);
-		/* never blocks: a pool thread waiting here could wedge the whole pool */
-		if (flock(*fd, LOCK_EX | LOCK_NB) == 0) {
-			if (still_linked(*fd, p))
-				return 0;
-			close(*fd); /* removed by its last holder: the next open makes a new one */
-			continue;
-		}
-		if (errno == EWOULDBLOCK) {
-			close(*fd);
-			*fd = -1;
-			return 1;
-		}
-		sys_fail(err, "cannot lock", p);
-		close(*fd);
-		*fd = -1;
-		return -1;
-	}
-	*fd = -1;
-	return 1; /* other daemons keep taking and dropping it: retry later */
-}
-
-void cache_unlock(const struct cache *c, const char *key, int fd)
-{
-	char p[PATH_MAX];
-
-	if (fd < 0)
-		return;
-	entry_path(c, key, "lock", p, sizeof p);
-	if (still_linked(fd, p))
-		unlink(p); /* while held: nobody else holds this inode now */
-	flock(fd, LOCK_UN);
-	close(fd);
-}
-
-void cache_clean_locks(const struct cache *c)
-{
-	char dir[PATH_MAX];
-	DIR *d;
-	struct dirent *e;
-	struct proto_err err;
-	size_t removed = 0;
-
-	snprintf(dir, sizeof dir, "%s/objects", c->dir);
-	d = opendir(dir);
-	while (d && (e = readdir(d)) != NULL) {
-		size_t n = strlen(e->d_name);
-		char key[CACHE_KEY_HEX];
-		int fd;
-		if (n != CACHE_KEY_HEX - 1 + 5 || strcmp(e->d_name + n - 5, ".lock") != 0)
-			continue;
-		memcpy(key, e->d_name, CACHE_KEY_HEX - 1);
-		key[CACHE_KEY_HEX - 1] = '\0';
-		if (cache_trylock(c, key, &fd, &err) == 0) { /* not held: left by an older daemon */
-			cache_unlock(c, key, fd);
-			removed++;
-		}
-	}
-	if (d)
-		closedir(d);
-	if (removed)
-		log_info("cache: removed %zu lock file(s) nobody held", removed);
 }

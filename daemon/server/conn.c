@@ -537,27 +537,14 @@ static void read_peer(struct conn *c)
 	}
 }
 
-static unsigned uid_connections(const struct daemon *d, uid_t uid)
+/* A new connection accepted from server and linked into the daemon's list
+ * (not reading yet: listen.c admits it first); NULL when it could not be. */
+struct conn *conn_accept(struct daemon *d, uv_stream_t *server)
 {
-	unsigned n = 0;
+	struct conn *c = calloc(1, sizeof *c);
 
-	for (const struct conn *c = d->conns; c; c = c->next)
-		n += c->uid == uid;
-	return n;
-}
-
-static void on_connection(uv_stream_t *server, int status)
-{
-	struct daemon *d = server->data;
-	struct conn *c;
-
-	if (status != 0) {
-		log_warn("accept: %s", uv_strerror(status));
-		return;
-	}
-	c = calloc(1, sizeof *c);
 	if (c == NULL)
-		return;
+		return NULL;
 	uv_pipe_init(d->loop, &c->handle, 1); /* IPC: descriptors may come (attach) */
 	c->handle.data = c;
 	c->d = d;
@@ -565,7 +552,7 @@ static void on_connection(uv_stream_t *server, int status)
 	c->pending_fd = -1;
 	if (uv_accept(server, (uv_stream_t *)&c->handle) != 0) {
 		uv_close((uv_handle_t *)&c->handle, conn_closed);
-		return;
+		return NULL;
 	}
 	frame_reader_init(&c->reader, (uint32_t)d->cfg.max_frame);
 	read_peer(c);
@@ -576,31 +563,10 @@ static void on_connection(uv_stream_t *server, int status)
 		d->conns->prev = c;
 	d->conns = c;
 	d->n_conns++;
-	if (d->n_conns > (unsigned)d->cfg.max_connections || d->shutting_down) {
-		struct proto_err err;
-		proto_fail(&err, d->shutting_down ? PROTO_E_SHUTTING_DOWN : PROTO_E_BUSY, NULL,
-		           d->shutting_down ? "the daemon is stopping"
-		                            : "too many connections (max-connections=%lld)",
-		           d->cfg.max_connections);
-		if (!d->shutting_down)
-			d->stats.limit_breaches++;
-		conn_frame_error(c, &err, true);
-		return;
-	}
-	if (uid_connections(d, c->uid) > (unsigned)d->cfg.max_conns_per_uid) {
-		struct proto_err err;
-		proto_fail(&err, PROTO_E_BUSY, NULL,
-		           "too many connections from uid %d (max-connections-per-uid=%lld)",
-		           (int)c->uid, d->cfg.max_conns_per_uid);
-		d->stats.limit_breaches++;
-		conn_frame_error(c, &err, true);
-		return;
-	}
-	uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
+	return c;
 }
 
-/* Starts accepting on an already bound (or inherited) socket. */
-void conn_start_listening(struct daemon *d, int *rc)
+void conn_start_reading(struct conn *c)
 {
-	*rc = uv_listen((uv_stream_t *)&d->server, 128, on_connection);
+	uv_read_start((uv_stream_t *)&c->handle, on_alloc, on_read);
 }

@@ -215,7 +215,11 @@ void listen_close(struct daemon *d);
 
 /* conn.c */
 /* Starts accepting on d->server (bound by listen.c, or inherited from systemd). */
-void conn_start_listening(struct daemon *d, int *rc);
+/* listen.c: accepting on the bound socket; conn.c: a connection accepted,
+ * then read once admitted. */
+void listen_start(struct daemon *d, int *rc);
+struct conn *conn_accept(struct daemon *d, uv_stream_t *server);
+void conn_start_reading(struct conn *c);
 void conn_send(struct conn *c, struct outmsg *out);
 void conn_ref(struct conn *c);
 void conn_unref(struct conn *c);

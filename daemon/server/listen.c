@@ -2,7 +2,9 @@
  * listen.c - the listening socket's file: its directory made, a stale
  * socket left by a dead daemon replaced (never a live one, never another
  * kind of file), bound with --socket-mode, and removed at shutdown if it is
- * ours.  Accepting is conn.c's.  Loop thread.
+ * ours; connections accepted on it and admitted (max-connections,
+ * max-connections-per-uid, not while stopping), then read by conn.c.  Loop
+ * thread.
  */
 #include "daemon.h"
 
@@ -83,7 +85,7 @@ int listen_open(struct daemon *d, struct proto_err *err)
 			rc = uv_translate_sys_error(errno);
 	}
 	if (rc == 0)
-		conn_start_listening(d, &rc);
+		listen_start(d, &rc);
 	if (rc != 0)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "cannot listen on %s: %s", path,
 		                  uv_strerror(rc));
@@ -99,4 +101,53 @@ void listen_close(struct daemon *d)
 	uv_close((uv_handle_t *)&d->server, NULL);
 	if (d->own_socket)
 		unlink(d->cfg.socket_path);
+}
+
+static unsigned uid_connections(const struct daemon *d, uid_t uid)
+{
+	unsigned n = 0;
+
+	for (const struct conn *c = d->conns; c; c = c->next)
+		n += c->uid == uid;
+	return n;
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+	struct daemon *d = server->data;
+	struct proto_err err;
+	struct conn *c;
+
+	if (status != 0) {
+		log_warn("accept: %s", uv_strerror(status));
+		return;
+	}
+	c = conn_accept(d, server);
+	if (c == NULL)
+		return;
+	if (d->n_conns > (unsigned)d->cfg.max_connections || d->shutting_down) {
+		proto_fail(&err, d->shutting_down ? PROTO_E_SHUTTING_DOWN : PROTO_E_BUSY, NULL,
+		           d->shutting_down ? "the daemon is stopping"
+		                            : "too many connections (max-connections=%lld)",
+		           d->cfg.max_connections);
+		if (!d->shutting_down)
+			d->stats.limit_breaches++;
+		conn_frame_error(c, &err, true);
+		return;
+	}
+	if (uid_connections(d, c->uid) > (unsigned)d->cfg.max_conns_per_uid) {
+		proto_fail(&err, PROTO_E_BUSY, NULL,
+		           "too many connections from uid %d (max-connections-per-uid=%lld)",
+		           (int)c->uid, d->cfg.max_conns_per_uid);
+		d->stats.limit_breaches++;
+		conn_frame_error(c, &err, true);
+		return;
+	}
+	conn_start_reading(c);
+}
+
+/* Starts accepting on an already bound (or inherited) socket. */
+void listen_start(struct daemon *d, int *rc)
+{
+	*rc = uv_listen((uv_stream_t *)&d->server, 128, on_connection);
 }

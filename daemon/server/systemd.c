@@ -47,7 +47,7 @@ static int adopt_socket(struct daemon *d)
 	d->own_socket = false;
 	rc = uv_pipe_open(&d->server, SD_LISTEN_FDS_START);
 	if (rc == 0)
-		conn_start_listening(d, &rc);
+		listen_start(d, &rc);
 	if (rc != 0) {
 		log_error("cannot use the inherited socket: %s", uv_strerror(rc));
 		return -1;
