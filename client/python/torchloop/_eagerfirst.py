@@ -33,8 +33,6 @@ from .client import Client
 from .errors import TorchloopError
 
 Key = tuple[Any, ...]
-Flatten = Callable[[Any, str, list[torch.Tensor]], Any]
-Unflatten = Callable[[Any, Sequence[torch.Tensor], list[int]], Any]
 
 
 class _Background:
@@ -72,14 +70,12 @@ class _Background:
 
 
 def tree_map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    """The tree with fn applied to every tensor."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(tree_map(fn, v) for v in tree)
-    if isinstance(tree, dict):
-        return {k: tree_map(fn, v) for k, v in tree.items()}
-    return tree
+    """The tree with fn applied to every tensor (the package's tree walk)."""
+    from .adapter import flatten, unflatten
+
+    leaves: list[torch.Tensor] = []
+    tdef = flatten(tree, "tree", leaves)
+    return unflatten(tdef, [fn(t) for t in leaves], [0])
 
 
 def zeros(tree: Any) -> Any:
@@ -137,13 +133,14 @@ class EagerFirst:
         return False  # the daemon answers now (or gives its error)
 
 
-def eager_scan(body: Callable[..., Any], carry: Any, inputs_def: Any, xs: Sequence[torch.Tensor],
-               flatten: Flatten, unflatten: Unflatten) -> tuple[Any, Any]:
+def eager_scan(body: Callable[..., Any], carry: Any, inputs_def: Any,
+               xs: Sequence[torch.Tensor]) -> tuple[Any, Any]:
     """The reference's eager loop: the body T times, the ys stacked."""
-    steps = xs[0].shape[0]
+    from .adapter import flatten, unflatten
+
     ys: list[list[torch.Tensor]] = []
     y_def: Any = None
-    for i in range(steps):
+    for i in range(xs[0].shape[0]):
         carry, y = body(carry, unflatten(inputs_def, [t[i] for t in xs], [0]))
         leaves: list[torch.Tensor] = []
         y_def = flatten(y, "outputs", leaves)

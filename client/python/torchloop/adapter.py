@@ -292,7 +292,7 @@ class _Driver:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in every)
         if self.eager is not None and isinstance(target, tuple) and \
                 self._compiling(target, every, grad, checkpointed, carry, inputs, params):
-            return eager_scan(body, carry, inputs_def, leaves[n_carry:], flatten, unflatten)
+            return eager_scan(body, carry, inputs_def, leaves[n_carry:])
         if grad:
             flat = _ScanFunction.apply(call, *every)
             pos = [0]
