@@ -21,6 +21,7 @@ Modules, in the order a job meets them:
   lowering     export / make_fx of the forward or VJP graph, OutModule
   checkpoint   the checkpointed VJP (saved carries, recomputed steps)
   build        AOTInductor builds the daemon can unload
+  aoti_split   the AOTI runtime interface compiled once, linked into each build
   stack_into   the post-grad pass placing stacked results into the buffers
   elf          artifact checks (proxy executor, exec stack, unique symbols)
   parity       the new artifact against the eager scan

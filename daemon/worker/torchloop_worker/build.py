@@ -10,6 +10,7 @@ from typing import Callable, cast
 
 import torch
 
+from . import aoti_split
 from .elf import clear_exec_stack, set_exec_stack
 from .errors import JobError, classify
 from .frames import log
@@ -22,6 +23,10 @@ Build = Callable[[str, StackIntoOutputs | None], str]
 # is marked as needing an executable stack after the build, so that the
 # artifact check (elf.py) refuses it with UNSAFE_ARTIFACT
 TEST_EXEC_STACK = "TORCHLOOP_TEST_EXEC_STACK"
+
+# TORCHLOOP_AOTI_SPLIT=0: every wrapper built whole, the AOTI interface in
+# it, as torch builds it (aoti_split.py; docs/operations.md)
+SPLIT = os.environ.get("TORCHLOOP_AOTI_SPLIT", "1") != "0"
 
 
 def aoti_options(out_path: str, batched: bool = False) -> dict[str, object]:
@@ -100,13 +105,27 @@ def unloadable_artifacts() -> None:
             text = f.read()
         if LAST_ERROR_DECL not in text:  # another torch: its artifacts are refused
             return orig_header(self)
-        self.header.splice_aot(text.replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER))
+        text = text.replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER)
+        self.header.splice_aot(aoti_split.split_decl(text) if SPLIT else text)
         self.header.splice_aot("\n")
         return None
+
+    orig_build = cpp_builder.CppBuilder.build
+
+    def build(self: cpp_builder.CppBuilder) -> None:
+        target = self.get_target_file_path()
+        if not target.endswith(".wrapper.o"):
+            return orig_build(self)
+        with open(interface) as f:
+            text = f.read().replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER)
+        return aoti_split.build_wrapper(lambda: orig_build(self), self.get_command_line(),
+                                        target, text)
 
     cflags.torchloop_unloadable = True  # type: ignore[attr-defined]
     cpp_builder._get_optimization_cflags = cflags
     setattr(wrapper, "_write_aoti_interface_header", header)
+    if SPLIT:
+        setattr(cpp_builder.CppBuilder, "build", build)
 
 
 def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], so_path: str,
