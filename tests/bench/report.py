@@ -770,9 +770,11 @@ def checkpoint_section(c: dict) -> str:
 against the plain body, forward + backward of a step with large
 intermediates (state {c['state'][0]} x {c['state'][1]} float64 through a
 {c['hidden']}-wide hidden layer, captured weights), each in a daemon of its own
-whose graphs are compiled already; peak RSS over the RSS before (VmHWM after
-/proc/PID/clear_refs, malloc returning large blocks at once), p50 of
-{c['rounds']} forward + backward:
+whose graphs are compiled already: peak RSS over the RSS before (VmHWM after
+/proc/PID/clear_refs, with malloc returning large blocks at once:
+`MALLOC_MMAP_THRESHOLD_`), and, in other daemons with glibc's default malloc
+(that setting makes each loop iteration's allocations page-fault anew), p50
+of {c['rounds']} forward + backward:
 
 {table(["variant", "daemon peak MiB", "client peak MiB", "fwd+bwd ms", "of which bwd ms"], rows)}
 
