@@ -740,6 +740,13 @@ HISTORY = [
      "solver closure, the client's own work per warm scan (send stubbed, p50): "
      "11.0 µs → 9.5 µs (guard check 3.7 µs → 2.6 µs); bench overhead 18–36 µs → "
      "the \"Capture\" section's figure"),
+    ("2026-12-04", "the AOTI runtime's interface compiled once per set of compiler flags and "
+     "merged into each artifact (the worker's aoti_split.py)",
+     "cold first reply at T = 128 (quick tier): 6.4–7.9 s → 3.2–5.1 s; lorenz's unrolled "
+     "upgrade 170.9 s → 149.8 s"),
+    ("2026-12-04", "the checkpoint bench's times in daemons with glibc's default malloc "
+     "(MALLOC_MMAP_THRESHOLD_ only for the peaks)",
+     "checkpointed backward over the plain one: 1.79× → 1.43×"),
 ]
 
 
