@@ -1,9 +1,10 @@
-"""The AOTI interface compiled once (daemon/worker/torchloop_worker/aoti_split.py).
+"""The AOTI interface compiled once, the wrapper built beside the kernels
+(daemon/worker/torchloop_worker/aoti_split.py).
 
 Each test AOT-compiles small graphs in this process with the worker's
 build_artifact, under an Inductor cache directory of its own, and runs the
 artifact against eager PyTorch; the daemon's artifact check (elf.py) must
-accept it.  Four Inductor builds in all (two of the interface).
+accept it.  Six Inductor builds in all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT / "daemon" / "worker"))
 from torchloop_worker import aoti_split  # noqa: E402
 from torchloop_worker.build import SPLIT, build_artifact  # noqa: E402
 from torchloop_worker.elf import check_artifact  # noqa: E402
+from torchloop_worker.errors import JobError  # noqa: E402
 
 F64 = torch.float64
 
@@ -82,6 +84,24 @@ def test_the_interface_is_built_once_linked_into_every_artifact_and_rebuilt_if_d
     objects[0].write_bytes(b"\x7fELF truncated")  # a damaged cache: built again from source
     _build_and_run(0.75, 3, tmp_path / "c")
     assert objects[0].stat().st_size > 100_000
+
+
+def test_a_wrapper_build_that_fails_fails_the_compile_at_its_link(
+        inductor_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def merge(cmd: str, target: str, obj: str) -> None:
+        raise OSError("g++ exited 1: torchloop test: the wrapper's merge fails")
+
+    monkeypatch.setattr(aoti_split, "merge", merge)
+    (tmp_path / "a").mkdir()
+    example = _example(6)
+    module = torch.export.export(Step(2.5), example).module()
+    with pytest.raises(JobError) as err:
+        build_artifact(module, example, str(tmp_path / "a" / "graph.so"))
+    assert err.value.code == "COMPILE_FAILED"
+    assert "the wrapper's merge fails" in err.value.message
+    assert not aoti_split.PENDING.jobs  # waited for, nothing left running
+    monkeypatch.undo()
+    _build_and_run(2.5, 6, tmp_path / "b")  # the next build is unaffected
 
 
 def test_an_interface_that_will_not_build_leaves_the_wrapper_whole(

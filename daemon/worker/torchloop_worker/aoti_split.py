@@ -17,6 +17,10 @@ torch) into an object under Inductor's cache directory, and merged into each
 wrapper object with a relocatable link (`g++ -r`); AOTI then links the
 artifact as it would.  If that object cannot be built or merged, the wrapper
 is built whole, with the interface in it, as torch builds it.
+
+The wrapper's build (and the interface's, the first time) runs in a thread
+of its own while AOTI goes on to compile the kernels, the two compilers on
+two cores; the link waits for it (PENDING).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hashlib
 import os
 import shlex
 import subprocess
+import threading
 from typing import Callable
 
 from .frames import log
@@ -121,3 +126,44 @@ def build_wrapper(build: Callable[[], None], cmd: str, target: str, interface: s
     except OSError:  # a damaged object in the cache: once more from source
         os.remove(obj)
         merge(cmd, target, interface_object(cmd, source, target, text[:start], interface))
+
+
+class Pending:
+    """Wrapper builds running while AOTI goes on; the link waits for them."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[threading.Thread, list[BaseException]]] = []
+
+    def start(self, work: Callable[[], None]) -> None:
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - raised by wait()
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="aoti-wrapper", daemon=True)
+        thread.start()
+        self.jobs.append((thread, errors))
+
+    def wait(self) -> None:
+        """Waits for every build started; raises the first one's failure."""
+        jobs, self.jobs = self.jobs, []
+        failures = []
+        for thread, errors in jobs:
+            thread.join()
+            failures.extend(errors)
+        if failures:
+            raise failures[0]
+
+    def drain(self) -> None:
+        """Waits for every build started, their failures dropped (the
+        compile failed before its link: that failure is the one to report)."""
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001 - see above
+            pass
+
+
+PENDING = Pending()

@@ -115,11 +115,15 @@ def unloadable_artifacts() -> None:
     def build(self: cpp_builder.CppBuilder) -> None:
         target = self.get_target_file_path()
         if not target.endswith(".wrapper.o"):
+            if not target.endswith(".o"):  # the link: the wrapper's object first
+                aoti_split.PENDING.wait()
             return orig_build(self)
         with open(interface) as f:
             text = f.read().replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER)
-        return aoti_split.build_wrapper(lambda: orig_build(self), self.get_command_line(),
-                                        target, text)
+        cmd = self.get_command_line()
+        aoti_split.PENDING.start(
+            lambda: aoti_split.build_wrapper(lambda: orig_build(self), cmd, target, text))
+        return None
 
     cflags.torchloop_unloadable = True  # type: ignore[attr-defined]
     cpp_builder._get_optimization_cflags = cflags
@@ -143,6 +147,8 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
         raise
     except Exception as exc:  # noqa: BLE001 - classified below
         raise classify(exc, "inductor") from exc
+    finally:  # a wrapper build that outlived a failure before the link
+        aoti_split.PENDING.drain()
     built = so if isinstance(so, str) else so_path
     if clear_exec_stack(built):
         log(f"{built}: cleared the executable-stack flag ld set")
