@@ -50,8 +50,10 @@ setup:
 	@bash scripts/setup.sh
 
 # `build` re-reads the Makefile after set-up so the venv's torch path is known.
+# The C sources compile JOBS at a time (default: one per CPU; `make JOBS=1 ...`).
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 build: setup
-	@$(MAKE) --no-print-directory binaries
+	@$(MAKE) -j$(JOBS) --no-print-directory binaries
 
 BINARIES := $(BUILD)/libproto.a
 ifneq ($(wildcard daemon/server/main.c),)
@@ -114,6 +116,7 @@ $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMO
 		$(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 
 test: build
+	@$(MAKE) -j$(JOBS) --no-print-directory tests
 	@$(MAKE) --no-print-directory run-tests
 	@bash scripts/valgrind-daemon.sh $(BUILD)
 	@$(MAKE) --no-print-directory fuzz
@@ -123,7 +126,9 @@ run-tests: tests binaries
 	@bash scripts/run-tests.sh $(BUILD) $(UNIT_BIN) $(E2E_BIN)
 
 sanitize: setup
-	@TORCHLOOP_TEST_SAN=1 $(MAKE) --no-print-directory BUILD=build-san SAN=1 binaries run-tests
+	@$(MAKE) -j$(JOBS) --no-print-directory BUILD=build-san SAN=1 binaries
+	@$(MAKE) -j$(JOBS) --no-print-directory BUILD=build-san SAN=1 tests
+	@TORCHLOOP_TEST_SAN=1 $(MAKE) --no-print-directory BUILD=build-san SAN=1 run-tests
 
 # libFuzzer over frame + envelope + tree decoding, under ASan+UBSan.
 FUZZ_BIN := $(BUILD)/fuzz/fuzz_proto
