@@ -36,8 +36,7 @@ from .frames import log
 
 MARKER = "// torchloop: AOTI interface prebuilt (aoti_split.py)"
 BASE = "AOTInductorModelBase<AOTInductorModel>"
-INSTANTIATE = ("\ntemplate class torch::aot_inductor::AOTInductorModelBase<"
-               "torch::aot_inductor::AOTInductorModel>;\n")
+INSTANTIATE = f"\nnamespace torch::aot_inductor {{ template class {BASE}; }}\n"
 DIR = "torchloop-aoti-interface"
 FAILED: set[str] = set()  # objects that would not build in this process: not tried again
 
@@ -109,13 +108,10 @@ def build_wrapper(build: Callable[[], None], cmd: str, target: str, interface: s
     if start < 0 or end < 0:  # not written by build.py's header hook
         build()
         return
-    obj: str | None
     try:
         obj = interface_object(cmd, source, target, text[:start], interface)
-    except OSError as exc:  # built whole below
+    except OSError as exc:
         log(f"the AOTI interface object cannot be built ({exc}); building the wrapper whole")
-        obj = None
-    if obj is None:
         with open(source, "w") as f:
             f.write(text[:start] + interface + text[end + len(MARKER):])
         build()

@@ -93,20 +93,19 @@ def unloadable_artifacts() -> None:
         c, ld = orig(cpp_compiler, min_optimize)
         return ([*c, "fno-gnu-unique"] if cpp_builder._is_gcc(cpp_compiler) else c), ld
 
-    interface = os.path.join(os.path.dirname(cpp_wrapper_cpu.__file__), "aoti_runtime",
-                             "interface.cpp")
+    with open(os.path.join(os.path.dirname(cpp_wrapper_cpu.__file__), "aoti_runtime",
+                           "interface.cpp")) as f:
+        interface = f.read()
+    # None: another torch, whose artifacts check_artifact refuses
+    patched = interface.replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER) \
+        if LAST_ERROR_DECL in interface else None
     wrapper = cpp_wrapper_cpu.CppWrapperCpu
     orig_header = wrapper._write_aoti_interface_header
 
     def header(self: cpp_wrapper_cpu.CppWrapperCpu) -> None:
-        if not inductor_config.aot_inductor.dynamic_linkage:
+        if not inductor_config.aot_inductor.dynamic_linkage or patched is None:
             return orig_header(self)
-        with open(interface) as f:
-            text = f.read()
-        if LAST_ERROR_DECL not in text:  # another torch: its artifacts are refused
-            return orig_header(self)
-        text = text.replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER)
-        self.header.splice_aot(aoti_split.split_decl(text) if SPLIT else text)
+        self.header.splice_aot(aoti_split.split_decl(patched) if SPLIT else patched)
         self.header.splice_aot("\n")
         return None
 
@@ -114,15 +113,13 @@ def unloadable_artifacts() -> None:
 
     def build(self: cpp_builder.CppBuilder) -> None:
         target = self.get_target_file_path()
-        if not target.endswith(".wrapper.o"):
+        if not target.endswith(".wrapper.o") or patched is None:
             if not target.endswith(".o"):  # the link: the wrapper's object first
                 aoti_split.PENDING.wait()
             return orig_build(self)
-        with open(interface) as f:
-            text = f.read().replace(LAST_ERROR_DECL, LAST_ERROR_BUFFER)
         cmd = self.get_command_line()
         aoti_split.PENDING.start(
-            lambda: aoti_split.build_wrapper(lambda: orig_build(self), cmd, target, text))
+            lambda: aoti_split.build_wrapper(lambda: orig_build(self), cmd, target, patched))
         return None
 
     cflags.torchloop_unloadable = True  # type: ignore[attr-defined]
