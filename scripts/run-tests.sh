@@ -2,12 +2,13 @@
 # run-tests.sh BUILD BIN... - runs each Criterion test binary, then the
 # Python package's pytest suite, prints their output, and ends with one
 # summary line "tests: N passed, M failed, K skipped" (a skipped test says why
-# above it: "[SKIP]" or pytest's "SKIPPED"), after the slowest Criterion tests.
+# above it: "[SKIP]" or pytest's "SKIPPED"), after the slowest Criterion tests
+# and a recap of what failed.
 # Exits 1 if any test failed or crashed, or if a binary exited non-zero.
 set -uo pipefail
 build=$1; shift
 passed=0 failed=0 skipped=0 status=0
-times=$(mktemp)
+times=$(mktemp) failures=$(mktemp)
 export TORCHLOOP_TEST_BUILD="$build"
 # One compile cache per checkout, shared by `make test` and `make sanitize`, so
 # each specialization compiles once; scratch (sockets, logs) under /tmp keeps
@@ -39,7 +40,13 @@ for bin in "$@"; do
 	line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
 	t=$(sed -n 's/.*Tested: \([0-9]*\).*/\1/p' <<<"$line")
 	p=$(sed -n 's/.*Passing: \([0-9]*\).*/\1/p' <<<"$line")
-	if [ -z "$t" ] || [ "$rc" != 0 ]; then status=1; fi
+	if [ -z "$t" ] || [ "$rc" != 0 ]; then
+		status=1
+		# kept for the recap at the end, where a log's tail shows it
+		{ echo "${bin##*/} (exit $rc):"
+		  printf '%s\n' "$out" | grep -E '^\[(FAIL|----)\] ' | grep -v 'Criterion v' | sed 's/^/  /'
+		} >>"$failures"
+	fi
 	passed=$((passed + ${p:-0}))
 	failed=$((failed + ${t:-0} - ${p:-0}))
 done
@@ -86,9 +93,16 @@ passed=$((passed + ${p:-0}))
 failed=$((failed + ${f:-0} + ${e:-0}))
 skipped=$((skipped + ${k:-0}))
 [ "$failed" = 0 ] || status=1
+if [ "$rc" != 0 ]; then
+	{ echo "pytest (exit $rc):"; printf '%s\n' "$out" | grep -E '^(FAILED|ERROR) ' | sed 's/^/  /'; } >>"$failures"
+fi
 echo "slowest Criterion tests (s):"
 sort -rn "$times" | head -10 | sed 's/^/  /'
-rm -f "$times"
+if [ -s "$failures" ]; then
+	echo "failed:"
+	sed 's/^/  /' "$failures"
+fi
+rm -f "$times" "$failures"
 echo "compiles in this run: $(compiles) (cache: $TORCHLOOP_TEST_CACHE)"
 echo "test time: $(( $(date +%s) - start )) s"
 echo "tests: $passed passed, $failed failed, $skipped skipped"
