@@ -19,7 +19,9 @@ step, and the solver's per-run RK2 closure), in fresh processes:
                 scan through `loop_adapter(capture=False)` of a module-level
                 body of the same math and trees (the path before capture; the
                 captured path also sends the captured tensors), measured
-                interleaved in the same process, median of --rounds rounds:
+                interleaved in the same process once the machine is idle
+                (bench.settle) and after a warm-up round of each, median of
+                --rounds rounds:
                 overhead_us = warm_us - source_us (target <= 10 µs)
 """
 
@@ -86,6 +88,8 @@ if mode == "warm":
         c, xs = [t.detach() for t in bodyforms.inputs(0, steps)]
         source_call = lambda: src.scan(bodyforms.source_step, c, xs)
     source_call()
+    from bench import settle  # the daemon's background work (a worker starting) ends first
+    settle()
     def p50(fn, n=2000):
         times = []
         for _ in range(n):
@@ -94,6 +98,7 @@ if mode == "warm":
             times.append(time.perf_counter_ns() - t0)
         return statistics.median(times) / 1000
     warm, source = [], []
+    p50(lambda: call(ad.scan)), p50(source_call)  # warm-up: the first ~0.1 s after idle runs slow
     for _ in range(rounds):
         warm.append(p50(lambda: call(ad.scan)))
         source.append(p50(source_call))
@@ -104,7 +109,7 @@ print(json.dumps(out))
 
 
 def child(sock: str, form: str, steps: int, mode: str, rounds: int, tmp: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "helpers"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "helpers"), HERE]))
     proc = subprocess.run([PY, "-c", CHILD, sock, form, str(steps), mode, str(rounds), tmp],
                           capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:

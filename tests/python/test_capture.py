@@ -438,3 +438,47 @@ def test_a_scan_unlike_its_captured_graph_is_spec_mismatch(open_daemon: str) -> 
         (final, _), _ = client.scan(name, ((c0, None), (W,)), xs)
         (ref_final, _), _ = eager.scan(step, (c0, None), xs)
         torch.testing.assert_close(final[0], ref_final, **TOL)
+
+
+def test_row_stand_ins_keep_leaves_apart_and_hold_nothing_of_the_callers(adapter: Any) -> None:
+    """The step is captured and its guards checked at stand-ins for row 0
+    (zero tensors kept per leaf position, shape, strides and dtype), not at
+    views of the caller's inputs: two leaves alike stay two graph inputs
+    (swapping them gives other results, not a new capture), a transposed
+    leaf works, the C lookup finds what the Python path made, and no stand-in
+    shares the caller's storage."""
+    from torchloop import _wire, capture
+
+    def step(c: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, Any]:
+        return 0.5 * c + x[0] - 2.0 * x[1], c * x[1]
+
+    gen = torch.Generator().manual_seed(21)
+    c0 = torch.rand(N, generator=gen, dtype=torch.float64)
+    a, b = (torch.rand(T, N, generator=gen, dtype=torch.float64) for _ in range(2))
+    capturer = adapter.scan.__self__.capturer
+    for k, xs in enumerate([(a, b), (b, a), (a, torch.rand(N, T, dtype=torch.float64).t())]):
+        final, ys = adapter.scan(step, c0, xs)
+        want_final, want_ys = eager.scan(step, c0, xs)
+        torch.testing.assert_close(final, want_final, **TOL)
+        torch.testing.assert_close(ys, want_ys, **TOL)
+        if k == 0:
+            seen = capturer.captures
+        elif k == 1:
+            assert capturer.captures == seen, "leaves alike, swapped: captured again"
+
+    fresh = capture.Capturer()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(capture, "fast", None)  # the Python path makes them
+        rows = fresh.rows([a, b], BOUNDS["max_steps"])
+    assert rows is not None and rows[0] is not rows[1]
+    for row, leaf in zip(rows, (a, b)):
+        assert row.shape == leaf.shape[1:] and row.stride() == leaf.stride()[1:]
+        assert row._base is None and not row.any()
+        assert row.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+    again = fresh.rows([b.clone(), a.clone()], BOUNDS["max_steps"])  # C, when built
+    assert again is not None and all(x is y for x, y in zip(again, rows, strict=True))
+    if _wire.fast is not None:
+        assert fresh.rows([a, b], BOUNDS["max_steps"]) is again, "the last list again"
+    else:
+        print("!!! the C codec (_fast) is not built: only the Python path was checked")
+    assert fresh.rows([a, b[:2]], BOUNDS["max_steps"]) is None  # two lengths: check_rows says

@@ -385,6 +385,97 @@ static PyType_Slot conn_slots[] = {
 static PyType_Spec conn_spec = {"torchloop._fast.Conn", sizeof(Conn), 0, Py_TPFLAGS_DEFAULT,
                                 conn_slots};
 
+/* ---- the rows a capture is checked against ----------------------------------
+ *
+ * rows(xs, max_steps, row_of, last) -> list | None: Capturer.rows (capture.py) on
+ * a warm scan: each input leaf's stand-in for its row 0, found in row_of by
+ * (position, shape, strides, dtype).  None when any leaf is not a plain,
+ * strided CPU torch.Tensor, has a key not in row_of, or the
+ * leaves' lengths are not one T in [1, max_steps]: capture.py then does it
+ * all in Python (stand-ins made, real rows, the checks' errors).  The list
+ * is the last call's (kept as last[0]) when its stand-ins are. */
+
+/* leaf i's key; NULL with no error set: a case for capture.py */
+static PyObject *row_key(PyObject *t, Py_ssize_t i, long long *steps, long long max_steps)
+{
+	PyObject *shape = NULL, *stride = NULL, *dtype = NULL, *idx = NULL, *key = NULL;
+	long long d;
+
+	/* a layout without strides (sparse) raises in stride(): a case for capture.py */
+	if (Py_TYPE(t) != (PyTypeObject *)G.tensor_type || attr_true(t, G.s_is_cpu) != 1)
+		goto out;
+	if ((shape = PyObject_GetAttr(t, G.s_shape)) == NULL || !PyTuple_Check(shape) ||
+	    PyTuple_GET_SIZE(shape) == 0)
+		goto out;
+	d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0));
+	if (*steps < 0)
+		*steps = d;
+	if (d != *steps || d < 1 || d > max_steps)
+		goto out;
+	if ((stride = PyObject_CallMethodNoArgs(t, G.s_stride)) != NULL &&
+	    (dtype = PyObject_GetAttr(t, G.s_dtype)) != NULL &&
+	    (idx = PyLong_FromSsize_t(i)) != NULL)
+		key = PyTuple_Pack(4, idx, shape, stride, dtype);
+out:
+	PyErr_Clear();
+	Py_XDECREF(shape);
+	Py_XDECREF(stride);
+	Py_XDECREF(dtype);
+	Py_XDECREF(idx);
+	return key;
+}
+
+/* out, or the list the last call returned (box[0]) when it holds the same
+ * stand-ins: capture.py then reuses the row tree it built from it */
+static PyObject *same_rows(PyObject *out, PyObject *box)
+{
+	PyObject *last = PyList_GET_ITEM(box, 0);
+	Py_ssize_t n = PyList_GET_SIZE(out), i = 0;
+
+	if (PyList_CheckExact(last) && PyList_GET_SIZE(last) == n)
+		while (i < n && PyList_GET_ITEM(last, i) == PyList_GET_ITEM(out, i))
+			i++;
+	if (PyList_CheckExact(last) && i == n) {
+		Py_DECREF(out);
+		return Py_NewRef(last);
+	}
+	if (PyList_SetItem(box, 0, Py_NewRef(out)) != 0) {
+		Py_DECREF(out);
+		return NULL;
+	}
+	return out;
+}
+
+static PyObject *fast_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+	long long steps = -1, max_steps;
+	PyObject *out;
+	Py_ssize_t n;
+
+	(void)self;
+	if (nargs != 4 || !PyList_CheckExact(args[0]) || !PyDict_CheckExact(args[2]) ||
+	    !PyList_CheckExact(args[3]) || PyList_GET_SIZE(args[3]) != 1)
+		return PyErr_Format(PyExc_TypeError,
+		                    "rows(xs: list, max_steps: int, row_of: dict, last: [list])");
+	if ((max_steps = PyLong_AsLongLong(args[1])) == -1 && PyErr_Occurred())
+		return NULL;
+	n = PyList_GET_SIZE(args[0]);
+	if (n == 0 || (out = PyList_New(n)) == NULL)
+		return n == 0 ? Py_NewRef(Py_None) : NULL;
+	for (Py_ssize_t i = 0; i < n; i++) {
+		PyObject *key = row_key(PyList_GET_ITEM(args[0], i), i, &steps, max_steps);
+		PyObject *row = key != NULL ? PyDict_GetItemWithError(args[2], key) : NULL;
+
+		Py_XDECREF(key);
+		if (row == NULL) {
+			Py_DECREF(out);
+			return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+		}
+		PyList_SET_ITEM(out, i, Py_NewRef(row));
+	}
+	return same_rows(out, args[3]);
+}
+
 /* ---- set-up ----------------------------------------------------------------- */
 
 static PyObject *fast_setup(PyObject *self, PyObject *args)
@@ -413,6 +504,7 @@ static PyObject *fast_setup(PyObject *self, PyObject *args)
 	INTERN(s_is_contiguous, "is_contiguous")
 	INTERN(s_data_ptr, "data_ptr")
 	INTERN(s_detach, "detach")
+	INTERN(s_stride, "stride")
 	INTERN(s_contiguous, "contiguous")
 	INTERN(s_id, "id")
 	INTERN(s_op, "op")
@@ -430,6 +522,8 @@ static PyMethodDef methods[] = {
      "setup(Tensor, float32, float64, strided, from_numpy, empty, ndarray, np_f32, np_f64)"},
     {"encode", fast_encode, METH_VARARGS, "encode(id, op, fields, limit) -> bytes | None"},
     {"decode", fast_decode, METH_O, "decode(body: bytearray) -> object | None"},
+    {"rows", (PyCFunction)(void (*)(void))fast_rows, METH_FASTCALL,
+     "rows(xs, max_steps, row_of, last) -> list | None"},
     {NULL, NULL, 0, NULL},
 };
 

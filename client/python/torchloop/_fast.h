@@ -36,7 +36,7 @@ struct fast_globals {
 	PyObject *tensor_type, *f32, *f64, *strided;              /* torch */
 	PyObject *from_numpy, *empty, *ndarray, *np_f32, *np_f64; /* torch, numpy */
 	PyObject *s_dtype, *s_is_cpu, *s_layout, *s_requires_grad, *s_shape;
-	PyObject *s_is_contiguous, *s_data_ptr, *s_detach, *s_contiguous;
+	PyObject *s_is_contiguous, *s_data_ptr, *s_detach, *s_contiguous, *s_stride;
 	PyObject *s_id, *s_op, *s_event, *s_error, *s_result, *k_dtype;
 	int ready;
 };
@@ -55,6 +55,8 @@ struct buf {
  * left to _wire.py (nothing usable in b); -1: a Python error. */
 FAST_INTERNAL int encode_request(struct buf *b, PyObject *id, PyObject *op, PyObject *fields);
 FAST_INTERNAL PyObject *fast_encode(PyObject *self, PyObject *args);
+/* o.name's truth: 1, 0, or -1 with a Python error set */
+FAST_INTERNAL int attr_true(PyObject *o, PyObject *name);
 
 /* _fast_dec.c */
 /* A tuple's leading marker (an empty ext type 2): an object() the module holds. */

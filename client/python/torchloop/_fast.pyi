@@ -1,6 +1,8 @@
 # The C codec's interface (_fast.c), for type checkers.
 from typing import Callable
 
+import torch
+
 class Conn:
     """One request's round trip on a connected socket."""
 
@@ -18,3 +20,6 @@ def setup(tensor: type, float32: object, float64: object, strided: object,
           np_f32: object, np_f64: object) -> None: ...
 def encode(id: int, op: str, fields: dict[str, object], limit: int) -> bytes | None: ...
 def decode(body: bytearray) -> object | None: ...
+def rows(xs: list[torch.Tensor], max_steps: int,
+         row_of: dict[tuple[int, torch.Size, tuple[int, ...], torch.dtype], torch.Tensor],
+         last: list[list[torch.Tensor]]) -> list[torch.Tensor] | None: ...

@@ -92,7 +92,7 @@ static int put_int(struct buf *b, PyObject *v)
  * must take over; -1 with a Python error set; 0 when encoded. */
 static int enc_value(struct buf *b, PyObject *v, int depth);
 
-static int attr_true(PyObject *o, PyObject *name)
+int attr_true(PyObject *o, PyObject *name)
 {
 	PyObject *r = PyObject_GetAttr(o, name);
 	int t;

@@ -190,6 +190,7 @@ class _Driver:
         # (inspect.getsource) cost about 10 µs of a 30 µs small scan
         self.by_body: dict[Callable[..., Any], str] = {}
         self.lock = threading.Lock()
+        self.last_x: tuple[list[torch.Tensor], Any, Any] | None = None  # _row_tree's
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A driver pickles as its settings: the unpickled one connects anew."""
@@ -258,7 +259,7 @@ class _Driver:
             return body, []
         if not callable(body):
             raise TypeError("body must be a callable body(carry, x) -> (new_carry, y)")
-        rows = _rows(leaves, n_carry, self.max_steps)
+        rows = self.capturer.rows(leaves[n_carry:], self.max_steps)
         if rows is None:
             check_rows(inputs_def, leaves[n_carry:], self.max_steps)
         cs = leaves[:n_carry]
@@ -267,13 +268,25 @@ class _Driver:
                 cs = [t.detach() for t in cs]
                 carry = unflatten(carry_def, cs, [0])
                 break
-        g, args, result = self.capturer.capture(body, carry, unflatten(inputs_def, rows, [0]))
+        g, args, result = self.capturer.capture(body, carry, self._row_tree(rows, inputs_def))
         if g.plain is not None:  # bound, and nothing baked: the one document
             return g.plain, g.pick_live(args)
         if not g.bound:
             g.bind(args, cs, rows, result, leaves[0].dtype)
         target = g.document(args, cs + rows, n_carry, carry_def, inputs_def, self.graph_def)
         return target, g.pick_live(args)
+
+    def _row_tree(self, rows: list[torch.Tensor], inputs_def: Any) -> Any:
+        """The x the step is captured at: rows in the inputs' structure; the
+        last call's tree again when its rows and structure are the same and
+        it has no list or dict (which a body could change)."""
+        last = self.last_x
+        if last is not None and last[0] is rows and last[1] == inputs_def:
+            return last[2]
+        tree = unflatten(inputs_def, rows, [0])
+        if isinstance(tree, (tuple, torch.Tensor)) and _frozen(inputs_def):
+            self.last_x = (rows, inputs_def, tree)
+        return tree
 
     def scan(self, body: Callable[..., Any], carry: Any, inputs: Any) -> tuple[Any, Any]:
         if torch.compiler.is_compiling():
@@ -318,20 +331,9 @@ class _Driver:
 Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
 
 
-def _rows(leaves: list[torch.Tensor], n_carry: int, max_steps: int) -> list[torch.Tensor] | None:
-    """Row 0 of every input leaf (what capture traces the step at), or None
-    when check_rows has an error to raise."""
-    if len(leaves) <= n_carry or not leaves[n_carry].ndim:
-        return None
-    steps = leaves[n_carry].shape[0]
-    if not 1 <= steps <= max_steps:
-        return None
-    rows = []
-    for t in leaves[n_carry:]:
-        if not t.ndim or t.shape[0] != steps:
-            return None
-        rows.append(t.detach()[0] if t.requires_grad else t[0])
-    return rows
+def _frozen(tdef: Any) -> bool:
+    """Whether a tree of this structure has only tuples (no list or dict)."""
+    return tdef is None or tdef == "T" or (tdef[0] == "tuple" and all(map(_frozen, tdef[1])))
 
 
 def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> NoReturn:
@@ -355,7 +357,7 @@ def check_rows(inputs_def: Any, xs: list[torch.Tensor], max_steps: int) -> NoRet
             raise TorchloopValueError(
                 "TOO_MANY_STEPS", f"{path}: T={t.shape[0]} is outside [1, max_steps={max_steps}]",
                 path)
-    raise AssertionError("check_rows found no error that _rows found")
+    raise AssertionError("check_rows found no error that Capturer.rows found")
 
 
 def leaf_paths(tdef: Any, path: str) -> list[str]:

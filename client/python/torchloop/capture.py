@@ -35,8 +35,11 @@ import torch
 
 from . import _graph, _polyfills
 from ._graph import CaptureError, TreeDef
+from ._wire import fast
 
 MAX_VARIANTS = 16  # exported graphs kept per capture (one per set of baked values)
+MAX_ROWS = 64  # row stand-ins kept per adapter (Capturer.rows)
+RowKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype]
 Role = tuple[str, int]  # ("c"|"x"|"p"|"b", index): carry leaf, x leaf, live, baked
 
 
@@ -51,6 +54,7 @@ class _Recorded(threading.local):
 
 
 RECORDED = _Recorded()
+_grad_enabled, _set_grad_enabled = torch._C.is_grad_enabled, torch._C._set_grad_enabled
 
 
 def code_key(body: object) -> object:
@@ -216,7 +220,8 @@ class _Fast:
     without dynamo's Python wrapper (about 15 µs a call): the same guard
     managers, checked in dynamo's order, and the same code, so the same
     graph is picked and handed the same tensors.  Entries whose bytecode does
-    more than call the graph are left out; an empty list means dynamo's call."""
+    more than call the graph are left out; an empty list means dynamo's call.
+    Capturer.capture runs the entries."""
 
     def __init__(self, step: Callable[..., object]) -> None:
         self.inner = getattr(step, "_torchdynamo_orig_callable", None)
@@ -255,14 +260,6 @@ class _Fast:
                 return None
         return FunctionType(code, scope)
 
-    def __call__(self, body: object, carry: object, x: object) -> object | None:
-        """The step's result, or None when no entry's guards pass (or none is usable)."""
-        frame = {"body": body, "carry": carry, "x": x}
-        for check, run in self.entries:
-            if check(frame):
-                return run(body, carry, x)
-        return None
-
 
 @dataclass
 class Capturer:
@@ -272,6 +269,9 @@ class Capturer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     captures: int = 0  # dynamo traces (a guard failed, or a new body code)
     fast_calls: int = 0  # calls the fast path served
+    # (leaf position, shape, strides, dtype) -> its row's stand-in
+    row_of: dict[RowKey, torch.Tensor] = field(default_factory=dict)
+    last_rows: list[list[torch.Tensor]] = field(default_factory=lambda: [[]])  # _fast.rows's
 
     def _backend(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> StepGraph:
         self.captures += 1
@@ -293,25 +293,64 @@ class Capturer:
                     entry = self.steps[key] = (fn, _Fast(fn))
         return entry
 
+    def rows(self, xs: list[torch.Tensor], max_steps: int) -> list[torch.Tensor] | None:
+        """What the step is traced at and its guards are checked against, per
+        input leaf: a zero tensor with row 0's shape, strides and dtype, kept
+        per (leaf position, shape, strides, dtype) (dynamo reads only those:
+        a row made per call cost about 2 µs a leaf of a warm scan, and a kept
+        view would keep the caller's storage alive).  A subclass, a leaf off
+        the CPU or without strides gets its real row.  None when
+        T is out of bounds or the leaves disagree (adapter.check_rows says
+        which).  _fast.rows does the warm case in C, with the same keys."""
+        if fast is not None:
+            rows = fast.rows(xs, max_steps, self.row_of, self.last_rows)
+            if rows is not None:
+                return rows
+        if not xs or not xs[0].shape:
+            return None
+        steps = xs[0].shape[0]
+        if not 1 <= steps <= max_steps:
+            return None
+        rows = []
+        for i, t in enumerate(xs):
+            shape = t.shape
+            if not shape or shape[0] != steps:
+                return None
+            if type(t) is not torch.Tensor or not t.is_cpu or t.layout != torch.strided:
+                rows.append(t.detach()[0])
+                continue
+            key = (i, shape, t.stride(), t.dtype)
+            row = self.row_of.get(key)
+            if row is None:
+                if len(self.row_of) >= MAX_ROWS:
+                    self.row_of.pop(next(iter(self.row_of)))
+                row = self.row_of[key] = torch.empty_strided(
+                    shape[1:], key[2][1:], dtype=t.dtype).zero_()
+            rows.append(row)
+        return rows
+
     def capture(self, body: object, carry: object, xrow: object) -> tuple[StepGraph, tuple[torch.Tensor, ...], object]:
         """Runs the guards (tracing when they fail); the graph and this call's tensors."""
-        fn, fast = self.steps.get(code_key(body)) or self.compiled(body)
-        RECORDED.call = None
-        grad = torch.is_grad_enabled()
+        fn, fast_step = self.steps.get(code_key(body)) or self.compiled(body)
+        grad = _grad_enabled()
         if grad:
-            torch._C._set_grad_enabled(False)  # the capture's grad mode (a guard)
+            _set_grad_enabled(False)  # the capture's grad mode (a guard)
         try:
-            result = fast(body, carry, xrow)
-            if result is None:
+            frame = {"body": body, "carry": carry, "x": xrow}
+            for check, run in fast_step.entries:  # _Fast: dynamo's guards, in its order
+                if check(frame):
+                    result = run(body, carry, xrow)
+                    self.fast_calls += 1
+                    break
+            else:
+                RECORDED.call = None
                 captures = self.captures
                 result = fn(body, carry, xrow)
                 if self.captures != captures:  # dynamo has a new entry
-                    fast.refresh()
-            else:
-                self.fast_calls += 1
+                    fast_step.refresh()
         finally:
             if grad:
-                torch._C._set_grad_enabled(True)
+                _set_grad_enabled(True)
         rec = RECORDED.call
         if rec is None:
             raise RuntimeError(
