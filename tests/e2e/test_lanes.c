@@ -8,8 +8,9 @@
  * for a file this test creates, so with one queue for every compile the new
  * adapter's scan would never be answered.  Compiles, in a private cache: A's
  * quick graph and its upgrade (ema, T = 6, --quick-tier-steps 4), B's graph
- * (T = 3, a body that sleeps 1 s per step, so that its compile takes seconds
- * on any machine), C's import check.
+ * (T = 3, a body whose every call waits for a second file, created once C is
+ * registered: B's compile is still running then, on any machine), C's
+ * import check.
  */
 #include "harness.h"
 
@@ -23,8 +24,15 @@
 
 TestSuite(lanes, .timeout = 900);
 
-#define EMA        "examples/bodies/ema.py"
-#define SLEEPY_SRC "import time\n\n\ndef body(c, x):\n    time.sleep(1.0)\n    return c + x, c\n"
+#define EMA "examples/bodies/ema.py"
+/* B's body: each call waits (at most 120 s) for the file GATE_B, which the
+ * test creates once C is registered (printf format: the file's path) */
+#define GATED_SRC                                                                                  \
+	"import os\nimport time\n\nGATE = %s\n\n\ndef body(c, x):\n"                               \
+	"    end = time.monotonic() + 120\n"                                                       \
+	"    while not os.path.exists(GATE) and time.monotonic() < end:\n"                         \
+	"        time.sleep(0.02)\n"                                                               \
+	"    return c + x, c\n"
 #define CUMSUM_SRC "def body(c, x):\n    return c + x, c\n"
 
 static double now_s(void)
@@ -132,12 +140,15 @@ Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_b
 	struct tl_error err;
 	struct tl_client *c;
 	struct hd d;
-	double registered, compile_b;
+	char gate_b[600], gate_b_py[700], b_src[1400];
+	double compile_b;
 	json_t *sp;
 
 	h_tmpdir(cache, sizeof cache, "lanes");
 	snprintf(worker, sizeof worker, "%s/tests/helpers/gated_worker.py", h_root());
 	snprintf(gate, sizeof gate, "%s/gate", cache);
+	snprintf(gate_b, sizeof gate_b, "%s/gate_b", cache);
+	snprintf(gate_b_py, sizeof gate_b_py, "'%s'", gate_b);
 	setenv("TORCHLOOP_TEST_GATE", gate, 1);
 	hd_start(&d, cache, args);
 	hd_wait_ready(&d, 120);
@@ -149,9 +160,10 @@ Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_b
 	await_lane(c, "background", "busy", 1);
 
 	/* B: a new adapter's first scan, in its own thread */
+	snprintf(b_src, sizeof b_src, GATED_SRC, gate_b_py);
 	cr_assert_eq(tl_register(c,
-	                         &(struct tl_adapter_def){"lanes.b", SLEEPY_SRC, NULL, "body", NULL,
-	                                                  8, 64, 2, NULL},
+	                         &(struct tl_adapter_def){"lanes.b", b_src, NULL, "body", NULL, 8,
+	                                                  64, 2, NULL},
 	                         &err),
 	             0, "%s", err.message);
 	h_fill(x, TL_FLOAT64, 12, 3);
@@ -168,18 +180,18 @@ Test(lanes, no_first_scan_waits_behind_a_background_compile_nor_a_registration_b
 	                                                  8, 64, 2, NULL},
 	                         &err),
 	             0, "%s", err.message);
-	registered = now_s();
 	cr_assert_eq(lane_stat(c, "check", "workers"), 1, "C was checked by a worker of its own");
+	/* B's compile cannot end before its gate opens: C did not wait for it */
+	cr_assert_eq(lane_stat(c, "foreground", "busy"), 1, "B still compiles");
+	fclose(fopen(gate_b, "w"));
 
 	pthread_join(s.th, NULL);
 	cr_assert_eq(s.rc, 0, "%s: %s", s.err.code, s.err.message);
 	check_cumsum(s.r, c0, x, 3, 4);
 	tl_reply_free(s.r);
-	cr_assert_lt(registered, s.done, "C's registration waited for B's compile");
 	sp = the_spec(c, "lanes.b");
 	compile_b = json_number_value(json_object_get(sp, "compile_seconds"));
 	json_decref(sp);
-	cr_assert_gt(compile_b, 3.0, "B's body sleeps 1 s per step of its dry run");
 	cr_assert_lt(s.done - s.started, 1.5 * compile_b,
 	             "B's first reply took %.1f s for a %.1f s compile", s.done - s.started,
 	             compile_b);
