@@ -118,8 +118,14 @@ $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMO
 test: build
 	@$(MAKE) -j$(JOBS) --no-print-directory tests
 	@$(MAKE) --no-print-directory run-tests
+	@# the daemon under valgrind and the fuzzer, side by side (one core each);
+	@# each one's output printed whole when it ends
+	@$(MAKE) -j2 --output-sync=target --no-print-directory valgrind fuzz
+
+# The daemon's memory check under valgrind (scripts/valgrind-daemon.sh).
+.PHONY: valgrind
+valgrind:
 	@bash scripts/valgrind-daemon.sh $(BUILD)
-	@$(MAKE) --no-print-directory fuzz
 
 .PHONY: run-tests
 run-tests: tests binaries
