@@ -284,7 +284,7 @@ class _Driver:
         if last is not None and last[0] is rows and last[1] == inputs_def:
             return last[2]
         tree = unflatten(inputs_def, rows, [0])
-        if isinstance(tree, (tuple, torch.Tensor)) and _frozen(inputs_def):
+        if _frozen(inputs_def):
             self.last_x = (rows, inputs_def, tree)
         return tree
 
