@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "daemon" / "worker"))
 from torchloop_worker import stack_into  # noqa: E402
+from torchloop_worker import wrapper_pass  # noqa: E402
 from torchloop_worker.build import build_artifact, build_placed  # noqa: E402
 from torchloop_worker.errors import JobError  # noqa: E402
 from torchloop_worker.lowering import OutModule  # noqa: E402
@@ -193,3 +194,21 @@ def test_build_placed_does_not_retry_what_the_pass_did_not_cause(rewritten, tran
     with pytest.raises(JobError):
         build_placed(build, [])
     assert calls == [("graph.so", True)]
+
+
+def test_build_placed_builds_again_without_the_wrapper_rewrite_when_a_rewritten_graph_fails():
+    """Nothing placed, but wrapper_pass.py changed the wrapper: the second
+    build has the pass off, and the pass is on again after it."""
+    seen = []
+
+    def build(name, placer):
+        seen.append((name, wrapper_pass.STATE.on))
+        if placer is not None:
+            wrapper_pass.STATE.changed = 3
+            raise JobError("MISCOMPILE", "max |compiled - eager| = 1")
+        return name
+
+    notes = []
+    assert build_placed(build, notes) == "graph-copied.so"
+    assert seen == [("graph.so", True), ("graph-copied.so", False)]
+    assert wrapper_pass.STATE.on and len(notes) == 1 and "MISCOMPILE" in notes[0]

@@ -13,6 +13,7 @@ Errors map to protocol codes (proto/protocol.h); nothing falls back to eager.
 
 Modules, in the order a job meets them:
   frames       the daemon's framing on stdin/stdout, the log
+  isa          the target ISA hello reports, remembered across starts
   job          Job (a request parsed), the body it names (source or graph)
   graph_loader captured step graphs loaded as data (no pickle, no code)
   specs        specs and trees of tensors; symbolic-batch specs
@@ -22,6 +23,7 @@ Modules, in the order a job meets them:
   checkpoint   the checkpointed VJP (saved carries, recomputed steps)
   build        AOTInductor builds the daemon can unload
   aoti_split   the AOTI runtime interface compiled once, linked into each build
+  wrapper_pass less per-call work in the generated wrapper (subgraph buffers, views)
   stack_into   the post-grad pass placing stacked results into the buffers
   elf          artifact checks (proxy executor, exec stack, unique symbols)
   parity       the new artifact against the eager scan

@@ -12,12 +12,12 @@ A blocked graph sits between them:
 Its compile grows with K + r, not T, and it pays q loop iterations instead
 of T.  The daemon picks K for a quick tier's upgrade from the step's size
 and --upgrade-budget (daemon/graph/upgrade.c), then keeps whichever of the two
-graphs runs faster -- which is not always the blocked one.  Measured through
-AOTInductor (torch 2.14, one block's steps fused into one vectorized kernel):
-ema at T = 64 ran 17 us blocked by 32 against 53 us for the scan op and 10
-unrolled; lorenz's RK4 ran about 1.3 us a step whatever K (31, 91, 164 and
-167 us for K = 8, 16, 32, 42 at T = 16, 64, 128, 128; the scan op's graph
-the same, the unrolled one 13 us at T = 16 and 30 at T = 128).
+graphs runs faster -- which is not always the blocked one.  Each block's
+steps are fused into one vectorized kernel, but each loop iteration still
+allocates the step's results and a handle per carried tensor (about 5 us in
+the daemon): lorenz's RK4 at T = 128 ran about 60 us as block25 and 107 us
+as block9, against 20 us unrolled and 200 us for the scan op's graph
+(torch 2.14, with wrapper_pass.py's changes; docs/architecture.md).
 
 Tensors the body captures from its module are the scan op's additional
 inputs (as Scan.hop); the tail reads the same values.

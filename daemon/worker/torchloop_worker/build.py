@@ -10,7 +10,7 @@ from typing import Callable, cast
 
 import torch
 
-from . import aoti_split
+from . import aoti_split, wrapper_pass
 from .elf import clear_exec_stack, set_exec_stack
 from .errors import JobError, classify
 from .frames import log
@@ -27,6 +27,10 @@ TEST_EXEC_STACK = "TORCHLOOP_TEST_EXEC_STACK"
 # TORCHLOOP_AOTI_SPLIT=0: every wrapper built whole, the AOTI interface in
 # it, as torch builds it (aoti_split.py; docs/operations.md)
 SPLIT = os.environ.get("TORCHLOOP_AOTI_SPLIT", "1") != "0"
+
+# TORCHLOOP_WRAPPER_PASS=0: the wrapper as Inductor generates it, without
+# wrapper_pass.py's two changes (for before/after measurements)
+WRAPPER_PASS = os.environ.get("TORCHLOOP_WRAPPER_PASS", "1") != "0"
 
 
 def aoti_options(out_path: str, batched: bool = False) -> dict[str, object]:
@@ -124,6 +128,8 @@ def unloadable_artifacts() -> None:
 
     cflags.torchloop_unloadable = True  # type: ignore[attr-defined]
     cpp_builder._get_optimization_cflags = cflags
+    if WRAPPER_PASS:
+        wrapper_pass.install(log)
     setattr(wrapper, "_write_aoti_interface_header", header)
     if SPLIT:
         setattr(cpp_builder.CppBuilder, "build", build)
@@ -155,20 +161,22 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
 
 
 def build_placed(build: Build, notes: list[str]) -> str:
-    """build(name, placer) with StackIntoOutputs; placing the stacked results
-    into the buffers is an optimisation, so if a graph it rewrote fails to
+    """build(name, placer) with StackIntoOutputs and wrapper_pass.py's
+    rewrite; both are optimisations, so if a graph either changed fails to
     build or to match eager, builds it again as Inductor would and says so in
     notes.  A failure of the machine (transient) is not retried, nor an
-    artifact refused for how it was linked (the placement does not link)."""
+    artifact refused for how it was linked (neither changes the link)."""
     placer = StackIntoOutputs()
+    wrapper_pass.STATE.changed = 0
     try:
         return build("graph.so", placer)
     except JobError as exc:
-        if not placer.rewritten or exc.transient or exc.code == "UNSAFE_ARTIFACT":
+        changed = placer.rewritten or wrapper_pass.STATE.changed
+        if not changed or exc.transient or exc.code == "UNSAFE_ARTIFACT":
             raise
-        notes.append(f"placing the stacked results into the result buffers failed ({exc.code}: "
-                     f"{exc.message[:160]}); compiled with them copied in instead")
+        notes.append(f"a graph built with its stacked results placed into the result buffers "
+                     f"and its wrapper rewritten failed ({exc.code}: {exc.message[:160]}); "
+                     f"compiled as Inductor generates it instead")
         log(notes[-1])
-    return build("graph-copied.so", None)
-
-
+    with wrapper_pass.off():
+        return build("graph-copied.so", None)
