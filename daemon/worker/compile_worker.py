@@ -20,11 +20,10 @@ import torch
 
 # the package lives beside this file, however it was started
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchloop_worker import MIN_TORCH, PROTOCOL, parity  # noqa: E402
-from torchloop_worker.compile import check_body, compile_job  # noqa: E402
+from torchloop_worker import MIN_TORCH, PROTOCOL  # noqa: E402
 from torchloop_worker.errors import JobError, classify  # noqa: E402
 from torchloop_worker.frames import log, read_frame, write_frame  # noqa: E402
-from torchloop_worker.job import Job  # noqa: E402
+from torchloop_worker.isa import target_isa  # noqa: E402
 
 
 def hello() -> dict[str, object]:
@@ -41,20 +40,6 @@ def hello() -> dict[str, object]:
     }
 
 
-def target_isa() -> str:
-    """What Inductor generates code for here: its vector ISA and -march.
-
-    Both follow the environment the daemon gives the worker
-    (ATEN_CPU_CAPABILITY, TORCHINDUCTOR_CPP_MARCH); the daemon puts this
-    string in every cache key.
-    """
-    from torch._inductor import config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    isa = pick_vec_isa()
-    return f"vec={isa if isa else 'none'};march={config.cpp.march or 'native'}"
-
-
 # Each parity check loads an artifact (unloaded after it: unloadable_artifacts);
 # after this many, the reply asks the daemon to replace this worker (between
 # jobs), which bounds whatever else a long-lived worker accumulates.
@@ -62,6 +47,8 @@ RECYCLE_AFTER = max(1, int(os.environ.get("TORCHLOOP_WORKER_RECYCLE", "32") or 3
 
 
 def handle(req: dict[str, Any]) -> dict[str, Any]:
+    from torchloop_worker import parity
+
     reply = handle_op(req)
     if parity.artifacts_loaded[0] >= RECYCLE_AFTER:
         reply["recycle"] = True
@@ -74,6 +61,11 @@ def handle_op(req: dict[str, Any]) -> dict[str, Any]:
     try:
         if op == "hello":
             return {"id": rid, "result": hello()}
+        # torch.export, dynamo and Inductor: imported once hello is answered
+        # (main), so the daemon is ready without waiting for them
+        from torchloop_worker.compile import check_body, compile_job
+        from torchloop_worker.job import Job
+
         if op == "compile":
             return {"id": rid, "result": compile_job(Job.parse(req))}
         if op == "check":
@@ -124,6 +116,8 @@ def main() -> int:
         if req is None:
             return 0
         write_frame(out, handle(req))
+        if req.get("op") == "hello":
+            import torchloop_worker.compile  # noqa: F401 - the jobs' imports, now
 
 
 if __name__ == "__main__":
