@@ -11,9 +11,9 @@ Two things made them cost far more than they must:
   with their own graphs: their removed buffers were not in the set it reads,
   so each loop iteration allocated (and freed) every intermediate buffer of
   the step, whether a kernel touched it or not -- 75 per iteration for 16
-  RK4 steps of the Lorenz system.  `SubgraphBuffers` hands the subgraph's
-  removed buffers to its parent graph when the subgraph is generated (their
-  names carry the subgraph's prefix, so nothing else is dropped).
+  RK4 steps of the Lorenz system.  `install` has each subgraph hand its
+  removed buffers to its parent graph once generated (their names carry the
+  subgraph's prefix, so nothing else is dropped).
   Lorenz RK4 at T = 32, the scan op over 2 blocks of 16 steps: 94 -> 30 us a
   call (the unrolled loop: 25).
 - **A view per stacked row.**  A result that stacks each step's y is one
