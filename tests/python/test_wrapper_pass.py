@@ -112,8 +112,7 @@ def test_the_scan_ops_loop_allocates_only_what_its_kernels_use(
     (wrapper,) = Path(so).parent.rglob("*.wrapper.cpp")
     loop = _loop(wrapper.read_text())
     assert "reinterpret_tensor_wrapper" not in loop  # no view per stacked row
-    allocated = re.findall(r"RAIIAtenTensorHandle (\w+)\(\1_handle\);", loop)
-    allocated = [b for b in allocated if f"empty_strided" in loop.split(f"&{b}_handle")[0].rsplit("\n", 1)[-1]]
+    allocated = re.findall(r"aoti_torch_empty_strided\([^;]*&(\w+)_handle\)\);", loop)
     assert allocated
     for buf in allocated:  # each is read or written by a kernel, under its name or a reuse's
         names, used = {buf}, False
