@@ -374,6 +374,59 @@ def test_conn_sends_nothing_for_what_the_c_encoder_hands_back(pair) -> None:
         b.recv(1)
 
 
+class _Area:
+    """Stands in for _shm.Area: records what the decoder asks for."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, torch.dtype, tuple[int, ...], int]] = []
+
+    def tensor(self, off: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int):
+        self.asked.append((off, dtype, shape, nbytes))
+        return torch.full(shape, float(off), dtype=dtype)
+
+
+def test_conn_sends_and_reads_shared_memory_references(pair) -> None:
+    """Tensors of shm_min bytes or more go to place (its offset: a reference
+    the reference decoder reads back; None: inline); references in the reply
+    become the area's tensors; a reference whose size disagrees with its
+    shape is handed back whole."""
+    a, b = pair
+    big, mid = torch.arange(64, dtype=torch.float64), torch.arange(40, dtype=torch.float32)
+    small = torch.ones(2, dtype=torch.float64)
+    placed: list[int] = []
+
+    def place(t: torch.Tensor) -> int | None:
+        placed.append(t.numel())
+        return 4096 if t.numel() == 64 else None  # mid: "the region is full"
+
+    def daemon():
+        (n,) = struct.unpack(">I", b.recv(4, socket.MSG_WAITALL))
+        seen = _Area()
+        req = _wire.Decoder(bytearray(b.recv(n, socket.MSG_WAITALL)), seen).value()
+        assert seen.asked == [(4096, torch.float64, (64,), 512)]
+        _same(req["inputs"], (mid, small))
+        enc = _wire.Encoder(lambda t: 192 if t.numel() == 3 else None)
+        enc.value({"id": req["id"], "result": {"carry": torch.zeros(3, dtype=torch.float32),
+                                               "outputs": small}})
+        b.sendall(b"".join(bytes(memoryview(x).cast("B")) for x in enc.frame()))
+        enc = _wire.Encoder(lambda t: 0)  # then a reference of 13 bytes for 12
+        enc.value({"id": 6, "result": {"carry": torch.zeros(3, dtype=torch.float32)}})
+        bad = bytearray(b"".join(bytes(memoryview(x).cast("B")) for x in enc.frame()))
+        bad[bad.index(struct.pack("<Q", 12))] = 13
+        _read_request(b)
+        b.sendall(bytes(bad))
+
+    join = _serve(daemon)
+    conn, area = _conn(a), _Area()
+    got = conn.call(5, "scan", {"carry": big, "inputs": (mid, small)}, 4096, None, place, 160, area)
+    assert placed == [64, 40], "only tensors of shm_min bytes or more are offered"
+    assert area.asked == [(192, torch.float32, (3,), 12)]
+    _same(got, {"carry": torch.full((3,), 192.0, dtype=torch.float32), "outputs": small})
+    out = conn.call(6, "scan", {}, 4096, None, place, 160, area)
+    assert type(out) is bytearray and len(area.asked) == 1
+    join()
+
+
 @pytest.mark.parametrize("case", ["closed", "closed mid-frame", "too large", "timeout"])
 def test_conn_raises_connection_lost(pair, case: str) -> None:
     a, b = pair

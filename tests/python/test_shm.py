@@ -17,6 +17,7 @@ import torch
 
 import eager
 import torchloop
+from torchloop import _wire
 
 N = 32768  # 256 KiB of float64: over the client's threshold
 T = 2
@@ -88,6 +89,27 @@ def test_inputs_allocated_in_the_region_are_not_copied(client) -> None:
     torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(rc, carry)  # the daemon never writes into inputs
+
+
+def test_region_scans_go_through_the_c_codec_and_feed_back_in_place(client, monkeypatch) -> None:
+    """With the C codec built (make setup requires it), a scan through the
+    region never falls back to _wire.py: references out and in are C's."""
+    import bodies
+
+    assert _wire.fast is not None, "the C codec was not built"
+
+    def no_wire(*args: object, **kwargs: object) -> dict:
+        raise AssertionError("a region scan went through _wire.py")
+
+    monkeypatch.setattr(client, "_roundtrip", no_wire)
+    carry, xs = data(7)
+    c, want = carry, carry
+    for _ in range(2):  # the second scan sends the first's final carry in place
+        c, y = client.scan(NAME, c, xs)
+        want, want_y = eager.scan(bodies.ema, want, xs)
+        assert in_region(client, c) and in_region(client, y)
+        torch.testing.assert_close(y, want_y, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(c, want, rtol=1e-12, atol=1e-14)
 
 
 def test_backward_through_the_region_matches_eager_autograd(daemon: str) -> None:

@@ -244,17 +244,21 @@ static PyObject *conn_recv_body(PyObject *self, PyObject *unused)
 static PyObject *conn_call(PyObject *self, PyObject *args)
 {
 	Conn *c = (Conn *)self;
-	PyObject *id, *op, *fields, *on_event;
-	Py_ssize_t limit;
+	PyObject *id, *op, *fields, *on_event, *place = Py_None, *area = Py_None;
+	Py_ssize_t limit, shm_min = 0;
 	struct buf b = {0};
 
-	if (!PyArg_ParseTuple(args, "OUO!nO", &id, &op, &PyDict_Type, &fields, &limit, &on_event))
+	if (!PyArg_ParseTuple(args, "OUO!nO|OnO", &id, &op, &PyDict_Type, &fields, &limit,
+	                      &on_event, &place, &shm_min, &area))
 		return NULL;
 	if (!G.ready)
 		return PyErr_Format(PyExc_RuntimeError, "torchloop._fast.setup was not called");
 	b.limit = limit < 0 ? 0 : limit;
+	b.place = place == Py_None ? NULL : place;
+	b.shm_min = shm_min < 1 ? 1 : (size_t)shm_min;
 	int rc = encode_request(&b, id, op, fields);
-	c->poll_reply = b.len < BUSYPOLL_MAX_REQUEST;
+	/* the tensors' bytes decide, in the frame or by reference (busypoll.h) */
+	c->poll_reply = b.len + b.ref_bytes < BUSYPOLL_MAX_REQUEST;
 	if (rc == 0)
 		rc = conn_send(c, b.p, b.len);
 	PyMem_Free(b.p);
@@ -264,7 +268,7 @@ static PyObject *conn_call(PyObject *self, PyObject *args)
 		PyObject *body = conn_body(c);
 		if (body == NULL)
 			return NULL;
-		PyObject *msg = decode_body(body);
+		PyObject *msg = decode_body(body, area == Py_None ? NULL : area);
 		if (msg == NULL || !PyDict_CheckExact(msg)) {
 			if (msg == NULL && PyErr_Occurred()) {
 				Py_DECREF(body);

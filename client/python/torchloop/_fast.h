@@ -31,6 +31,7 @@
 #define MAX_DIMS   PROTO_MAX_NDIM
 #define EXT_TENSOR PROTO_EXT_TENSOR
 #define EXT_TUPLE  PROTO_EXT_TUPLE
+#define EXT_SHM    PROTO_EXT_SHM
 
 struct fast_globals {
 	PyObject *tensor_type, *f32, *f64, *strided;              /* torch */
@@ -48,6 +49,11 @@ struct buf {
 	char *p;
 	size_t len, cap;
 	Py_ssize_t limit; /* largest tensor to copy in */
+	/* shared memory (Client._shm_call): a tensor of shm_min bytes or more
+	 * is offered to place(t), which returns its region offset (staging it
+	 * there) or None; ref_bytes sums the tensors sent by reference */
+	PyObject *place;
+	size_t shm_min, ref_bytes;
 };
 
 /* _fast_enc.c */
@@ -65,8 +71,9 @@ FAST_INTERNAL extern PyObject *TUPLE_MARK;
 FAST_INTERNAL uint64_t be(const unsigned char *p, int n);
 /* The value of a whole reply body (a bytearray); NULL with no error set when
  * _wire.py must parse it, NULL with an error set for KeyboardInterrupt and
- * the like. */
-FAST_INTERNAL PyObject *decode_body(PyObject *body);
+ * the like.  area (or NULL): the request's output area (_shm.Area), whose
+ * tensor(off, dtype, shape, nbytes) makes a shared-memory reference a view. */
+FAST_INTERNAL PyObject *decode_body(PyObject *body, PyObject *area);
 FAST_INTERNAL PyObject *fast_decode(PyObject *self, PyObject *body);
 
 #endif

@@ -3,6 +3,8 @@ from typing import Callable
 
 import torch
 
+from ._shm import Area as _Area
+
 class Conn:
     """One request's round trip on a connected socket."""
 
@@ -11,7 +13,9 @@ class Conn:
     def __init__(self, fd: int, timeout_ms: int, lost: type[BaseException],
                  busy_poll_us: int = ...) -> None: ...
     def call(self, id: int, op: str, fields: dict[str, object], limit: int,
-             on_event: Callable[[dict[str, object]], None] | None
+             on_event: Callable[[dict[str, object]], None] | None,
+             place: Callable[[torch.Tensor], int | None] | None = ...,
+             shm_min: int = ..., area: _Area | None = ...
              ) -> dict[str, object] | tuple[dict[str, object]] | bytearray | None: ...
     def recv_body(self) -> bytearray: ...
 

@@ -9,6 +9,7 @@ PyObject *TUPLE_MARK;
 
 struct rd {
 	PyObject *body; /* the bytearray: tensors view it */
+	PyObject *area; /* the request's output area, or NULL */
 	const unsigned char *p;
 	size_t len, pos;
 };
@@ -102,6 +103,43 @@ static PyObject *dec_tensor(struct rd *r, size_t start, size_t n)
 	return out;
 }
 
+/* A shared-memory reference (ext 3, _wire.py's layout) as a view of the
+ * output area, made by area.tensor, which checks the bounds. */
+static PyObject *dec_shm(struct rd *r, size_t start, size_t n)
+{
+	const unsigned char *h = r->p + start;
+	uint64_t ref[2], numel = 1;
+	size_t ndim, itemsize;
+	PyObject *shape, *out = NULL;
+
+	if (r->area == NULL || n < 24)
+		return NULL;
+	itemsize = h[0] == 1 ? 4 : h[0] == 2 ? 8 : 0;
+	ndim = h[1];
+	if (itemsize == 0 || ndim > MAX_DIMS || n != 24 + 8 * ndim)
+		return NULL;
+	memcpy(ref, h + 8, sizeof ref);
+	if ((shape = PyTuple_New((Py_ssize_t)ndim)) == NULL)
+		return NULL;
+	for (size_t i = 0; i < ndim; i++) {
+		int64_t d;
+		PyObject *di;
+		memcpy(&d, h + 24 + 8 * i, 8);
+		if (d < 0 || (d && numel > UINT64_MAX / (uint64_t)d) ||
+		    (di = PyLong_FromLongLong(d)) == NULL)
+			goto out;
+		numel *= (uint64_t)d;
+		PyTuple_SET_ITEM(shape, (Py_ssize_t)i, di);
+	}
+	if (numel > UINT64_MAX / itemsize || numel * itemsize != ref[1])
+		goto out; /* _wire.py says what is wrong */
+	out = PyObject_CallMethod(r->area, "tensor", "KOOK", (unsigned long long)ref[0],
+	                          itemsize == 4 ? G.f32 : G.f64, shape, (unsigned long long)ref[1]);
+out:
+	Py_DECREF(shape);
+	return out;
+}
+
 static PyObject *dec_ext(struct rd *r, size_t n)
 {
 	NEED(r, 1 + n);
@@ -115,7 +153,9 @@ static PyObject *dec_ext(struct rd *r, size_t n)
 	}
 	if (code == EXT_TENSOR)
 		return dec_tensor(r, start, n);
-	return NULL; /* shared-memory references and unknown types: _wire.py */
+	if (code == EXT_SHM)
+		return dec_shm(r, start, n);
+	return NULL; /* unknown types: _wire.py */
 }
 
 static PyObject *dec_array(struct rd *r, size_t n, int depth)
@@ -266,12 +306,13 @@ static PyObject *dec_value(struct rd *r, int depth)
 /* The value of a whole reply body (a bytearray); NULL with no error set when
  * _wire.py must parse it (and say what is wrong), NULL with an error set
  * for KeyboardInterrupt and the like. */
-PyObject *decode_body(PyObject *body)
+PyObject *decode_body(PyObject *body, PyObject *area)
 {
 	struct rd r;
 	PyObject *v;
 
 	r.body = body;
+	r.area = area;
 	r.p = (const unsigned char *)PyByteArray_AS_STRING(body);
 	r.len = (size_t)PyByteArray_GET_SIZE(body);
 	r.pos = 0;
@@ -297,7 +338,7 @@ PyObject *fast_decode(PyObject *self, PyObject *body)
 		return PyErr_Format(PyExc_TypeError, "decode takes a bytearray");
 	if (!G.ready)
 		return PyErr_Format(PyExc_RuntimeError, "torchloop._fast.setup was not called");
-	v = decode_body(body);
+	v = decode_body(body, NULL);
 	if (v == NULL && !PyErr_Occurred())
 		Py_RETURN_NONE;
 	return v;

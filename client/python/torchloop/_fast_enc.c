@@ -205,8 +205,43 @@ static int put_tensor_head(struct buf *b, int code, Py_ssize_t ndim, const int64
 	return 0;
 }
 
-/* A float32/float64 tensor inline (1: left to _wire.py: another dtype or
- * device, over the limit, ...). */
+/* A tensor by reference into the connection's region, where b->place puts
+ * it (an ext 3: dtype code, rank, 6 zero bytes, offset and size as uint64,
+ * the sizes; little-endian, as _wire.py writes it): 0 sent; 1 place said
+ * None (the region is full: inline if it fits); -1 a Python error. */
+static int put_tensor_ref(struct buf *b, PyObject *t, int code, Py_ssize_t ndim,
+                          const int64_t *dims, uint64_t nbytes)
+{
+	PyObject *r = PyObject_CallOneArg(b->place, t);
+	unsigned long long off;
+	unsigned char h[14] = {0xC9, 0, 0, 0, 0, EXT_SHM, (unsigned char)code, (unsigned char)ndim};
+	uint32_t extlen = 24 + 8 * (uint32_t)ndim;
+
+	if (r == NULL)
+		return -1;
+	if (r == Py_None) {
+		Py_DECREF(r);
+		return 1;
+	}
+	off = PyLong_AsUnsignedLongLong(r);
+	Py_DECREF(r);
+	if (off == (unsigned long long)-1 && PyErr_Occurred())
+		return -1;
+	for (int i = 0; i < 4; i++)
+		h[1 + i] = (unsigned char)(extlen >> (8 * (3 - i)));
+	uint64_t ref[2] = {off, nbytes}; /* little-endian host: checked by _wire.py */
+	if (put(b, h, sizeof h) != 0 || put(b, ref, sizeof ref) != 0 ||
+	    put(b, dims, 8 * (size_t)ndim) != 0) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	b->ref_bytes += nbytes;
+	return 0;
+}
+
+/* A float32/float64 tensor inline, or by reference into the region when
+ * b->place takes it (1: left to _wire.py: another dtype or device, over the
+ * limit, ...). */
 static int enc_tensor(struct buf *b, PyObject *t)
 {
 	PyObject *dtype = PyObject_GetAttr(t, G.s_dtype), *own = NULL, *ptr = NULL;
@@ -224,6 +259,10 @@ static int enc_tensor(struct buf *b, PyObject *t)
 	itemsize = code == 1 ? 4 : 8;
 	if ((rc = tensor_plain(t, &own)) != 0 ||
 	    (rc = tensor_dims(own ? own : t, dims, &ndim, &numel)) != 0)
+		goto out;
+	if (b->place != NULL && numel >= (b->shm_min + (size_t)itemsize - 1) / (size_t)itemsize &&
+	    (rc = put_tensor_ref(b, own ? own : t, code, ndim, dims, numel * (uint64_t)itemsize)) <=
+	        0)
 		goto out;
 	rc = 1;
 	if (numel > (uint64_t)b->limit / (uint64_t)itemsize)

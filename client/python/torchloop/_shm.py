@@ -130,7 +130,7 @@ class Region:
         numel = 1
         for d in shape:
             numel *= d
-        n = numel * torch.empty((), dtype=dtype).element_size()
+        n = numel * dtype.itemsize
         off = self.alloc(n)
         if off is None:
             return None
@@ -152,7 +152,7 @@ class Area:
         rel = off - self.off
         if rel < 0 or rel + nbytes > self.size:
             raise ValueError(f"reply names bytes [{off}, +{nbytes}) outside its output area")
-        numel = nbytes // torch.empty((), dtype=dtype).element_size()
+        numel = nbytes // dtype.itemsize
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(self.view, dtype=dtype, count=numel, offset=rel).view(shape)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from . import _wire
-from ._shm import Region
+from ._shm import Area, Region
 from .errors import ConnectionLost, TorchloopError, from_reply, unanswered
 
 PROTOCOL = 1
@@ -274,23 +274,29 @@ class Client:
         enc.value({"id": rid, "op": op, **fields})
         return self._exchange(enc.frame(), rid, area, fd)
 
-    def _conn_call(self, rid: int, op: str, fields: dict[str, Any], limit: int) -> dict | None:
+    def _conn_call(self, rid: int, op: str, fields: dict[str, Any], limit: int,
+                   place: Callable[[torch.Tensor], int | None] | None = None,
+                   area: Area | None = None) -> dict | None:
         """The round trip in C (_fast.Conn.call): the result map, or None when
-        the request needs _wire.py (nothing was sent)."""
+        the request needs _wire.py (nothing was sent).  With place, tensors
+        of shm_threshold bytes or more go by reference into the region
+        (place stages them), and references in the reply are views of area."""
+        assert self._conn is not None
         try:
-            out = self._conn.call(rid, op, fields, limit, self.on_event)
+            out = self._conn.call(rid, op, fields, limit, self.on_event, place,
+                                  self.shm_threshold, area)
         except BaseException:  # lost, or interrupted (Ctrl-C) with the reply
             self._drop()  # unread or half read: the next call connects again
             raise
         if out is None or type(out) is dict:
             return out
-        return self._settle(rid, out)
+        return self._settle(rid, out, area)
 
-    def _settle(self, rid: int, out: Any) -> dict:
+    def _settle(self, rid: int, out: Any, area: Area | None = None) -> dict:
         """What Conn.call returned when it was not a result: an error reply
         (raised) or a body the C decoder left to _wire.py."""
-        reply = out[0] if type(out) is tuple else self._decode(out, None)
-        return self._reply(rid, None, reply)
+        reply = out[0] if type(out) is tuple else self._decode(out, area)
+        return self._reply(rid, area, reply)
 
     def _new_id(self) -> int:
         self._next_id = self._next_id + 1 if self._next_id < 0xFFFFFFFF else _FIRST_ID
@@ -344,8 +350,8 @@ class Client:
     def _call(self, op: str, fields: dict[str, Any]) -> dict:
         """The one routing decision: in one C call (_fast.Conn.call) when the
         C codec is built and every tensor may travel inline; else, for a scan
-        or grad with shared memory on, through the region (_shm_call); else
-        encoded by _wire.py."""
+        or grad with shared memory on, through the region (_shm_call, in C as
+        well); else encoded by _wire.py."""
         with self._lock:
             if self._sock is None or self._pid != os.getpid():
                 self._connect()
@@ -438,7 +444,11 @@ class Client:
         if area is not None:
             fields = {**fields, "out": {"offset": area_off, "size": size, "min_bytes": threshold}}
         try:
-            result = self._roundtrip(op, fields, place=place, area=area)
+            result = None
+            if self._conn is not None:  # in C; None: _wire.py's (nothing was sent)
+                result = self._conn_call(self._new_id(), op, fields, _wire.FAST_LIMIT, place, area)
+            if result is None:
+                result = self._roundtrip(op, fields, place=place, area=area)
         finally:
             for off in staged:
                 region.free(off)
