@@ -20,6 +20,10 @@ mkdir -p "$TORCHLOOP_TEST_CACHE"
 # default place, shared by every daemon of the run whatever its --cache-dir
 # (a daemon uses <cache-dir>/inductor only when this is unset)
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}"
+# The suite starts hundreds of short-lived daemons; most of their compile workers
+# never get a job: each imports torch's compile path (~3.5 s of CPU) only
+# when its first job comes (docs/operations.md, inductor/)
+export TORCHLOOP_WORKER_PRELOAD="${TORCHLOOP_WORKER_PRELOAD:-0}"
 # the access-control test connects as uid 65534: scratch must be traversable
 chmod 755 "$TORCHLOOP_TEST_TMP"
 start=$(date +%s)

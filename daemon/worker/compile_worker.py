@@ -16,27 +16,28 @@ import sys
 import traceback
 from typing import Any
 
-import torch
-
 # the package lives beside this file, however it was started
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchloop_worker import MIN_TORCH, PROTOCOL  # noqa: E402
 from torchloop_worker.errors import JobError, classify  # noqa: E402
 from torchloop_worker.frames import log, read_frame, write_frame  # noqa: E402
-from torchloop_worker.isa import target_isa  # noqa: E402
+from torchloop_worker.isa import target, torch_build  # noqa: E402
 
 
 def hello() -> dict[str, object]:
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    """The worker's build and target; torch itself is imported only when
+    the target was not kept (isa.py)."""
+    build, found = torch_build(), target()
+    version = tuple(int(p) for p in build.version.split("+")[0].split(".")[:2])
     return {
         "protocol": PROTOCOL,
-        "torch": torch.__version__,
-        "torch_git": getattr(torch.version, "git_version", ""),
-        "cxx11_abi": bool(torch.compiled_with_cxx11_abi()),
+        "torch": build.version,
+        "torch_git": build.git,
+        "cxx11_abi": found.cxx11_abi,
         "python": sys.version.split()[0],
         "torch_ok": version >= MIN_TORCH,
-        "torch_lib": os.path.join(os.path.dirname(torch.__file__), "lib"),
-        "isa": target_isa(),
+        "torch_lib": build.lib,
+        "isa": found.isa,
     }
 
 
@@ -47,10 +48,9 @@ RECYCLE_AFTER = max(1, int(os.environ.get("TORCHLOOP_WORKER_RECYCLE", "32") or 3
 
 
 def handle(req: dict[str, Any]) -> dict[str, Any]:
-    from torchloop_worker import parity
-
     reply = handle_op(req)
-    if parity.artifacts_loaded[0] >= RECYCLE_AFTER:
+    parity = sys.modules.get("torchloop_worker.parity")  # loaded by the first job
+    if parity is not None and parity.artifacts_loaded[0] >= RECYCLE_AFTER:
         reply["recycle"] = True
     return reply
 
@@ -106,7 +106,7 @@ def main() -> int:
     os.dup2(2, 1)
     stdin = sys.stdin.buffer
 
-    log(f"ready (torch {torch.__version__})")
+    log(f"ready (torch {torch_build().version})")
     while True:
         try:
             req = read_frame(stdin)
@@ -116,7 +116,7 @@ def main() -> int:
         if req is None:
             return 0
         write_frame(out, handle(req))
-        if req.get("op") == "hello":
+        if req.get("op") == "hello" and os.environ.get("TORCHLOOP_WORKER_PRELOAD", "1") != "0":
             import torchloop_worker.compile  # noqa: F401 - the jobs' imports, now
 
 

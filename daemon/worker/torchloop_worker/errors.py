@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import errno
 
-from .graph_loader import GraphError
+
+class GraphError(Exception):
+    """The text is not a graph this worker will compile; path says where."""
+
+    def __init__(self, message: str, path: str = "graph", code: str = "BAD_GRAPH") -> None:
+        super().__init__(message)
+        self.message, self.path, self.code = message, path, code
 
 
 class JobError(Exception):

@@ -29,6 +29,8 @@ from typing import Any, Callable, Union
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .errors import GraphError  # raised here; defined there (hello imports no torch)
+
 FORMAT, VERSION = "torchloop.graph", 1
 MAX_TEXT = 1 << 20  # PROTO_MAX_SOURCE: the daemon refuses larger ones first
 MAX_NODES = 50_000
@@ -53,14 +55,6 @@ DENIED = re.compile(r"^(empty|new_empty|as_strided|_unsafe|resize|set_|_local_sc
 OP_NAME = re.compile(r"^aten\.([a-z_][a-z0-9_]{0,63})\.([A-Za-z_][A-Za-z0-9_]{0,63})$")
 
 Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
-
-
-class GraphError(Exception):
-    """The text is not a graph this worker will compile; path says where."""
-
-    def __init__(self, message: str, path: str = "graph", code: str = "BAD_GRAPH") -> None:
-        super().__init__(message)
-        self.message, self.path, self.code = message, path, code
 
 
 def _need(cond: bool, message: str, path: str) -> None:
