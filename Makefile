@@ -170,6 +170,7 @@ bench: build
 	$(PY) tests/bench/bigruns.py $(BUILD) $(BUILD)/bench/bigruns.json
 	$(PY) tests/bench/capture.py $(BUILD) $(BUILD)/bench/capture.json
 	$(PY) tests/bench/eagerfirst.py $(BUILD) $(BUILD)/bench/eagerfirst.json
+	$(PY) tests/bench/pypath.py $(BUILD) $(BUILD)/bench/pypath.json
 	$(PY) tests/bench/checkpoint.py $(BUILD) $(BUILD)/bench/checkpoint.json
 	$(PY) tests/bench/remote.py $(BUILD) $(BUILD)/bench/remote.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)

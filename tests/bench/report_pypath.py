@@ -1,0 +1,107 @@
+"""docs/performance.md's part for tests/bench/pypath.py (report.py calls it):
+the solver's own path against torch.compile in process, and its targets."""
+
+from __future__ import annotations
+
+
+def _us(v: float) -> str:
+    return f"{v:,.0f}".replace(",", " ") if v >= 100 else f"{v:.1f}"
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}"
+
+
+def _table(head: list[str], rows: list[list[str]], align: str) -> str:
+    marks = {"l": "---", "r": "---:"}
+    return "\n".join(["| " + " | ".join(head) + " |",
+                      "| " + " | ".join(marks[a] for a in align) + " |",
+                      *("| " + " | ".join(r) + " |" for r in rows)])
+
+
+def _shape(r: dict) -> str:
+    return f"[{r['N']}, 32]" if r["body"] == "gru" else f"[{r['N']}]"
+
+
+def section(d: dict) -> str:
+    if not d:
+        return "## The solver's path\n\n(pypath.json missing: run `make bench`.)\n"
+    fwd = [r for r in d["warm"] if r["mode"] == "fwd"]
+    bwd = [r for r in d["warm"] if r["mode"] == "bwd"]
+    frows = []
+    for r in fwd:
+        p = r["p50_us"]
+        frows.append([r["body"], _shape(r), str(r["T"]), _us(p["a"]), _us(p["b"]), _us(p["g"]),
+                      _us(p["g_fb"]), _us(r["run_us"]) if r.get("run_us") else "–",
+                      _x(p["g"] / p["b"]), _x(p["g_fb"] / p["b"]), f"{r['max_diff']:.1e}"])
+    brows = [[r["body"], _shape(r), str(r["T"]), _us(r["p50_us"]["b"]), _us(r["p50_us"]["g"]),
+              _x(r["p50_us"]["g"] / r["p50_us"]["b"]), f"{r['max_diff']:.1e}"] for r in bwd]
+    first = [[r["body"], str(r["T"]), f"{r['b']['first_s']:.2f}", f"{r['g']['first_s']:.2f}",
+              f"{r['g_eager']['first_s']:.2f}", _x(r["g"]["first_s"] / r["b"]["first_s"]),
+              _x(r["g_eager"]["first_s"] / r["b"]["first_s"])] for r in d["first"]]
+    return f"""## The solver's path: `loop_adapter(...).scan` against torch.compile in process
+
+`tests/bench/pypath.py`: what a solver calls, with plain torch tensors. (a)
+the eager loop; (b) `torch.compile(fullgraph=True, dynamic=False)` of that
+loop in process (the reference adapter's way); (g) `loop_adapter(max_steps=128,
+max_elements=1048576).scan`, the same carry every call; (g fb) the carry fed
+back from the previous reply, as a solver's loop does. Bodies: ema, `c = 0.9 c
++ 0.1 tanh(x)` float64; gru, a GRU-like cell whose weights are closure
+tensors (sent as params). p50 per call, the methods in turn for
+{d['rounds']} rounds, median round; "daemon run" is the graph's own run time
+in the daemon (its p50 from `stats`), so (g) minus it is the round trip: the
+client's tree and codec work, the copy of inputs into the region, the socket
+and the wake-ups. Every row first checked (g) against (b) (max |difference|,
+results and, below, gradients).
+
+{_table(["body", "carry", "T", "(a) eager", "(b) in process", "(g)", "(g fb)", "daemon run",
+         "(g)/(b)", "(g fb)/(b)", "max diff"], frows, "llrrrrrrrrr")}
+
+Forward and first-order backward, `f, ys = scan(...); (f.sum() +
+ys.sum()).backward()`, carry and inputs requiring grad (µs):
+
+{_table(["body", "carry", "T", "(b) in process", "(g)", "(g)/(b)", "max grad diff"], brows,
+        "llrrrrr")}
+
+First call of a new body in a fresh process (the example bodies, tier.py's
+trees; seconds of the first scan, its compile included): (b) with an Inductor
+cache of its own; (g) against a fresh daemon with the defaults (the quick tier
+on), without and with `eager_first`; Inductor's FX graph cache off on both
+sides:
+
+{_table(["body", "T", "(b) first call (s)", "(g) first call (s)", "(g) eager_first (s)",
+         "(g)/(b)", "eager_first/(b)"], first, "lrrrrrr")}
+"""
+
+
+def targets(d: dict) -> list[list[str]]:
+    """The issue's targets for the Python path, as rows of "Against the targets"."""
+    if not d or not d["warm"]:
+        return []
+
+    def verdict(name: str, pairs: list[tuple[str, float]], bound: float) -> list[str]:
+        lost = [f"{k} ({_x(v)}×)" for k, v in pairs if v > bound]
+        won = [f"{k} {_x(v)}×" for k, v in pairs if v <= bound]
+        return [name, ("met: " if not lost else "**missed** for " + ", ".join(lost) + "; ")
+                + ", ".join(won)]
+
+    def key(r: dict) -> str:
+        return f"{r['body']} {_shape(r)} T = {r['T']}"
+
+    fwd = [r for r in d["warm"] if r["mode"] == "fwd"]
+    bwd = [r for r in d["warm"] if r["mode"] == "bwd"]
+    rows = [verdict("(g fb) ≤ 1.0× (b), forward",
+                    [(key(r), r["p50_us"]["g_fb"] / r["p50_us"]["b"]) for r in fwd], 1.0),
+            verdict("(g) ≤ 1.1× (b), forward",
+                    [(key(r), r["p50_us"]["g"] / r["p50_us"]["b"]) for r in fwd], 1.1),
+            verdict("(g) ≤ 1.0× (b), forward + backward",
+                    [(key(r), r["p50_us"]["g"] / r["p50_us"]["b"]) for r in bwd], 1.0)]
+    if d["first"]:
+        rows.append(verdict("first call ≤ 1.0× the in-process compile (default adapter)",
+                            [(f"{r['body']} T = {r['T']}", r["g"]["first_s"] / r["b"]["first_s"])
+                             for r in d["first"]], 1.0))
+        rows.append(verdict("first call ≤ 1.0× the in-process compile (eager_first)",
+                            [(f"{r['body']} T = {r['T']}",
+                              r["g_eager"]["first_s"] / r["b"]["first_s"]) for r in d["first"]],
+                            1.0))
+    return rows
