@@ -118,6 +118,7 @@ def main() -> int:
         write_frame(out, handle(req))
         if req.get("op") == "hello" and os.environ.get("TORCHLOOP_WORKER_PRELOAD", "1") != "0":
             import torchloop_worker.compile  # noqa: F401 - the jobs' imports, now
+            log("compile path imported")
 
 
 if __name__ == "__main__":

@@ -94,3 +94,24 @@ def test_a_worker_answers_hello_from_the_file_without_importing_torch(tmp_path: 
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["vec=kept;march=native", "False", "False", "1",
                                   isa.torch_build().version]
+
+
+@pytest.mark.parametrize("preload", ["1", "0"])
+def test_a_worker_imports_the_compile_path_after_hello_unless_told_not_to(
+        tmp_path: Path, preload: str) -> None:
+    """The daemon's default: right after hello the worker imports what its
+    jobs need; TORCHLOOP_WORKER_PRELOAD=0 (the test suite's) leaves that to
+    the first job.  Either way it answers hello and exits cleanly at EOF."""
+    import msgpack
+
+    hello = msgpack.packb({"id": 1, "op": "hello"})
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "TORCHLOOP_WORKER_PRELOAD": preload}
+    out = subprocess.run([sys.executable, "compile_worker.py"], cwd=ROOT / "daemon" / "worker",
+                         input=len(hello).to_bytes(4, "big") + hello, env=env,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    reply = msgpack.unpackb(out.stdout[4:])
+    assert reply["id"] == 1 and reply["result"]["protocol"] == 1
+    assert ("compile path imported" in out.stderr.decode()) == (preload == "1")
+    assert "Traceback" not in out.stderr.decode()
