@@ -773,7 +773,7 @@ HISTORY = [
      "[4096] T = 128 1 758 → 1 672, [65536] T = 16 3 865 → 3 637"),
     ("2026-12-05", "a compile worker's hello imports no torch (torch's build read from "
      "`torch/version.py`, the ISA and ABI kept); the recycle check no longer imports the parity "
-     "module first", "a daemon's start to ready 1.7–1.8 → 0.3–0.4 s"),
+     "module first", "a daemon's start to ready 1.8–2.4 → 0.3–0.4 s"),
 ]
 
 
