@@ -132,18 +132,10 @@ def fed_back():
 fns = {k: call(k) for k in (("a", "b", "g") if mode == "fwd" else ("b", "g"))}
 if mode == "fwd":
     fns["g_fb"] = fed_back()
-def idle():  # the compiles' helper processes wound down: under 10 % of the CPUs busy
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-    for _ in range(120):
-        t0, i0 = sample(); time.sleep(0.5); t1, i1 = sample()
-        if 1 - (i1 - i0) / max(1, t1 - t0) < 0.10:
-            return
+from bench import settle  # the compiles' helper processes wound down
 
 diff = check()
-idle()
+settle()
 per_call = {}
 for k, fn in fns.items():  # warm-up (0.5 s each); a call's time sets the count per round
     t_end = time.perf_counter() + 0.5
@@ -196,7 +188,7 @@ print(json.dumps({"first_s": first, "max_diff_vs_eager": worst}))
 
 
 def child_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests", "python"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "python"), HERE]))
     env.update(extra or {})
     return env
 

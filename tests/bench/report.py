@@ -17,30 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report_pypath  # noqa: E402
-
-
-def us(v: float) -> str:
-    if v >= 100:
-        return f"{v:,.0f}".replace(",", " ")
-    if v >= 10:
-        return f"{v:.0f}"
-    return f"{v:.1f}"
-
-
-def grp(v: float) -> str:
-    return f"{v:,.0f}".replace(",", " ")
-
-
-def ratio(v: float) -> str:
-    return f"{v:.2f}" if v < 10 else f"{v:.0f}"
-
-
-def table(head: list[str], rows: list[list[str]], align: str | None = None) -> str:
-    align = align or "l" + "r" * (len(head) - 1)
-    sep = ["---:" if a == "r" else "---" for a in align]
-    out = ["| " + " | ".join(head) + " |", "| " + " | ".join(sep) + " |"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
+from mdtable import grp, ratio, table, us  # noqa: E402
 
 
 def strategy_section(rows: list[dict]) -> str:

@@ -3,20 +3,15 @@ the solver's own path against torch.compile in process, and its targets."""
 
 from __future__ import annotations
 
+from mdtable import ratio as _x
+from mdtable import table as _table
+from mdtable import us
+
 
 def _us(v: float) -> str:
-    return f"{v:,.0f}".replace(",", " ") if v >= 100 else f"{v:.1f}"
-
-
-def _x(v: float) -> str:
-    return f"{v:.2f}"
-
-
-def _table(head: list[str], rows: list[list[str]], align: str) -> str:
-    marks = {"l": "---", "r": "---:"}
-    return "\n".join(["| " + " | ".join(head) + " |",
-                      "| " + " | ".join(marks[a] for a in align) + " |",
-                      *("| " + " | ".join(r) + " |" for r in rows)])
+    """µs with a decimal below 100 (report.us rounds from 10 on): the small
+    rows' differences are a few µs."""
+    return us(v) if v >= 100 else f"{v:.1f}"
 
 
 def _shape(r: dict) -> str:
@@ -82,8 +77,8 @@ def targets(d: dict) -> list[list[str]]:
     def verdict(name: str, pairs: list[tuple[str, float]], bound: float) -> list[str]:
         lost = [f"{k} ({_x(v)}×)" for k, v in pairs if v > bound]
         won = [f"{k} {_x(v)}×" for k, v in pairs if v <= bound]
-        return [name, ("met: " if not lost else "**missed** for " + ", ".join(lost) + "; ")
-                + ", ".join(won)]
+        said = ("**missed** for " + ", ".join(lost) if lost else "met") + (": " if not lost else "; ")
+        return [name, said + ", ".join(won) if won else said.rstrip(":; ")]
 
     def key(r: dict) -> str:
         return f"{r['body']} {_shape(r)} T = {r['T']}"

@@ -446,7 +446,10 @@ class Client:
         try:
             result = None
             if self._conn is not None:  # in C; None: _wire.py's (nothing was sent)
-                result = self._conn_call(self._new_id(), op, fields, _wire.FAST_LIMIT, place, area)
+                # what place does not take is below the threshold: C copies it
+                # in, so that only other types fall back (and stage again)
+                limit = max(_wire.FAST_LIMIT, threshold - 1)
+                result = self._conn_call(self._new_id(), op, fields, limit, place, area)
             if result is None:
                 result = self._roundtrip(op, fields, place=place, area=area)
         finally:

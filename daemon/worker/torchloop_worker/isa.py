@@ -18,6 +18,7 @@ another key -- imports torch and finds the target as before.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -42,6 +43,7 @@ class Target(NamedTuple):
     cxx11_abi: bool
 
 
+@functools.lru_cache(maxsize=1)
 def torch_build() -> Torch:
     """torch's version and git revision from its version.py (the file torch
     itself imports: assignments of literals), without importing torch."""
