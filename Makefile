@@ -108,10 +108,10 @@ $(BUILD)/tests/test_%: tests/unit/test_%.c $(TEST_DEPS)
 # test_oom fails our own allocations in turn (malloc fault injection)
 $(BUILD)/tests/test_oom: TEST_LDFLAGS = -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=aligned_alloc
 
-E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h tests/e2e/fixture.h tests/unit/params.h client/treejson.c $(BUILD)/libtorchloop.a
+E2E_DEPS := tests/e2e/harness.c tests/e2e/harness.h tests/e2e/fixture.h tests/unit/params.h tests/unit/helpers.c tests/unit/helpers.h client/treejson.c $(BUILD)/libtorchloop.a
 $(BUILD)/tests/e2e_%: tests/e2e/test_%.c $(E2E_DEPS) $(BUILD)/libproto.a $(DAEMON_LIB)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) -Itests/e2e -Itests/unit $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c client/treejson.c \
+	$(CC) $(CPPFLAGS) -Itests/e2e -Itests/unit $(CFLAGS) -Wno-format-truncation -o $@ $< tests/e2e/harness.c tests/unit/helpers.c client/treejson.c \
 		$(DAEMON_LIB) $(BUILD)/libtorchloop.a $(CRIT_LIBS) $(shell pkg-config --libs jansson) \
 		$(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
 

@@ -85,6 +85,11 @@ int tlc_begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nf
  * reply (NULL: not wanted), an error reply turned into err. */
 int tlc_roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint64_t id,
                      struct tl_reply **out, struct tl_error *err);
+/* A request of op with at most a `name` field (NULL: none), sent and its
+ * reply read as tlc_roundtrip's. */
+int tlc_call(struct tl_client *c, const char *op, const char *name, struct tl_reply **out,
+             struct tl_error *err);
+/* As tlc_roundtrip_fd without a descriptor; destroys w whatever happens. */
 int tlc_roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
                   struct tl_error *err);
 /* After a successful scan/grad: decode the result's trees (views). */

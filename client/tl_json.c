@@ -126,19 +126,10 @@ static void jvalue(struct jbuf *b, const msgpack_object *o)
 int tl_call_json(struct tl_client *c, const char *op, const char *name, char **json,
                  struct tl_error *err)
 {
-	struct writer w;
 	struct tl_reply *r;
 	struct jbuf b = {0};
-	uint64_t id = 0;
-	int rc;
 
-	if (tlc_begin(c, &w, op, name ? 1 : 0, &id, err) != 0)
-		return -1;
-	if (name)
-		writer_key_str(&w, "name", name);
-	rc = tlc_roundtrip(c, &w, id, &r, err);
-	writer_destroy(&w);
-	if (rc != 0)
+	if (tlc_call(c, op, name, &r, err) != 0)
 		return -1;
 	jvalue(&b, msg_field(&r->msg, "result"));
 	tl_reply_free(r);

@@ -188,7 +188,6 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 	c->poll_reply = w.pos + st.bytes < BUSYPOLL_MAX_REQUEST;
 	rc = tlc_roundtrip(c, &w, id, out, err);
 	c->poll_reply = true;
-	writer_destroy(&w);
 	for (size_t i = 0; i < st.n; i++)
 		shm_region_free(c->shm, st.blocks[i]);
 	free(st.blocks);
@@ -259,7 +258,6 @@ int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *c
 
 	struct writer w;
 	uint64_t id = 0;
-	int rc;
 
 	if ((unsigned)kind >= sizeof kinds / sizeof kinds[0])
 		return tlc_fail(err, "INVALID_ARGUMENT", "kind", "kind must be a tl_graph_kind");
@@ -272,7 +270,5 @@ int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *c
 	shapes_write(&w, CNODE(carry));
 	writer_str(&w, "inputs");
 	shapes_write(&w, CNODE(inputs));
-	rc = tlc_roundtrip(c, &w, id, out, err);
-	writer_destroy(&w);
-	return rc;
+	return tlc_roundtrip(c, &w, id, out, err);
 }

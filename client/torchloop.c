@@ -7,6 +7,7 @@
 #include "tl_internal.h"
 
 #include "busypoll.h"
+#include "fdpass.h"
 #include "frame.h"
 #include "msg.h"
 #include "shapes.h"
@@ -202,10 +203,6 @@ void tl_set_progress(struct tl_client *c, tl_progress_fn fn, void *user)
 /* Sends the frame in w; pass_fd >= 0 rides on its first bytes (SCM_RIGHTS). */
 static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, struct tl_error *err)
 {
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
-	} ctl;
 	size_t n = writer_iovcnt(w), off = 0;
 	struct iovec *iov = malloc(n * sizeof *iov);
 	struct proto_err perr;
@@ -221,21 +218,9 @@ static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, str
 	while (off < (size_t)cnt) {
 		/* sendmsg with MSG_NOSIGNAL, not writev: a daemon that closed must give
 		 * the caller EPIPE, never kill its process with SIGPIPE */
-		struct msghdr mh = {.msg_iov = iov + off,
-		                    .msg_iovlen =
-		                        (size_t)cnt - off > 1024 ? 1024 : (size_t)cnt - off};
-		ssize_t k;
+		size_t left = (size_t)cnt - off;
+		ssize_t k = fdpass_sendmsg(c->fd, iov + off, left > 1024 ? 1024 : left, pass_fd);
 
-		if (pass_fd >= 0) {
-			memset(&ctl, 0, sizeof ctl);
-			mh.msg_control = ctl.buf;
-			mh.msg_controllen = sizeof ctl.buf;
-			CMSG_FIRSTHDR(&mh)->cmsg_level = SOL_SOCKET;
-			CMSG_FIRSTHDR(&mh)->cmsg_type = SCM_RIGHTS;
-			CMSG_FIRSTHDR(&mh)->cmsg_len = CMSG_LEN(sizeof(int));
-			memcpy(CMSG_DATA(CMSG_FIRSTHDR(&mh)), &pass_fd, sizeof(int));
-		}
-		k = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
 		if (k > 0)
 			pass_fd = -1; /* sent with the first bytes */
 		if (k < 0 && errno == EINTR)
@@ -475,7 +460,10 @@ int tlc_roundtrip_fd(struct tl_client *c, struct writer *w, int pass_fd, uint64_
 int tlc_roundtrip(struct tl_client *c, struct writer *w, uint64_t id, struct tl_reply **out,
                   struct tl_error *err)
 {
-	return tlc_roundtrip_fd(c, w, -1, id, out, err);
+	int rc = tlc_roundtrip_fd(c, w, -1, id, out, err);
+
+	writer_destroy(w);
+	return rc;
 }
 
 int tlc_begin(struct tl_client *c, struct writer *w, const char *op, uint32_t nfields, uint64_t *id,
@@ -500,27 +488,31 @@ int tl_hello(struct tl_client *c, struct tl_error *err)
 {
 	struct writer w;
 	uint64_t id = 0;
-	int rc;
 
 	if (tlc_begin(c, &w, "hello", 1, &id, err) != 0)
 		return -1;
 	writer_key_u64(&w, "protocol", TL_PROTOCOL);
-	rc = tlc_roundtrip(c, &w, id, NULL, err);
-	writer_destroy(&w);
-	return rc;
+	return tlc_roundtrip(c, &w, id, NULL, err);
+}
+
+int tlc_call(struct tl_client *c, const char *op, const char *name, struct tl_reply **out,
+             struct tl_error *err)
+{
+	struct writer w;
+	uint64_t id = 0;
+
+	if (tlc_begin(c, &w, op, name ? 1 : 0, &id, err) != 0)
+		return -1;
+	if (name)
+		writer_key_str(&w, "name", name);
+	return tlc_roundtrip(c, &w, id, out, err);
 }
 
 int tl_health(struct tl_client *c, int *ready, struct tl_error *err)
 {
-	struct writer w;
 	struct tl_reply *r;
-	uint64_t id = 0;
-	int rc;
+	int rc = tlc_call(c, "health", NULL, &r, err);
 
-	if (tlc_begin(c, &w, "health", 0, &id, err) != 0)
-		return -1;
-	rc = tlc_roundtrip(c, &w, id, &r, err);
-	writer_destroy(&w);
 	if (rc == 0) {
 		*ready = tl_reply_number(r, "ready") == 1;
 		tl_reply_free(r);
@@ -532,7 +524,6 @@ int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl
 {
 	struct writer w;
 	uint64_t id = 0;
-	int rc;
 
 	if (tlc_begin(c, &w, "register", 9, &id, err) != 0)
 		return -1;
@@ -547,21 +538,10 @@ int tl_register(struct tl_client *c, const struct tl_adapter_def *def, struct tl
 	               def->max_elements ? def->max_elements : PROTO_DEFAULT_ELEMENTS);
 	writer_key_i64(&w, "recompile_budget",
 	               def->recompile_budget ? def->recompile_budget : PROTO_DEFAULT_BUDGET);
-	rc = tlc_roundtrip(c, &w, id, NULL, err);
-	writer_destroy(&w);
-	return rc;
+	return tlc_roundtrip(c, &w, id, NULL, err);
 }
 
 int tl_unregister(struct tl_client *c, const char *name, struct tl_error *err)
 {
-	struct writer w;
-	uint64_t id = 0;
-	int rc;
-
-	if (tlc_begin(c, &w, "unregister", 1, &id, err) != 0)
-		return -1;
-	writer_key_str(&w, "name", name);
-	rc = tlc_roundtrip(c, &w, id, NULL, err);
-	writer_destroy(&w);
-	return rc;
+	return tlc_call(c, "unregister", name, NULL, err);
 }

@@ -56,54 +56,26 @@ static int object(struct walk *w, uint8_t b, uint64_t *count)
 		return *count = b & 0x0f, 0;
 	if (b >= 0x80 && b <= 0x8f)
 		return *count = 2u * (b & 0x0f), 0;
-	switch (b) {
-	case 0xc4:
-	case 0xd9:
-		return read_be(w, 1, &n) || skip(w, n);
-	case 0xc5:
-	case 0xda:
-		return read_be(w, 2, &n) || skip(w, n);
-	case 0xc6:
-	case 0xdb:
-		return read_be(w, 4, &n) || skip(w, n);
-	case 0xc7:
-		return read_be(w, 1, &n) || skip(w, n + 1);
-	case 0xc8:
-		return read_be(w, 2, &n) || skip(w, n + 1);
-	case 0xc9:
-		return read_be(w, 4, &n) || skip(w, n + 1);
-	case 0xcc:
-	case 0xd0:
-		return skip(w, 1);
-	case 0xcd:
-	case 0xd1:
-		return skip(w, 2);
-	case 0xca:
-	case 0xce:
-	case 0xd2:
-		return skip(w, 4);
-	case 0xcb:
-	case 0xcf:
-	case 0xd3:
-		return skip(w, 8);
-	case 0xd4:
-		return skip(w, 2);
-	case 0xd5:
-		return skip(w, 3);
-	case 0xd6:
-		return skip(w, 5);
-	case 0xd7:
-		return skip(w, 9);
-	case 0xd8:
-		return skip(w, 17);
-	case 0xdc:
-		return read_be(w, 2, count);
-	case 0xdd:
-		return read_be(w, 4, count);
-	case 0xde:
-		return read_be(w, 2, &n) || (*count = 2 * n, 0);
-	case 0xdf:
-		return read_be(w, 4, &n) || (*count = 2 * n, 0);
+	/* uint 8/16/32/64 (cc-cf), int 8/16/32/64 (d0-d3), float 32/64 (ca, cb) */
+	if (b >= 0xcc && b <= 0xd3)
+		return skip(w, 1u << ((b - 0xcc) % 4));
+	if (b == 0xca || b == 0xcb)
+		return skip(w, b == 0xca ? 4 : 8);
+	/* fixext 1/2/4/8/16 (d4-d8): a type byte and 2^k bytes */
+	if (b >= 0xd4 && b <= 0xd8)
+		return skip(w, 1 + (1u << (b - 0xd4)));
+	/* bin (c4-c6), ext (c7-c9, a type byte after the payload's length) and
+	 * str (d9-db) of 8/16/32: a length of 1, 2 or 4 bytes, then the payload */
+	if ((b >= 0xc4 && b <= 0xc9) || (b >= 0xd9 && b <= 0xdb)) {
+		unsigned k = b >= 0xd9 ? b - 0xd9u : (b - 0xc4u) % 3;
+		return read_be(w, 1 << k, &n) || skip(w, n + (b >= 0xc7 && b <= 0xc9));
+	}
+	/* array 16/32 (dc, dd), map 16/32 (de, df): a count of 2 or 4 bytes */
+	if (b >= 0xdc && b <= 0xdf) {
+		if (read_be(w, b & 1 ? 4 : 2, &n) != 0)
+			return -1;
+		*count = b >= 0xde ? 2 * n : n;
+		return 0;
 	}
 	return proto_fail(w->err, PROTO_E_MSGPACK_INVALID, NULL,
 	                  "reserved msgpack type byte 0x%02x at byte %zu", b, w->pos - 1);

@@ -97,15 +97,27 @@ void msg_destroy(struct msg *m)
 	msgpack_unpacked_destroy(&m->up);
 }
 
+/* The field key of map in *o: 0, 1 when it is missing, -1 (INVALID_ARGUMENT)
+ * when it is not of the type (what: "a string", ...). */
+static int typed_field(const msgpack_object *map, const char *key, msgpack_object_type type,
+                       const char *what, const msgpack_object **o, struct proto_err *err)
+{
+	*o = msg_obj_field(map, key);
+	if (*o == NULL)
+		return 1;
+	if ((*o)->type != type)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s must be %s", key, what);
+	return 0;
+}
+
 int msg_get_str(const msgpack_object *map, const char *key, const char **s, uint32_t *len,
                 struct proto_err *err)
 {
-	const msgpack_object *o = msg_obj_field(map, key);
+	const msgpack_object *o;
+	int rc = typed_field(map, key, MSGPACK_OBJECT_STR, "a string", &o, err);
 
-	if (o == NULL)
-		return 1;
-	if (o->type != MSGPACK_OBJECT_STR)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s must be a string", key);
+	if (rc != 0)
+		return rc;
 	*s = o->via.str.ptr;
 	*len = o->via.str.size;
 	return 0;
@@ -130,12 +142,11 @@ int msg_get_i64(const msgpack_object *map, const char *key, int64_t *v, struct p
 
 int msg_get_bool(const msgpack_object *map, const char *key, bool *v, struct proto_err *err)
 {
-	const msgpack_object *o = msg_obj_field(map, key);
+	const msgpack_object *o;
+	int rc = typed_field(map, key, MSGPACK_OBJECT_BOOLEAN, "a boolean", &o, err);
 
-	if (o == NULL)
-		return 1;
-	if (o->type != MSGPACK_OBJECT_BOOLEAN)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, key, "%s must be a boolean", key);
+	if (rc != 0)
+		return rc;
 	*v = o->via.boolean;
 	return 0;
 }

@@ -401,6 +401,20 @@ static void put_le64(uint8_t *p, uint64_t v)
 		p[i] = (uint8_t)(v >> (8 * i));
 }
 
+/* A leaf's first 8 bytes: its ext32 header (always ext32, so the header
+ * size and the tensor's padding are known upfront), dtype and rank. */
+static void leaf_head(uint8_t *head, uint32_t len, uint8_t type, uint8_t dtype, uint8_t ndim)
+{
+	head[0] = 0xc9;
+	head[1] = (uint8_t)(len >> 24);
+	head[2] = (uint8_t)(len >> 16);
+	head[3] = (uint8_t)(len >> 8);
+	head[4] = (uint8_t)len;
+	head[5] = type;
+	head[6] = dtype;
+	head[7] = ndim;
+}
+
 static void encode_tensor(struct writer *w, const struct tree_tensor *t)
 {
 	uint8_t head[6 + 4 + 8 * PROTO_MAX_NDIM + PROTO_TENSOR_ALIGN] = {0};
@@ -409,15 +423,7 @@ static void encode_tensor(struct writer *w, const struct tree_tensor *t)
 	    (PROTO_TENSOR_ALIGN - (w->pos + 6 + meta) % PROTO_TENSOR_ALIGN) % PROTO_TENSOR_ALIGN;
 	uint64_t len = meta + pad + t->nbytes;
 
-	/* Always ext32, so the header size (and the padding) is known upfront. */
-	head[0] = 0xc9;
-	head[1] = (uint8_t)(len >> 24);
-	head[2] = (uint8_t)(len >> 16);
-	head[3] = (uint8_t)(len >> 8);
-	head[4] = (uint8_t)len;
-	head[5] = PROTO_EXT_TENSOR;
-	head[6] = (uint8_t)t->dtype;
-	head[7] = (uint8_t)t->ndim;
+	leaf_head(head, (uint32_t)len, PROTO_EXT_TENSOR, (uint8_t)t->dtype, (uint8_t)t->ndim);
 	head[8] = (uint8_t)pad;
 	for (uint32_t i = 0; i < t->ndim; i++)
 		put_le64(head + 10 + 8 * i, (uint64_t)t->shape[i]);
@@ -425,23 +431,17 @@ static void encode_tensor(struct writer *w, const struct tree_tensor *t)
 	writer_ref(w, t->data, t->nbytes);
 }
 
-static void encode_shm(struct writer *w, const struct tree_tensor *t, uint64_t offset)
+void tree_put_shm_ref(struct writer *w, uint8_t dtype, uint32_t ndim, const int64_t *shape,
+                      uint64_t offset, uint64_t nbytes)
 {
 	uint8_t head[6 + PROTO_SHM_HEAD + 8 * PROTO_MAX_NDIM] = {0};
-	uint32_t len = PROTO_SHM_HEAD + 8 * t->ndim;
+	uint32_t len = PROTO_SHM_HEAD + 8 * ndim;
 
-	head[0] = 0xc9;
-	head[1] = (uint8_t)(len >> 24);
-	head[2] = (uint8_t)(len >> 16);
-	head[3] = (uint8_t)(len >> 8);
-	head[4] = (uint8_t)len;
-	head[5] = PROTO_EXT_SHM;
-	head[6] = (uint8_t)t->dtype;
-	head[7] = (uint8_t)t->ndim;
+	leaf_head(head, len, PROTO_EXT_SHM, dtype, (uint8_t)ndim);
 	put_le64(head + 6 + 8, offset);
-	put_le64(head + 6 + 16, t->nbytes);
-	for (uint32_t i = 0; i < t->ndim; i++)
-		put_le64(head + 6 + PROTO_SHM_HEAD + 8 * i, (uint64_t)t->shape[i]);
+	put_le64(head + 6 + 16, nbytes);
+	for (uint32_t i = 0; i < ndim; i++)
+		put_le64(head + 6 + PROTO_SHM_HEAD + 8 * i, (uint64_t)shape[i]);
 	writer_raw(w, head, 6 + len);
 }
 
@@ -455,7 +455,8 @@ void tree_encode_placed(struct writer *w, const struct tree_node *n, tree_place_
 		return;
 	case TREE_TENSOR:
 		if (place && place(&n->tensor, &offset, ctx) == 1)
-			encode_shm(w, &n->tensor, offset);
+			tree_put_shm_ref(w, (uint8_t)n->tensor.dtype, n->tensor.ndim,
+			                 n->tensor.shape, offset, n->tensor.nbytes);
 		else
 			encode_tensor(w, &n->tensor);
 		return;

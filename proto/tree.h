@@ -81,6 +81,9 @@ void tree_encode(struct writer *w, const struct tree_node *n);
  * a return of 1 with *offset set encodes the leaf as a PROTO_EXT_SHM
  * reference (its bytes are at *offset in the receiver's region), 0 inline.
  */
+/* One PROTO_EXT_SHM leaf as given (the tests forge hostile ones with it). */
+void tree_put_shm_ref(struct writer *w, uint8_t dtype, uint32_t ndim, const int64_t *shape,
+                      uint64_t offset, uint64_t nbytes);
 typedef int (*tree_place_fn)(const struct tree_tensor *t, uint64_t *offset, void *ctx);
 void tree_encode_placed(struct writer *w, const struct tree_node *n, tree_place_fn place,
                         void *ctx);

@@ -13,6 +13,7 @@
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -184,24 +185,57 @@ static int set_dir(char *dst, size_t size, const char *arg, const char *flag)
 	return 0;
 }
 
+/* The options that take a path: the field it fills, and whether it is a
+ * directory the worker also uses (made absolute). */
+#define PATH_OPT(opt, field, flag, dir)                                                            \
+	{                                                                                          \
+		opt, flag, offsetof(struct config, field), sizeof(((struct config *)0)->field),    \
+		    dir                                                                            \
+	}
+#define DIR_OPT(opt, field, flag)  PATH_OPT(opt, field, flag, true)
+#define FILE_OPT(opt, field, flag) PATH_OPT(opt, field, flag, false)
+static const struct path_opt {
+	int opt;
+	const char *flag;
+	size_t off, size;
+	bool dir;
+} PATH_OPTS[] = {
+    DIR_OPT(OPT_CACHE, cache_dir, "--cache-dir"),
+    DIR_OPT(OPT_ADAPTERS, adapters_dir, "--adapters"),
+    DIR_OPT(OPT_STATE, state_dir, "--state-dir"),
+    FILE_OPT(OPT_SOCKET, socket_path, "--socket"),
+    FILE_OPT(OPT_PYTHON, python, "--python"),
+    FILE_OPT(OPT_WORKER, worker, "--worker"),
+    FILE_OPT(OPT_REMOTE, remote_url, "--remote-cache"),
+    FILE_OPT(OPT_REMOTE_SECRET, remote_secret_file, "--remote-secret-file"),
+    FILE_OPT(OPT_REMOTE_AUTH, remote_auth_file, "--remote-auth-file"),
+};
+#define N_PATH_OPTS (sizeof PATH_OPTS / sizeof PATH_OPTS[0])
+
+/* The other options (the limits are LIMITS'). */
+static const struct option OTHER_OPTS[] = {
+    {"socket-mode", required_argument, NULL, OPT_MODE},
+    {"admin-group", required_argument, NULL, OPT_ADMIN},
+    {"log-level", required_argument, NULL, OPT_LOG},
+    {"target-isa", required_argument, NULL, OPT_ISA},
+    {"no-probe", no_argument, NULL, OPT_NO_PROBE},
+    {"help", no_argument, NULL, OPT_HELP},
+    {"version", no_argument, NULL, OPT_VERSION},
+};
+
 static int parse_other(struct config *c, int opt, const char *arg)
 {
 	static const char *const levels[] = {"debug", "info", "warn", "error"};
 	struct group *g;
 
+	for (size_t i = 0; i < N_PATH_OPTS; i++) {
+		const struct path_opt *p = &PATH_OPTS[i];
+
+		if (p->opt == opt)
+			return (p->dir ? set_dir : set_path)((char *)c + p->off, p->size, arg,
+			                                     p->flag);
+	}
 	switch (opt) {
-	case OPT_SOCKET:
-		return set_path(c->socket_path, sizeof c->socket_path, arg, "--socket");
-	case OPT_CACHE:
-		return set_dir(c->cache_dir, sizeof c->cache_dir, arg, "--cache-dir");
-	case OPT_ADAPTERS:
-		return set_dir(c->adapters_dir, sizeof c->adapters_dir, arg, "--adapters");
-	case OPT_STATE:
-		return set_dir(c->state_dir, sizeof c->state_dir, arg, "--state-dir");
-	case OPT_PYTHON:
-		return set_path(c->python, sizeof c->python, arg, "--python");
-	case OPT_WORKER:
-		return set_path(c->worker, sizeof c->worker, arg, "--worker");
 	case OPT_MODE:
 		c->socket_mode = (unsigned)strtoul(arg, NULL, 8);
 		return c->socket_mode > 0777 ? -1 : 0;
@@ -230,14 +264,6 @@ static int parse_other(struct config *c, int opt, const char *arg)
 			return -1;
 		}
 		return 0;
-	case OPT_REMOTE:
-		return set_path(c->remote_url, sizeof c->remote_url, arg, "--remote-cache");
-	case OPT_REMOTE_SECRET:
-		return set_path(c->remote_secret_file, sizeof c->remote_secret_file, arg,
-		                "--remote-secret-file");
-	case OPT_REMOTE_AUTH:
-		return set_path(c->remote_auth_file, sizeof c->remote_auth_file, arg,
-		                "--remote-auth-file");
 	case OPT_LOG:
 		for (int i = 0; i < 4; i++)
 			if (strcmp(arg, levels[i]) == 0)
@@ -262,7 +288,7 @@ static long usable_cpus(void)
 
 int config_parse(struct config *c, int argc, char **argv)
 {
-	struct option opts[N_LIMITS + 20];
+	struct option opts[N_LIMITS + N_PATH_OPTS + sizeof OTHER_OPTS / sizeof OTHER_OPTS[0] + 1];
 	size_t n = 0;
 	long cores;
 	int opt;
@@ -277,23 +303,11 @@ int config_parse(struct config *c, int argc, char **argv)
 	c->log_level = 1;
 	c->socket_mode = 0660;
 	default_paths(c);
-	opts[n++] = (struct option){"socket", required_argument, NULL, OPT_SOCKET};
-	opts[n++] = (struct option){"socket-mode", required_argument, NULL, OPT_MODE};
-	opts[n++] = (struct option){"cache-dir", required_argument, NULL, OPT_CACHE};
-	opts[n++] = (struct option){"adapters", required_argument, NULL, OPT_ADAPTERS};
-	opts[n++] = (struct option){"state-dir", required_argument, NULL, OPT_STATE};
-	opts[n++] = (struct option){"python", required_argument, NULL, OPT_PYTHON};
-	opts[n++] = (struct option){"worker", required_argument, NULL, OPT_WORKER};
-	opts[n++] = (struct option){"admin-group", required_argument, NULL, OPT_ADMIN};
-	opts[n++] = (struct option){"no-probe", no_argument, NULL, OPT_NO_PROBE};
-	opts[n++] = (struct option){"log-level", required_argument, NULL, OPT_LOG};
-	opts[n++] = (struct option){"target-isa", required_argument, NULL, OPT_ISA};
-	opts[n++] = (struct option){"remote-cache", required_argument, NULL, OPT_REMOTE};
-	opts[n++] =
-	    (struct option){"remote-secret-file", required_argument, NULL, OPT_REMOTE_SECRET};
-	opts[n++] = (struct option){"remote-auth-file", required_argument, NULL, OPT_REMOTE_AUTH};
-	opts[n++] = (struct option){"help", no_argument, NULL, OPT_HELP};
-	opts[n++] = (struct option){"version", no_argument, NULL, OPT_VERSION};
+	for (size_t i = 0; i < N_PATH_OPTS; i++)
+		opts[n++] = (struct option){PATH_OPTS[i].flag + 2, required_argument, NULL,
+		                            PATH_OPTS[i].opt};
+	for (size_t i = 0; i < sizeof OTHER_OPTS / sizeof OTHER_OPTS[0]; i++)
+		opts[n++] = OTHER_OPTS[i];
 	opts[n] = (struct option){0};
 	optind = 1;
 	while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1) {

@@ -16,7 +16,7 @@ static void op_attach(struct request *req)
 	struct proto_err err;
 	struct outmsg *out;
 	int64_t size = 0;
-	int fd, rc;
+	int fd;
 
 	if (c->region.base != NULL) {
 		request_fail_code(req, PROTO_E_SHM_ALREADY_ATTACHED, NULL,
@@ -25,14 +25,8 @@ static void op_attach(struct request *req)
 		                  (unsigned long long)c->region.size);
 		return;
 	}
-	rc = msg_get_i64(&req->msg.up.data, "size", &size, &err);
-	if (rc != 0) {
-		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_ARGUMENT, "size",
-			           "attach needs size (bytes, an integer)");
-		request_fail(req, &err);
+	if (request_i64(req, "size", &size, "attach needs size (bytes, an integer)") != 0)
 		return;
-	}
 	fd = conn_take_fd(c);
 	if (fd < 0) {
 		request_fail_code(req, PROTO_E_SHM_NO_FD, NULL,

@@ -81,24 +81,8 @@ static void op_compile(struct request *req)
 	struct scan_args args = {0};
 	struct proto_err err;
 	struct adapter *a;
-	const char *name;
-	uint32_t len;
 
-	if (msg_get_str(&req->msg.up.data, "adapter", &name, &len, &err) != 0) {
-		request_fail_code(req, PROTO_E_INVALID_ARGUMENT, "adapter",
-		                  "compile needs adapter");
-		return;
-	}
-	a = adapter_find(&req->d->graphs.reg, name, len);
-	if (a == NULL) {
-		request_fail_code(req, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
-		                  (int)len, name);
-		return;
-	}
-	adapter_ref(a);
-	req->adapter = a;
-	a->stats.requests++;
-	if (parse(req, &args, &err) != 0 ||
+	if (request_adapter(req, &a, &err) != 0 || parse(req, &args, &err) != 0 ||
 	    op_scan_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
 	    op_scan_chunk(req, a, &args, &err) != 0) {
 		request_fail(req, &err);

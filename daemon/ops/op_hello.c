@@ -4,20 +4,11 @@
 static void op_hello(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct proto_err err;
 	struct outmsg *out;
 	int64_t v = 0;
-	int rc = msg_get_i64(&req->msg.up.data, "protocol", &v, &err);
 
-	if (rc != 0) {
-		if (rc > 0)
-			proto_fail(&err, PROTO_E_INVALID_ARGUMENT, "protocol",
-			           "hello needs protocol (an integer)");
-		{
-			request_fail(req, &err);
-			return;
-		}
-	}
+	if (request_i64(req, "protocol", &v, "hello needs protocol (an integer)") != 0)
+		return;
 	if (v != PROTO_VERSION) {
 		request_fail_code(req, PROTO_E_VERSION_MISMATCH, "protocol",
 		                  "client speaks protocol %lld, torchloopd %s speaks protocol %d",

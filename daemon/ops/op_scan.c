@@ -330,22 +330,8 @@ int op_scan_pair(struct request *req, struct tree_node *first, const struct tree
 int op_scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                    struct tree_node *inputs, struct proto_err *err)
 {
-	const char *name;
-	uint32_t len;
-	int rc = msg_get_str(&req->msg.up.data, "adapter", &name, &len, err);
-
-	if (rc < 0)
+	if (request_adapter(req, a, err) != 0)
 		return -1;
-	if (rc > 0)
-		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "adapter",
-		                  "request has no adapter");
-	*a = adapter_find(&req->d->graphs.reg, name, len);
-	if (*a == NULL)
-		return proto_fail(err, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
-		                  (int)len, name);
-	adapter_ref(*a);
-	req->adapter = *a;
-	(*a)->stats.requests++;
 	if (msg_get_tree(&req->msg, "carry", true, carry, err) != 0 ||
 	    msg_get_tree(&req->msg, "inputs", true, inputs, err) != 0)
 		return -1;

@@ -208,6 +208,12 @@ void request_acquire(struct request *req, struct adapter *a, const struct scan_a
                      void (*ready)(struct request *req, struct specialization *sp));
 /* Reads the `name` field; on error fails the request (INVALID_NAME) and returns -1. */
 int request_name(struct request *req, const char **name, uint32_t *len);
+/* Reads the integer field key; missing, it fails the request
+ * (INVALID_ARGUMENT, the message `need`), and on any error returns -1. */
+int request_i64(struct request *req, const char *key, int64_t *v, const char *need);
+/* The adapter the `adapter` field names (INVALID_ARGUMENT, NOT_FOUND in err
+ * otherwise, and -1): referenced as req->adapter, its request counted. */
+int request_adapter(struct request *req, struct adapter **a, struct proto_err *err);
 
 /* listen.c: the socket file (bound, stale one replaced, removed at the end) */
 int listen_open(struct daemon *d, struct proto_err *err);

@@ -176,6 +176,39 @@ int request_name(struct request *req, const char **name, uint32_t *len)
 	return 0;
 }
 
+int request_i64(struct request *req, const char *key, int64_t *v, const char *need)
+{
+	struct proto_err err;
+	int rc = msg_get_i64(&req->msg.up.data, key, v, &err);
+
+	if (rc > 0)
+		proto_fail(&err, PROTO_E_INVALID_ARGUMENT, key, "%s", need);
+	if (rc != 0)
+		request_fail(req, &err);
+	return rc != 0 ? -1 : 0;
+}
+
+int request_adapter(struct request *req, struct adapter **a, struct proto_err *err)
+{
+	const char *name;
+	uint32_t len;
+	int rc = msg_get_str(&req->msg.up.data, "adapter", &name, &len, err);
+
+	if (rc < 0)
+		return -1;
+	if (rc > 0)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "adapter",
+		                  "request has no adapter");
+	*a = adapter_find(&req->d->graphs.reg, name, len);
+	if (*a == NULL)
+		return proto_fail(err, PROTO_E_NOT_FOUND, "adapter", "no adapter named '%.*s'",
+		                  (int)len, name);
+	adapter_ref(*a);
+	req->adapter = *a;
+	(*a)->stats.requests++;
+	return 0;
+}
+
 /* The daemon's uid, root, or a member of --admin-group. */
 bool request_is_admin(const struct request *req)
 {

@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
 
 import numpy as np
@@ -104,6 +105,16 @@ def settle(limit_s: float = 60) -> None:
     t0 = time.monotonic()
     while cpu_busy() > 0.10 and time.monotonic() - t0 < limit_s:
         pass
+
+
+def p50_us(fn, iters: int) -> float:
+    """The median of iters calls of fn, in microseconds."""
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    return statistics.median(ts) / 1000
 
 
 def run_json(cmd: list[str], env: dict | None = None, timeout: int = 3600) -> dict:

@@ -88,15 +88,9 @@ if mode == "warm":
         c, xs = [t.detach() for t in bodyforms.inputs(0, steps)]
         source_call = lambda: src.scan(bodyforms.source_step, c, xs)
     source_call()
-    from bench import settle  # the daemon's background work (a worker starting) ends first
-    settle()
-    def p50(fn, n=2000):
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append(time.perf_counter_ns() - t0)
-        return statistics.median(times) / 1000
+    from bench import p50_us, settle
+    settle()  # the daemon's background work (a worker starting) ends first
+    p50 = lambda fn: p50_us(fn, 2000)
     warm, source = [], []
     p50(lambda: call(ad.scan)), p50(source_call)  # warm-up: the first ~0.1 s after idle runs slow
     for _ in range(rounds):

@@ -15,22 +15,13 @@ adds to every call on top of the socket round trip -- three ways:
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 from torchloop import _wire
 
-
-def p50_us(fn, iters: int) -> float:
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append(time.perf_counter_ns() - t0)
-    return statistics.median(ts) / 1000
+from bench import p50_us
 
 
 def main() -> None:

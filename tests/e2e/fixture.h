@@ -44,6 +44,13 @@ static inline void setup(struct fixture *f, const char *const *args)
 	fixture_trees(f);
 }
 
+/* setup, and a raw connection (harness.h's raw_*) for hand-made frames. */
+static inline int setup_raw(struct fixture *f, const char *const *args)
+{
+	setup(f, args);
+	return raw_connect(f->d.sock);
+}
+
 static inline void teardown(struct fixture *f)
 {
 	tl_builder_free(f->b);
@@ -76,13 +83,10 @@ static inline void scan_ok(struct fixture *f, struct tl_client *c)
 static inline void write_adapter(const char *dir, const char *name)
 {
 	char path[600];
-	FILE *fp;
 
 	snprintf(path, sizeof path, "%s/%s.adapter", dir, name);
-	fp = fopen(path, "w");
-	fprintf(fp, "# test\nname = %s\nbody = %s/%s\nentry = body\nmax_steps = 12\n", name,
-	        h_root(), CUMSUM);
-	fclose(fp);
+	h_write_file(path, "# test\nname = %s\nbody = %s/%s\nentry = body\nmax_steps = 12\n", name,
+	             h_root(), CUMSUM);
 }
 
 #endif

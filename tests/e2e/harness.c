@@ -1,8 +1,10 @@
 /* harness.c - see harness.h. */
 #include "harness.h"
+#include "helpers.h"
 
 #include <dirent.h>
 #include <errno.h>
+#include <stdarg.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
@@ -148,18 +150,34 @@ struct tl_client *hd_connect(struct hd *d)
 
 char *h_slurp(const char *path)
 {
-	FILE *f = fopen(path, "r");
-	char *buf;
-	long n;
+	return slurp(path);
+}
+
+void hs_open(struct h_session *s, const char *cache, const char *const *args)
+{
+	hd_start(&s->d, cache, args);
+	hd_wait_ready(&s->d, 120);
+	s->c = hd_connect(&s->d);
+}
+
+void hs_close(struct h_session *s)
+{
+	h_bufs_free(&s->bb);
+	tl_builder_free(s->b);
+	tl_close(s->c);
+	cr_assert_eq(hd_stop(&s->d), 0, "clean exit; log %s", s->d.log);
+}
+
+void h_write_file(const char *path, const char *fmt, ...)
+{
+	FILE *f = fopen(path, "w");
+	va_list ap;
 
 	cr_assert_not_null(f, "%s: %s", path, strerror(errno));
-	fseek(f, 0, SEEK_END);
-	n = ftell(f);
-	fseek(f, 0, SEEK_SET);
-	buf = calloc(1, (size_t)n + 1);
-	cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
-	fclose(f);
-	return buf;
+	va_start(ap, fmt);
+	vfprintf(f, fmt, ap);
+	va_end(ap);
+	cr_assert_eq(fclose(f), 0, "%s: %s", path, strerror(errno));
 }
 
 void hd_register(struct tl_client *c, const char *name, const char *body_file, const char *entry,

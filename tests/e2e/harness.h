@@ -62,6 +62,8 @@ void h_wait_spec_state(struct tl_client *c, const char *adapter, const char *sta
 
 /* A file's whole text, NUL-terminated (asserts it can be read); free it. */
 char *h_slurp(const char *path);
+/* Writes a file (created or truncated) from a printf format; asserts. */
+void h_write_file(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Deterministic pseudo-random fill in [-1, 1). */
 void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed);
@@ -76,6 +78,21 @@ struct h_bufs {
 struct tl_tree *h_rand_tensor(struct tl_builder *b, struct h_bufs *bb, int ndim,
                               const int64_t *shape, uint64_t seed);
 void h_bufs_free(struct h_bufs *bb);
+
+/* What most e2e tests hold: a daemon, one client, and a builder (with its
+ * buffers) for the trees they send.  Declared as
+ * `struct h_session s = {.b = tl_builder_new()};` (trees may be built before
+ * the daemon starts). */
+struct h_session {
+	struct hd d;
+	struct tl_client *c;
+	struct tl_builder *b;
+	struct h_bufs bb;
+};
+/* hd_start (cache and args as there), hd_wait_ready, hd_connect. */
+void hs_open(struct h_session *s, const char *cache, const char *const *args);
+/* Frees the trees, closes the client, asserts the daemon stops cleanly. */
+void hs_close(struct h_session *s);
 
 /*
  * Writes carry/inputs (and cotangents when non-NULL) to dir/in.json and

@@ -92,9 +92,8 @@ Test(cli, a_scan_from_npy_files_matches_eager_pytorch)
 	hd_start(&d, NULL, ARGS);
 	hd_wait_ready(&d, 120);
 	h_tmpdir(dir, sizeof dir, "cli");
-	save(dir, "x.npy", 1, c, 1);
-	save(dir, "y.npy", 1, c, 2);
-	save(dir, "z.npy", 1, c, 3);
+	for (int i = 0; i < 3; i++) /* x, y and z: [5] each */
+		save(dir, (const char *[]){"x.npy", "y.npy", "z.npy"}[i], 1, c, (uint64_t)i + 1);
 	save(dir, "f.npy", 2, x, 4);
 	cr_assert_eq(
 	    cli(d.sock, dir,

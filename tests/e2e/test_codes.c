@@ -301,8 +301,7 @@ Test(codes, malformed_trees_get_their_code_and_the_connection_serves_on)
 	long long id;
 	int fd;
 
-	setup(&f, NULL);
-	fd = raw_connect(f.d.sock);
+	fd = setup_raw(&f, NULL);
 	for (size_t i = 0; i < sizeof TREES / sizeof TREES[0]; i++) {
 		size_t len;
 		uint8_t *frame = bad_scan_frame(&TREES[i], &len);

@@ -25,19 +25,10 @@ static int register_strategy(struct tl_client *c, const char *name, const char *
                              struct tl_error *err)
 {
 	char path[1024], *src;
-	FILE *f;
-	long n;
 	int rc;
 
 	snprintf(path, sizeof path, "%s/%s", body_path[0] == '/' ? "" : h_root(), body_path);
-	f = fopen(path, "r");
-	cr_assert_not_null(f, "%s", path);
-	fseek(f, 0, SEEK_END);
-	n = ftell(f);
-	rewind(f);
-	src = calloc(1, (size_t)n + 1);
-	cr_assert_eq(fread(src, 1, (size_t)n, f), (size_t)n);
-	fclose(f);
+	src = h_slurp(path);
 	rc = tl_register(c,
 	                 &(struct tl_adapter_def){.name = name,
 	                                          .body_source = src,
@@ -201,59 +192,53 @@ static void expect_fail(struct tl_client *c, const struct tl_tree *carry,
 
 Test(dynamic, batch_errors_get_their_code_and_path_and_the_daemon_serves_on)
 {
-	struct tl_builder *b = tl_builder_new();
-	struct h_bufs bb = {{0}, 0};
+	struct h_session s = {.b = tl_builder_new()};
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y, *items[2];
 	struct tl_reply *r;
 	struct tl_error err;
-	struct hd d;
-	struct tl_client *c;
 	int64_t h3[] = {3, 8}, h0[] = {0, 8}, h200[] = {200, 8}, x4[] = {T, 4, 3}, x1d[] = {T},
 	        x0[] = {T, 0, 3}, x200[] = {T, 200, 3}, y4[] = {T, 4, 8};
 
-	hd_start(&d, NULL, ARGS);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	hs_open(&s, NULL, ARGS);
 	/* a dynamic mode the daemon does not know */
 	cr_assert_eq(
-	    register_dynamic(c, "t7.bad", "examples/bodies/rnn.py", "cell", "sometimes", &err), -1);
+	    register_dynamic(s.c, "t7.bad", "examples/bodies/rnn.py", "cell", "sometimes", &err),
+	    -1);
 	cr_assert_str_eq(err.code, "INVALID_ARGUMENT");
 	cr_assert_str_eq(err.path, "dynamic");
-	cr_assert_eq(register_dynamic(c, "t7.rnn", "examples/bodies/rnn.py", "cell", "batch", &err),
-	             0, "%s %s", err.code, err.message);
-	rnn_trees(b, &bb, 3, 70, &carry, &inputs, &cot_c, &cot_y);
+	cr_assert_eq(
+	    register_dynamic(s.c, "t7.rnn", "examples/bodies/rnn.py", "cell", "batch", &err), 0,
+	    "%s %s", err.code, err.message);
+	rnn_trees(s.b, &s.bb, 3, 70, &carry, &inputs, &cot_c, &cot_y);
 
 	/* carry batch 3, inputs batch 4 */
-	expect_fail(c, carry, h_rand_tensor(b, &bb, 3, x4, 1), "BATCH_MISMATCH", "inputs", carry,
-	            inputs);
+	expect_fail(s.c, carry, h_rand_tensor(s.b, &s.bb, 3, x4, 1), "BATCH_MISMATCH", "inputs",
+	            carry, inputs);
 	/* an input leaf without a batch dimension */
-	expect_fail(c, carry, h_rand_tensor(b, &bb, 1, x1d, 2), "BATCH_MISMATCH", "inputs", carry,
-	            inputs);
+	expect_fail(s.c, carry, h_rand_tensor(s.b, &s.bb, 1, x1d, 2), "BATCH_MISMATCH", "inputs",
+	            carry, inputs);
 	/* batch size 0 */
-	items[0] = h_rand_tensor(b, &bb, 2, h0, 3);
-	items[1] = tl_none(b);
-	expect_fail(c, tl_tuple(b, 2, items), h_rand_tensor(b, &bb, 3, x0, 4), "BATCH_MISMATCH",
-	            "carry[0]", carry, inputs);
+	items[0] = h_rand_tensor(s.b, &s.bb, 2, h0, 3);
+	items[1] = tl_none(s.b);
+	expect_fail(s.c, tl_tuple(s.b, 2, items), h_rand_tensor(s.b, &s.bb, 3, x0, 4),
+	            "BATCH_MISMATCH", "carry[0]", carry, inputs);
 	/* within max_elements per leaf (200 x 8, 3 x 200 x 3) but the stacked
 	 * outputs (3 x 200 x 8 = 4800) are over 4096 */
-	items[0] = h_rand_tensor(b, &bb, 2, h200, 5);
-	expect_fail(c, tl_tuple(b, 2, items), h_rand_tensor(b, &bb, 3, x200, 6),
+	items[0] = h_rand_tensor(s.b, &s.bb, 2, h200, 5);
+	expect_fail(s.c, tl_tuple(s.b, 2, items), h_rand_tensor(s.b, &s.bb, 3, x200, 6),
 	            "TOO_MANY_ELEMENTS", "outputs", carry, inputs);
 	/* a cotangent of another batch size */
-	items[0] = h_rand_tensor(b, &bb, 2, h3, 7);
-	cr_assert_eq(
-	    tl_grad(c, "t7.rnn", carry, inputs, cot_c, h_rand_tensor(b, &bb, 3, y4, 8), &r, &err),
-	    -1);
+	items[0] = h_rand_tensor(s.b, &s.bb, 2, h3, 7);
+	cr_assert_eq(tl_grad(s.c, "t7.rnn", carry, inputs, cot_c,
+	                     h_rand_tensor(s.b, &s.bb, 3, y4, 8), &r, &err),
+	             -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH", "%s", err.message);
 	cr_assert_str_eq(err.path, "cot_outputs");
-	cr_assert_eq(tl_grad(c, "t7.rnn", carry, inputs, cot_c, cot_y, &r, &err), 0, "%s %s",
+	cr_assert_eq(tl_grad(s.c, "t7.rnn", carry, inputs, cot_c, cot_y, &r, &err), 0, "%s %s",
 	             err.code, err.message);
 	tl_reply_free(r);
-	cr_assert_eq(hd_counter(c, "t7.rnn", "graphs"), 2, "errors take no budget slot");
-	h_bufs_free(&bb);
-	tl_builder_free(b);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	cr_assert_eq(hd_counter(s.c, "t7.rnn", "graphs"), 2, "errors take no budget slot");
+	hs_close(&s);
 }
 
 /* Bodies that tie the batch size to something fixed. */
@@ -268,52 +253,40 @@ static const char FIXES_BATCH[] = "import torch\n"
 
 Test(dynamic, a_body_that_fixes_the_batch_size_is_refused_with_BATCH_SPECIALIZED)
 {
+	struct h_session s = {.b = tl_builder_new()};
 	static const char *const entries[] = {"pinned", "flat"};
 	static const char *const paths[] = {"", "outputs"};
 	char dir[512], body[600];
-	struct tl_builder *b = tl_builder_new();
-	struct h_bufs bb = {{0}, 0};
 	struct tl_reply *r;
 	struct tl_error err;
-	struct hd d;
-	struct tl_client *c;
 	int64_t cs[] = {3, 2}, xs[] = {T, 3, 2};
-	FILE *f;
 
 	h_tmpdir(dir, sizeof dir, "dynbody");
 	snprintf(body, sizeof body, "%s/fixes_batch.py", dir);
-	f = fopen(body, "w");
-	cr_assert_not_null(f);
-	fputs(FIXES_BATCH, f);
-	fclose(f);
-	hd_start(&d, NULL, ARGS);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
+	h_write_file(body, "%s", FIXES_BATCH);
+	hs_open(&s, NULL, ARGS);
 	for (int i = 0; i < 2; i++) {
 		char name[32];
 		snprintf(name, sizeof name, "t7.%s", entries[i]);
-		cr_assert_eq(register_dynamic(c, name, body, entries[i], "batch", &err), 0, "%s",
+		cr_assert_eq(register_dynamic(s.c, name, body, entries[i], "batch", &err), 0, "%s",
 		             err.message);
-		cr_assert_eq(tl_scan(c, name, h_rand_tensor(b, &bb, 2, cs, 1),
-		                     h_rand_tensor(b, &bb, 3, xs, 2), &r, &err),
+		cr_assert_eq(tl_scan(s.c, name, h_rand_tensor(s.b, &s.bb, 2, cs, 1),
+		                     h_rand_tensor(s.b, &s.bb, 3, xs, 2), &r, &err),
 		             -1, "%s compiled", entries[i]);
 		cr_assert_str_eq(err.code, "BATCH_SPECIALIZED", "%s: %s", entries[i], err.message);
 		cr_assert_str_eq(err.path, paths[i], "%s: %s", entries[i], err.message);
 		cr_assert(strstr(err.message, "batch") != NULL, "%s", err.message);
-		cr_assert_eq(hd_counter(c, name, "graphs"), 0, "a refused graph takes no slot");
+		cr_assert_eq(hd_counter(s.c, name, "graphs"), 0, "a refused graph takes no slot");
 	}
 	/* the same body without dynamic = batch compiles per batch size, and serves */
-	cr_assert_eq(register_dynamic(c, "t7.static", body, "flat", "none", &err), 0, "%s",
+	cr_assert_eq(register_dynamic(s.c, "t7.static", body, "flat", "none", &err), 0, "%s",
 	             err.message);
-	cr_assert_eq(tl_scan(c, "t7.static", h_rand_tensor(b, &bb, 2, cs, 3),
-	                     h_rand_tensor(b, &bb, 3, xs, 4), &r, &err),
+	cr_assert_eq(tl_scan(s.c, "t7.static", h_rand_tensor(s.b, &s.bb, 2, cs, 3),
+	                     h_rand_tensor(s.b, &s.bb, 3, xs, 4), &r, &err),
 	             0, "%s %s", err.code, err.message);
 	cr_assert_eq(tl_tree_shape(tl_reply_tree(r, "outputs"))[1], 6);
 	tl_reply_free(r);
-	h_bufs_free(&bb);
-	tl_builder_free(b);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	hs_close(&s);
 }
 
 Test(dynamic, symbolic_graphs_are_loaded_from_the_cache_after_a_restart)
@@ -328,17 +301,13 @@ Test(dynamic, symbolic_graphs_are_loaded_from_the_cache_after_a_restart)
 	struct hd d;
 	struct tl_client *c;
 	json_t *desc;
-	FILE *f;
 
 	h_tmpdir(dir, sizeof dir, "dynadapters");
 	snprintf(path, sizeof path, "%s/t7.rnn.adapter", dir);
-	f = fopen(path, "w");
-	cr_assert_not_null(f);
-	fprintf(f,
-	        "name = t7.rnn\nbody = %s/examples/bodies/rnn.py\nentry = cell\n"
-	        "dynamic = batch\nmax_steps = 8\nmax_elements = 4096\nrecompile_budget = 4\n",
-	        h_root());
-	fclose(f);
+	h_write_file(path,
+	             "name = t7.rnn\nbody = %s/examples/bodies/rnn.py\nentry = cell\n"
+	             "dynamic = batch\nmax_steps = 8\nmax_elements = 4096\nrecompile_budget = 4\n",
+	             h_root());
 	/* the run's shared cache: test 1 may have compiled this graph already */
 	hd_start(&d, NULL, args);
 	hd_wait_ready(&d, 120);

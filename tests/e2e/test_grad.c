@@ -48,8 +48,6 @@ static const struct gcase CASES[] = {
     {"t6.lorenz_ckpt", "examples/bodies/lorenz.py", "rk4", 1, MAX_STEPS, NULL, true},
 };
 
-#define N_CASES (sizeof CASES / sizeof CASES[0])
-
 /* carry, inputs and cotangents (None for the carry's None leaves). */
 static void build(const struct gcase *gc, struct tl_builder *b, struct h_bufs *bb,
                   struct tl_tree **carry, struct tl_tree **inputs, struct tl_tree **cot_c,
@@ -98,35 +96,28 @@ static void build(const struct gcase *gc, struct tl_builder *b, struct h_bufs *b
 	}
 }
 
-INDEX_PARAMS(grad, gradients_match_autograd_and_finite_differences, N_CASES)
-
-ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
+TABLE_TEST(grad, gradients_match_autograd_and_finite_differences, CASES)
 {
+	struct h_session s = {.b = tl_builder_new()};
 	const struct gcase *gc = &CASES[*i];
-	struct tl_builder *b = tl_builder_new();
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
 	struct tl_reply *r;
 	struct tl_error err;
-	struct h_bufs bb = {{0}, 0};
-	struct hd d;
-	struct tl_client *c;
 
-	build(gc, b, &bb, &carry, &inputs, &cot_c, &cot_y);
-	hd_start(&d, NULL, ARGS);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
-	hd_register_strategy(c, gc->adapter, gc->file, gc->entry, gc->strategy, MAX_STEPS, 65536,
+	build(gc, s.b, &s.bb, &carry, &inputs, &cot_c, &cot_y);
+	hs_open(&s, NULL, ARGS);
+	hd_register_strategy(s.c, gc->adapter, gc->file, gc->entry, gc->strategy, MAX_STEPS, 65536,
 	                     8);
-	cr_assert_eq((gc->checkpoint ? tl_grad_checkpoint : tl_grad)(c, gc->adapter, carry, inputs,
-	                                                             cot_c, cot_y, &r, &err),
+	cr_assert_eq((gc->checkpoint ? tl_grad_checkpoint : tl_grad)(
+	                 s.c, gc->adapter, carry, inputs, cot_c, cot_y, &r, &err),
 	             0, "%s: %s %s", gc->adapter, err.code, err.message);
-	h_assert_grad_matches_reference(r, b, "gref", gc->file, gc->entry, carry, inputs, cot_c,
+	h_assert_grad_matches_reference(r, s.b, "gref", gc->file, gc->entry, carry, inputs, cot_c,
 	                                cot_y);
-	cr_assert_eq(hd_counter(c, gc->adapter, "graphs"), 1,
+	cr_assert_eq(hd_counter(s.c, gc->adapter, "graphs"), 1,
 	             "the vjp graph counts against the budget");
 	{
 		/* how the loop was lowered, and why when not as the strategy asked */
-		json_t *desc = h_call_json(c, "describe", gc->adapter);
+		json_t *desc = h_call_json(s.c, "describe", gc->adapter);
 		json_t *sp = json_array_get(json_object_get(desc, "specializations"), 0);
 		const char *lowered = json_string_value(json_object_get(sp, "lowered"));
 		const char *note = json_string_value(json_object_get(sp, "note"));
@@ -145,62 +136,54 @@ ParameterizedTest(int *i, grad, gradients_match_autograd_and_finite_differences)
 		json_decref(desc);
 	}
 	tl_reply_free(r);
-	h_bufs_free(&bb);
-	tl_builder_free(b);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	hs_close(&s);
 }
 
 /* ---- mismatched cotangents ------------------------------------------------------ */
 
 Test(grad, mismatched_cotangents_get_their_code_and_leaf_path)
 {
+	struct h_session s = {.b = tl_builder_new()};
 	static double buf[64];
-	struct tl_builder *b = tl_builder_new();
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
 	struct tl_reply *r;
 	struct tl_error err;
-	struct h_bufs bb = {{0}, 0};
-	struct hd d;
-	struct tl_client *c;
 	const struct gcase *gc = &CASES[5]; /* rnn, T = MAX_STEPS: tuple carry with None */
 	int64_t h[] = {2, 8}, bad_h[] = {2, 7}, y[] = {MAX_STEPS, 2, 8};
 	static float f32[16];
 	struct tl_tree *items[2];
 
-	build(gc, b, &bb, &carry, &inputs, &cot_c, &cot_y);
-	hd_start(&d, NULL, ARGS);
-	hd_wait_ready(&d, 120);
-	c = hd_connect(&d);
-	hd_register(c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
+	build(gc, s.b, &s.bb, &carry, &inputs, &cot_c, &cot_y);
+	hs_open(&s, NULL, ARGS);
+	hd_register(s.c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
 	/* a list where the carry is a tuple */
-	items[0] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
-	items[1] = tl_none(b);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_list(b, 2, items), cot_y, &r, &err),
-	             -1);
+	items[0] = tl_tensor(s.b, TL_FLOAT64, 2, h, buf);
+	items[1] = tl_none(s.b);
+	cr_assert_eq(
+	    tl_grad(s.c, gc->adapter, carry, inputs, tl_list(s.b, 2, items), cot_y, &r, &err), -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH", "%s", err.message);
 	cr_assert_str_eq(err.path, "cot_carry");
 	/* a wrong shape */
-	items[0] = tl_tensor(b, TL_FLOAT64, 2, bad_h, buf);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err),
-	             -1);
+	items[0] = tl_tensor(s.b, TL_FLOAT64, 2, bad_h, buf);
+	cr_assert_eq(
+	    tl_grad(s.c, gc->adapter, carry, inputs, tl_tuple(s.b, 2, items), cot_y, &r, &err), -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
 	cr_assert_str_eq(err.path, "cot_carry[0]");
 	/* a tensor where the carry holds None */
-	items[0] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
-	items[1] = tl_tensor(b, TL_FLOAT64, 2, h, buf);
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, tl_tuple(b, 2, items), cot_y, &r, &err),
-	             -1);
+	items[0] = tl_tensor(s.b, TL_FLOAT64, 2, h, buf);
+	items[1] = tl_tensor(s.b, TL_FLOAT64, 2, h, buf);
+	cr_assert_eq(
+	    tl_grad(s.c, gc->adapter, carry, inputs, tl_tuple(s.b, 2, items), cot_y, &r, &err), -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
 	cr_assert_str_eq(err.path, "cot_carry[1]");
 	/* a wrong dtype */
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, cot_c,
-	                     tl_tensor(b, TL_FLOAT32, 1, (int64_t[]){16}, f32), &r, &err),
+	cr_assert_eq(tl_grad(s.c, gc->adapter, carry, inputs, cot_c,
+	                     tl_tensor(s.b, TL_FLOAT32, 1, (int64_t[]){16}, f32), &r, &err),
 	             -1);
 	cr_assert_str_eq(err.code, "COTANGENT_MISMATCH");
 	cr_assert_str_eq(err.path, "cot_outputs");
 	/* absent cotangents are zeros: zero gradients, and the daemon still serves */
-	cr_assert_eq(tl_grad(c, gc->adapter, carry, inputs, NULL, NULL, &r, &err), 0, "%s",
+	cr_assert_eq(tl_grad(s.c, gc->adapter, carry, inputs, NULL, NULL, &r, &err), 0, "%s",
 	             err.message);
 	{
 		const struct tl_tree *g = tl_tree_item(tl_reply_tree(r, "grad_carry"), 0);
@@ -212,8 +195,5 @@ Test(grad, mismatched_cotangents_get_their_code_and_leaf_path)
 	}
 	tl_reply_free(r);
 	(void)y;
-	h_bufs_free(&bb);
-	tl_builder_free(b);
-	tl_close(c);
-	cr_assert_eq(hd_stop(&d), 0);
+	hs_close(&s);
 }

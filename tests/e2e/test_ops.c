@@ -87,8 +87,7 @@ Test(ops, a_protocol_mismatch_is_refused_naming_both_versions)
 	long long id;
 	int fd;
 
-	setup(&f, NULL);
-	fd = raw_connect(f.d.sock);
+	fd = setup_raw(&f, NULL);
 	{
 		static const char hello99[] = "\x83\xa2id\x01\xa2op\xa5hello\xa8protocol\x63";
 		raw_send_frame(fd, hello99, sizeof hello99 - 1);

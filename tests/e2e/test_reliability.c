@@ -911,10 +911,9 @@ Test(reliability, a_corrupt_warm_start_index_record_is_skipped)
 	h_tmpdir(cache, sizeof cache, "idx");
 	h_tmpdir(dir, sizeof dir, "idxdir");
 	snprintf(path, sizeof path, "%s/rel.cache.adapter", dir);
-	f = fopen(path, "w");
-	fprintf(f, "name = rel.cache\nbody = %s/examples/bodies/cumsum.py\nmax_steps = 16\n",
-	        h_root());
-	fclose(f);
+	h_write_file(path,
+	             "name = rel.cache\nbody = %s/examples/bodies/cumsum.py\nmax_steps = 16\n",
+	             h_root());
 	c = up(&d, cache, args);
 	scan_sum_ok(c, "rel.cache", 3);
 	down(&d, c);
@@ -999,7 +998,6 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	struct hd d;
 	struct tl_client *c;
 	struct tl_error err;
-	FILE *f;
 	uint64_t tries;
 	bool backoff = false;
 	pid_t w;
@@ -1007,14 +1005,12 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	h_tmpdir(dir, sizeof dir, "wrapper");
 	snprintf(wrapper, sizeof wrapper, "%s/worker.py", dir);
 	snprintf(flag, sizeof flag, "%s/broken", dir);
-	f = fopen(wrapper, "w");
-	fprintf(f,
-	        "import os, runpy, sys\n"
-	        "if os.path.exists(%s%s%s):\n    sys.exit(7)\n"
-	        "sys.argv[0] = %s%s/daemon/worker/compile_worker.py%s\n"
-	        "runpy.run_path(sys.argv[0], run_name='__main__')\n",
-	        "'", flag, "'", "'", h_root(), "'");
-	fclose(f);
+	h_write_file(wrapper,
+	             "import os, runpy, sys\n"
+	             "if os.path.exists(%s%s%s):\n    sys.exit(7)\n"
+	             "sys.argv[0] = %s%s/daemon/worker/compile_worker.py%s\n"
+	             "runpy.run_path(sys.argv[0], run_name='__main__')\n",
+	             "'", flag, "'", "'", h_root(), "'");
 	c = up(&d, NULL, args);
 	close(open(flag, O_CREAT | O_WRONLY, 0600));
 	w = h_child_of(d.pid);
@@ -1048,20 +1044,16 @@ Test(reliability, a_worker_of_another_protocol_fails_the_start)
 {
 	char dir[512], wrapper[600];
 	struct hd d;
-	FILE *f;
 
 	h_tmpdir(dir, sizeof dir, "protocol");
 	snprintf(wrapper, sizeof wrapper, "%s/worker.py", dir);
-	f = fopen(wrapper, "w");
-	cr_assert_not_null(f);
-	fprintf(f,
-	        "import sys\n"
-	        "sys.path.insert(0, '%s/daemon/worker')\n"
-	        "import compile_worker as cw\n"
-	        "cw.PROTOCOL = 99\n"
-	        "sys.exit(cw.main())\n",
-	        h_root());
-	fclose(f);
+	h_write_file(wrapper,
+	             "import sys\n"
+	             "sys.path.insert(0, '%s/daemon/worker')\n"
+	             "import compile_worker as cw\n"
+	             "cw.PROTOCOL = 99\n"
+	             "sys.exit(cw.main())\n",
+	             h_root());
 	hd_start(&d, NULL, (const char *const[]){"--no-probe", "--worker", wrapper, NULL});
 	cr_assert_eq(hd_exit_status(&d, 120), 1);
 	cr_assert(log_has(&d, "speaks protocol 99, this daemon 1", 0), "log %s", d.log);
@@ -1500,13 +1492,9 @@ Test(reliability, failed_specializations_are_bounded_per_adapter)
 static void write_adapter_file(const char *dir, const char *name, const char *body)
 {
 	char path[1200];
-	FILE *f;
 
 	snprintf(path, sizeof path, "%s/%s.adapter", dir, name);
-	f = fopen(path, "w");
-	cr_assert_not_null(f);
-	fprintf(f, "name = %s\nbody = %s\nmax_steps = 16\n", name, body);
-	fclose(f);
+	h_write_file(path, "name = %s\nbody = %s\nmax_steps = 16\n", name, body);
 }
 
 static size_t adapter_count(struct tl_client *c)
@@ -1557,7 +1545,6 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 	struct tl_client *c;
 	int reloads = 0, ready;
 	struct tl_error err;
-	FILE *bad;
 
 	h_tmpdir(dir, sizeof dir, "hupdir");
 	h_tmpdir(bodies, sizeof bodies, "hupbodies");
@@ -1585,10 +1572,7 @@ Test(reliability, sighup_reads_the_directory_off_the_loop_and_keeps_what_it_cann
 	cr_assert_eq(adapter_count(c), 300);
 	/* a file with a bad setting: the log names it (it once printed freed memory) */
 	snprintf(path, sizeof path, "%s/hup.bad.adapter", dir);
-	bad = fopen(path, "w");
-	cr_assert_not_null(bad);
-	fputs("garbage = 1\n", bad);
-	fclose(bad);
+	h_write_file(path, "%s", "garbage = 1\n");
 	reload(&d, &reloads);
 	cr_assert(log_has(&d, "bad setting 'garbage'", 10), "log %s", d.log);
 	cr_assert(!listed(c, "hup.bad"));

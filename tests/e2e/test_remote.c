@@ -95,11 +95,7 @@ static void redis_down(struct redis *r)
 /* A credentials file: text, mode 0600. */
 static void write_private(const char *path, const char *text)
 {
-	FILE *f = fopen(path, "w");
-
-	cr_assert_not_null(f, "%s", path);
-	fputs(text, f);
-	fclose(f);
+	h_write_file(path, "%s", text);
 	chmod(path, 0600);
 }
 

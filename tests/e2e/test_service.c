@@ -153,8 +153,7 @@ Test(service, clients_that_vanish_mid_frame_or_mid_compile_harm_no_one)
 	struct tl_builder *b;
 	int fd;
 
-	setup(&f, NULL);
-	fd = raw_connect(f.d.sock);
+	fd = setup_raw(&f, NULL);
 	raw_send(fd, partial, sizeof partial - 1);
 	close(fd);
 	/* mid-compile: a child asks for a new signature and dies at once */

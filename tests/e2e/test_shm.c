@@ -17,6 +17,7 @@
  */
 #include "harness.h"
 
+#include "fdpass.h"
 #include "frame.h"
 #include "tree.h"
 #include "writer.h"
@@ -94,24 +95,9 @@ static void rmregion(struct region *r)
 
 static void send_fd_frame(int sock, const uint8_t *frame, size_t len, int pass_fd)
 {
-	union {
-		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
-	} ctl;
 	struct iovec iov = {(void *)frame, len};
-	struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-	ssize_t k;
+	ssize_t k = fdpass_sendmsg(sock, &iov, 1, pass_fd);
 
-	if (pass_fd >= 0) {
-		memset(&ctl, 0, sizeof ctl);
-		mh.msg_control = ctl.buf;
-		mh.msg_controllen = sizeof ctl.buf;
-		CMSG_FIRSTHDR(&mh)->cmsg_level = SOL_SOCKET;
-		CMSG_FIRSTHDR(&mh)->cmsg_type = SCM_RIGHTS;
-		CMSG_FIRSTHDR(&mh)->cmsg_len = CMSG_LEN(sizeof(int));
-		memcpy(CMSG_DATA(CMSG_FIRSTHDR(&mh)), &pass_fd, sizeof(int));
-	}
-	k = sendmsg(sock, &mh, MSG_NOSIGNAL);
 	cr_assert_eq(k, (ssize_t)len, "sendmsg: %s", strerror(errno));
 	if ((size_t)k < len)
 		raw_send(sock, frame + k, len - (size_t)k);
@@ -170,31 +156,11 @@ static void still_serves(int sock)
 	expect(sock, "");
 }
 
-static void put_le64(uint8_t *p, uint64_t v)
-{
-	for (int i = 0; i < 8; i++)
-		p[i] = (uint8_t)(v >> (8 * i));
-}
-
-/* A PROTO_EXT_SHM leaf written byte by byte (float64, rank ndim). */
+/* A PROTO_EXT_SHM leaf as given, even where it disagrees with the region
+ * (float64, rank ndim). */
 static void put_ref(struct writer *w, int ndim, const int64_t *shape, uint64_t off, uint64_t nbytes)
 {
-	uint8_t b[6 + PROTO_SHM_HEAD + 8 * PROTO_MAX_NDIM] = {0};
-	uint32_t len = PROTO_SHM_HEAD + 8 * (uint32_t)ndim;
-
-	b[0] = 0xc9;
-	b[1] = (uint8_t)(len >> 24);
-	b[2] = (uint8_t)(len >> 16);
-	b[3] = (uint8_t)(len >> 8);
-	b[4] = (uint8_t)len;
-	b[5] = PROTO_EXT_SHM;
-	b[6] = PROTO_DTYPE_F64;
-	b[7] = (uint8_t)ndim;
-	put_le64(b + 6 + 8, off);
-	put_le64(b + 6 + 16, nbytes);
-	for (int i = 0; i < ndim; i++)
-		put_le64(b + 6 + PROTO_SHM_HEAD + 8 * i, (uint64_t)shape[i]);
-	writer_raw(w, b, 6 + len);
+	tree_put_shm_ref(w, PROTO_DTYPE_F64, (uint32_t)ndim, shape, off, nbytes);
 }
 
 struct area {
@@ -270,17 +236,42 @@ static bool in_region(const struct region *r, const void *p)
 
 /* Raw wire: references in, results written into our area; we read them from
  * our own mapping at the offsets the reply names. */
+/* A scan's reply over the raw wire, its results decoded against the region. */
+struct raw_reply {
+	uint8_t *body;
+	struct msg m;
+	struct tree_node carry, ys;
+	uint64_t out_needed; /* 0: the reply has none */
+};
+
+static void scan_reply(int sock, uint64_t c_bytes, uint64_t x_off, struct area out,
+                       const struct tree_region *reg, struct raw_reply *rr)
+{
+	const msgpack_object *needed;
+
+	scan_raw(sock, 0, c_bytes, x_off, out);
+	cr_assert_eq(raw_recv_msg(sock, &rr->body, &rr->m), 0);
+	cr_assert(!rr->m.is_error, "scan failed");
+	decode_results(&rr->m, reg, &rr->carry, &rr->ys);
+	needed = msg_obj_field(msg_field(&rr->m, "result"), "out_needed");
+	rr->out_needed = needed ? needed->via.u64 : 0;
+}
+
+static void raw_reply_free(struct raw_reply *rr)
+{
+	msg_destroy(&rr->m);
+	frame_free(rr->body);
+}
+
 Test(shm, raw_references_in_and_results_in_the_area)
 {
 	struct fx f;
 	struct region r = mkregion(REGION, F_SEAL_SHRINK);
 	uint64_t c_bytes = N * 8, x_off = 1 << 20, out_off = 2 << 20;
+	const uint64_t all_out = N * 8 + T * N * 8;
 	int sock;
-	uint8_t *body;
-	struct msg m;
-	struct tree_node carry, ys;
+	struct raw_reply rr;
 	struct tree_region reg = {r.p, r.size};
-	const msgpack_object *res;
 	double *c0 = (double *)r.p, *x0 = (double *)(r.p + x_off);
 
 	start(&f);
@@ -289,54 +280,36 @@ Test(shm, raw_references_in_and_results_in_the_area)
 	expect(sock, "");
 	fill_inputs(c0, x0);
 	memset(r.p + out_off, 0xff, 1 << 20);
-	scan_raw(sock, 0, c_bytes, x_off, (struct area){true, out_off, 1 << 20, 0});
-	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
-	cr_assert(!m.is_error, "scan failed");
-	res = msg_field(&m, "result");
-	decode_results(&m, &reg, &carry, &ys);
+	scan_reply(sock, c_bytes, x_off, (struct area){true, out_off, 1 << 20, 0}, &reg, &rr);
 	/* both results are references into the area, not bytes in the frame */
-	cr_assert((const uint8_t *)carry.tensor.data >= r.p + out_off &&
-	          (const uint8_t *)carry.tensor.data < r.p + out_off + (1 << 20));
-	cr_assert((const uint8_t *)ys.tensor.data >= r.p + out_off &&
-	          (const uint8_t *)ys.tensor.data < r.p + out_off + (1 << 20));
-	cr_assert_eq(msg_obj_field(res, "out_needed")->via.u64, (uint64_t)(N * 8 + T * N * 8),
-	             "out_needed %llu",
-	             (unsigned long long)msg_obj_field(res, "out_needed")->via.u64);
-	check_cumsum(c0, x0, carry.tensor.data, ys.tensor.data);
-	msg_destroy(&m);
-	frame_free(body);
+	cr_assert((const uint8_t *)rr.carry.tensor.data >= r.p + out_off &&
+	          (const uint8_t *)rr.carry.tensor.data < r.p + out_off + (1 << 20));
+	cr_assert((const uint8_t *)rr.ys.tensor.data >= r.p + out_off &&
+	          (const uint8_t *)rr.ys.tensor.data < r.p + out_off + (1 << 20));
+	cr_assert_eq(rr.out_needed, all_out, "out_needed %llu", (unsigned long long)rr.out_needed);
+	check_cumsum(c0, x0, rr.carry.tensor.data, rr.ys.tensor.data);
+	raw_reply_free(&rr);
 
 	/* an area too small for all the outputs: they all come inline */
-	scan_raw(sock, 0, c_bytes, x_off, (struct area){true, out_off, c_bytes, 0});
-	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
-	res = msg_field(&m, "result");
-	decode_results(&m, &reg, &carry, &ys);
-	cr_assert(!in_region(&r, carry.tensor.data) && !in_region(&r, ys.tensor.data),
+	scan_reply(sock, c_bytes, x_off, (struct area){true, out_off, c_bytes, 0}, &reg, &rr);
+	cr_assert(!in_region(&r, rr.carry.tensor.data) && !in_region(&r, rr.ys.tensor.data),
 	          "results are inline");
-	cr_assert_eq(msg_obj_field(res, "out_needed")->via.u64, (uint64_t)(N * 8 + T * N * 8),
-	             "out_needed %llu",
-	             (unsigned long long)msg_obj_field(res, "out_needed")->via.u64);
-	check_cumsum(c0, x0, carry.tensor.data, ys.tensor.data);
-	msg_destroy(&m);
-	frame_free(body);
+	cr_assert_eq(rr.out_needed, all_out, "out_needed %llu", (unsigned long long)rr.out_needed);
+	check_cumsum(c0, x0, rr.carry.tensor.data, rr.ys.tensor.data);
+	raw_reply_free(&rr);
 
 	/* min_bytes over the outputs: written into the area, sent inline */
 	memset(r.p + out_off, 0xff, 1 << 20);
-	scan_raw(sock, 0, c_bytes, x_off, (struct area){true, out_off, 1 << 20, 1 << 20});
-	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
-	res = msg_field(&m, "result");
-	decode_results(&m, &reg, &carry, &ys);
-	cr_assert(!in_region(&r, carry.tensor.data), "the carry is inline");
-	check_cumsum(c0, x0, carry.tensor.data, (const double *)(r.p + out_off + c_bytes));
-	msg_destroy(&m);
-	frame_free(body);
+	scan_reply(sock, c_bytes, x_off, (struct area){true, out_off, 1 << 20, 1 << 20}, &reg, &rr);
+	cr_assert(!in_region(&r, rr.carry.tensor.data), "the carry is inline");
+	check_cumsum(c0, x0, rr.carry.tensor.data, (const double *)(r.p + out_off + c_bytes));
+	raw_reply_free(&rr);
 
 	/* without an area, results come inline; references still work for inputs */
-	scan_raw(sock, 0, c_bytes, x_off, (struct area){0});
-	cr_assert_eq(raw_recv_msg(sock, &body, &m), 0);
-	cr_assert_null(msg_obj_field(msg_field(&m, "result"), "out_needed"));
-	msg_destroy(&m);
-	frame_free(body);
+	scan_reply(sock, c_bytes, x_off, (struct area){0}, &reg, &rr);
+	cr_assert_eq(rr.out_needed, 0, "no out_needed without an area");
+	check_cumsum(c0, x0, rr.carry.tensor.data, rr.ys.tensor.data);
+	raw_reply_free(&rr);
 
 	cr_assert_eq(h_stat(f.c, "shm_regions"), 1);
 	cr_assert_eq(h_stat(f.c, "shm_bytes"), REGION);

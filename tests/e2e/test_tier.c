@@ -348,15 +348,12 @@ Test(tier, a_preloaded_adapter_resumes_its_upgrade_after_a_restart)
 	struct tl_client *c;
 	struct hd d;
 	json_t *sp;
-	FILE *f;
 
 	h_tmpdir(cache, sizeof cache, "tcache");
 	h_tmpdir(dir, sizeof dir, "tadapters");
 	snprintf(path, sizeof path, "%s/tier.file.adapter", dir);
-	f = fopen(path, "w");
-	cr_assert_not_null(f);
-	fprintf(f, "name = tier.file\nbody = %s/%s\nentry = body\nmax_steps = 8\n", h_root(), EMA);
-	fclose(f);
+	h_write_file(path, "name = tier.file\nbody = %s/%s\nentry = body\nmax_steps = 8\n",
+	             h_root(), EMA);
 	ema_trees(b, &bb, 4, 71, &carry, &inputs);
 	hd_start(&d, cache, args);
 	hd_wait_ready(&d, 120);

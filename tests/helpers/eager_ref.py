@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 
 def load_tree(node: Any, base: str) -> Any:
@@ -49,26 +50,14 @@ def save_tree(tree: Any, base: str, root: str, counter: list[int]) -> Any:
     return {k: save_tree(v, base, root, counter) for k, v in tree.items()}
 
 
+# torch's pytree keeps None as a leaf; here None is an empty subtree (as in
+# jax and the wire's trees).
 def tmap(fn: Callable[..., Any], *trees: Any) -> Any:
-    first = trees[0]
-    if first is None:
-        return None
-    if isinstance(first, torch.Tensor):
-        return fn(*trees)
-    if isinstance(first, tuple):
-        return tuple(tmap(fn, *items) for items in zip(*trees))
-    if isinstance(first, list):
-        return [tmap(fn, *items) for items in zip(*trees)]
-    return {k: tmap(fn, *(t[k] for t in trees)) for k in first}
+    return pytree.tree_map(lambda *x: None if x[0] is None else fn(*x), trees[0], *trees[1:])
 
 
 def leaves(tree: Any) -> list[torch.Tensor]:
-    if tree is None:
-        return []
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    values = tree.values() if isinstance(tree, dict) else tree
-    return [leaf for v in values for leaf in leaves(v)]
+    return [x for x in pytree.tree_leaves(tree) if x is not None]
 
 
 def steps_of(inputs: Any) -> int:

@@ -1,24 +1,17 @@
 """The eager reference loop: jax.lax.scan's contract, written out in Python."""
 
 import torch
+import torch.utils._pytree as pytree
 
 
+# torch's pytree keeps None as a leaf; here None is an empty subtree (as in
+# jax and the wire's trees).
 def tree_map(fn, tree):
-    if tree is None:
-        return None
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, tuple):
-        return tuple(tree_map(fn, v) for v in tree)
-    if isinstance(tree, list):
-        return [tree_map(fn, v) for v in tree]
-    return {k: tree_map(fn, v) for k, v in tree.items()}
+    return pytree.tree_map(lambda x: None if x is None else fn(x), tree)
 
 
 def leaves(tree):
-    out = []
-    tree_map(out.append, tree)
-    return out
+    return [x for x in pytree.tree_leaves(tree) if x is not None]
 
 
 def first_leaf(tree):
@@ -26,16 +19,7 @@ def first_leaf(tree):
 
 
 def stack(ys):
-    first = ys[0]
-    if first is None:
-        return None
-    if isinstance(first, torch.Tensor):
-        return torch.stack(ys)
-    if isinstance(first, tuple):
-        return tuple(stack([y[i] for y in ys]) for i in range(len(first)))
-    if isinstance(first, list):
-        return [stack([y[i] for y in ys]) for i in range(len(first))]
-    return {k: stack([y[k] for y in ys]) for k in first}
+    return pytree.tree_map(lambda *s: None if s[0] is None else torch.stack(s), ys[0], *ys[1:])
 
 
 def scan(body, carry, inputs):

@@ -2,6 +2,8 @@
 #include "helpers.h"
 
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,6 +49,15 @@ void tbuf_tensor(struct tbuf *b, uint8_t dtype, uint8_t ndim, const int64_t *sha
 		tbuf_raw(b, "\0", 1);
 }
 
+void tbuf_nil_map(struct tbuf *b, int n, const char *const *keys)
+{
+	msgpack_pack_map(&b->pk, (uint32_t)n);
+	for (int i = 0; i < n; i++) {
+		tbuf_str(b, keys[i]);
+		msgpack_pack_nil(&b->pk);
+	}
+}
+
 void tbuf_request(struct tbuf *b, const char *key)
 {
 	msgpack_pack_map(&b->pk, 3);
@@ -64,6 +75,36 @@ uint8_t *tbuf_body(const struct tbuf *b)
 	cr_assert_not_null(body);
 	memcpy(body, b->sb.data, b->sb.size);
 	return body;
+}
+
+char *slurp(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	char *buf;
+	long n;
+
+	cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+	fseek(f, 0, SEEK_END);
+	n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	buf = calloc(1, (size_t)n + 1);
+	cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+	fclose(f);
+	return buf;
+}
+
+int parse_tree(struct parsed *p, size_t len, const char *key, const struct tree_region *region)
+{
+	if (msg_parse(&p->m, p->body, len, MSG_REQUEST, &p->err) != 0)
+		return -1;
+	p->m.region = region;
+	return msg_get_tree(&p->m, key, true, &p->out, &p->err);
+}
+
+void parsed_free(struct parsed *p)
+{
+	msg_destroy(&p->m);
+	frame_free(p->body);
 }
 
 uint8_t *writer_to_bytes(struct writer *w, size_t *len)

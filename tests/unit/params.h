@@ -20,4 +20,10 @@
 		return cr_make_param_array(int, idx, count);                                       \
 	}
 
+/* A test run once per row of the static array `table`; its body reads
+ * table[*i]. */
+#define TABLE_TEST(suite, name, table)                                                             \
+	INDEX_PARAMS(suite, name, sizeof(table) / sizeof(table)[0])                                \
+	ParameterizedTest(int *i, suite, name)
+
 #endif

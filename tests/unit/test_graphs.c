@@ -13,6 +13,7 @@
  */
 #include "daemon.h"
 #include "graphs.h"
+#include "helpers.h"
 
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -91,22 +92,6 @@ static void close_graphs(void)
 	cr_assert_eq(uv_loop_close(&loop), 0, "a libuv handle is still open");
 }
 
-static char *read_file(const char *path)
-{
-	FILE *f = fopen(path, "rb");
-	char *s;
-	long n;
-
-	cr_assert_not_null(f, "%s", path);
-	fseek(f, 0, SEEK_END);
-	n = ftell(f);
-	rewind(f);
-	s = calloc(1, (size_t)n + 1);
-	cr_assert_eq(fread(s, 1, (size_t)n, f), (size_t)n);
-	fclose(f);
-	return s;
-}
-
 /* t4.cumsum as tests/e2e registers it: max_steps 12, max_elements 64. */
 static struct adapter *add_adapter(int64_t budget)
 {
@@ -118,7 +103,7 @@ static struct adapter *add_adapter(int64_t budget)
 	adapter_def_defaults(&def);
 	snprintf(def.name, sizeof def.name, "t4.cumsum");
 	snprintf(def.body_file, sizeof def.body_file, "%s", BODY);
-	def.source = read_file(BODY);
+	def.source = slurp(BODY);
 	def.max_steps = 12;
 	def.max_elements = 64;
 	def.budget = budget;
@@ -226,6 +211,17 @@ static void wait_all(struct waiter *w, int n)
 			return;
 		uv_run(&loop, UV_RUN_ONCE);
 	}
+}
+
+/* Acquires t's specialization of a in w and waits until it can run. */
+static void acquire_ready(struct waiter *w, struct adapter *a, const struct trees *t)
+{
+	struct scan_args args = args_of(t);
+
+	waiter_init(w);
+	graphs_acquire(&d.graphs, a, &args, &w->w);
+	wait_all(w, 1);
+	cr_assert_not_null(w->sp, "%s", w->err.message);
 }
 
 static unsigned count_specs(const struct adapter *a)
@@ -344,11 +340,7 @@ Test(graphs, a_full_budget_refuses_a_new_signature_at_once_naming_what_it_holds)
 	a = add_adapter(1);
 	make_trees(&t3, 3);
 	make_trees(&t2, 2);
-	args = args_of(&t3);
-	waiter_init(&w);
-	graphs_acquire(&d.graphs, a, &args, &w.w);
-	wait_all(&w, 1);
-	cr_assert_not_null(w.sp, "%s", w.err.message);
+	acquire_ready(&w, a, &t3);
 	/* T=2 is another signature: over the budget of 1, refused right here */
 	args = args_of(&t2);
 	waiter_init(&other);
@@ -398,11 +390,7 @@ Test(graphs, the_warm_start_index_is_read_past_a_corrupt_record)
 	open_graphs();
 	a = add_adapter(3);
 	make_trees(&t, 3);
-	args = args_of(&t);
-	waiter_init(&w);
-	graphs_acquire(&d.graphs, a, &args, &w.w);
-	wait_all(&w, 1);
-	cr_assert_not_null(w.sp, "%s", w.err.message);
+	acquire_ready(&w, a, &t);
 	graphs_unref(w.sp);
 	/* the index lists it now; put a record that does not parse before it */
 	graphs_index_path(&d.graphs, a, path, sizeof path);
@@ -429,6 +417,7 @@ Test(graphs, the_warm_start_index_is_read_past_a_corrupt_record)
 	cr_assert_geq(graphs_loaded(&d.graphs), 1);
 	cr_assert_eq(a->stats.compiles, 0, "loaded, not compiled");
 	/* READY: a waiter is answered at once */
+	args = args_of(&t);
 	waiter_init(&w);
 	graphs_acquire(&d.graphs, a, &args, &w.w);
 	cr_assert_eq(w.done, 1);

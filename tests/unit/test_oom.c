@@ -73,17 +73,26 @@ static void arm(long k)
 	injected = 0;
 }
 
-static void disarm(void)
+/* Stops injecting; says whether a failure was injected since arm(). */
+static bool disarm(void)
 {
 	countdown = -1;
+	return injected > 0;
 }
 
-static void assert_oom(const struct proto_err *err, long k)
+/* The outcome of an armed operation: a failure must be an injected one,
+ * reported as out of memory.  Returns whether the operation succeeded (the
+ * caller then checks its result). */
+static bool outcome(bool failed, bool hit, const struct proto_err *err, long k)
 {
+	if (!failed)
+		return true;
+	cr_assert(hit, "allocation %ld: %s", k, err->message);
 	cr_assert_eq(err->code, PROTO_E_INTERNAL, "allocation %ld: %s (%s)", k,
 	             proto_code_name(err->code), err->message);
 	cr_assert(strstr(err->message, "out of memory") || strstr(err->message, "cannot allocate"),
 	          "allocation %ld: %s", k, err->message);
+	return false;
 }
 
 /* Under ASan (make sanitize): nothing unreachable is left, checked now, so
@@ -124,12 +133,8 @@ static bool feed_frame(long k)
 	frame_reader_init(&r, 1 << 20);
 	arm(k);
 	st = frame_reader_feed(&r, frame, sizeof frame, &used, &err);
-	bool hit = injected > 0;
-	disarm();
-	if (st == FRAME_ERROR) {
-		cr_assert(hit, "allocation %ld: %s", k, err.message);
-		assert_oom(&err, k);
-	} else {
+	bool hit = disarm();
+	if (outcome(st == FRAME_ERROR, hit, &err, k)) {
 		uint32_t len;
 		cr_assert_eq(st, FRAME_READY, "allocation %ld", k);
 		frame_free(frame_reader_take(&r, &len));
@@ -149,37 +154,21 @@ Test(oom, a_frame_body_that_cannot_be_allocated_is_a_frame_error)
 static bool decode_dict(long k)
 {
 	struct tbuf b;
-	struct msg m;
-	struct proto_err err;
-	struct tree_node out;
-	uint8_t *body;
+	struct parsed p;
 	int rc;
 
 	tbuf_init(&b);
 	tbuf_request(&b, "carry");
-	msgpack_pack_map(&b.pk, 3);
-	tbuf_str(&b, "x");
-	msgpack_pack_nil(&b.pk);
-	tbuf_str(&b, "y");
-	msgpack_pack_nil(&b.pk);
-	tbuf_str(&b, "z");
-	msgpack_pack_nil(&b.pk);
-	body = tbuf_body(&b);
+	tbuf_nil_map(&b, 3, (const char *[]){"x", "y", "z"});
+	p.body = tbuf_body(&b);
 	arm(k);
-	rc = msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err);
-	if (rc == 0)
-		rc = msg_get_tree(&m, "carry", true, &out, &err);
-	bool hit = injected > 0;
-	disarm();
-	if (rc != 0) {
-		cr_assert(hit, "allocation %ld: %s", k, err.message);
-		assert_oom(&err, k);
-	} else {
-		cr_assert_eq(out.kind, TREE_DICT);
-		cr_assert_eq(out.count, 3);
+	rc = parse_tree(&p, b.sb.size, "carry", NULL);
+	bool hit = disarm();
+	if (outcome(rc != 0, hit, &p.err, k)) {
+		cr_assert_eq(p.out.kind, TREE_DICT);
+		cr_assert_eq(p.out.count, 3);
 	}
-	msg_destroy(&m);
-	frame_free(body);
+	parsed_free(&p);
 	tbuf_destroy(&b);
 	return hit;
 }
@@ -203,12 +192,8 @@ static bool flatten(long k)
 	writer_key_str(&w, "op", "health");
 	arm(k);
 	bytes = writer_flatten(&w, &len, PROTO_FRAME_MAX, &err);
-	bool hit = injected > 0;
-	disarm();
-	if (bytes == NULL) {
-		cr_assert(hit, "allocation %ld: %s", k, err.message);
-		assert_oom(&err, k);
-	} else {
+	bool hit = disarm();
+	if (outcome(bytes == NULL, hit, &err, k)) {
 		cr_assert_eq(len, 4 + 1 + 3 + 7);
 		free(bytes);
 	}
@@ -253,12 +238,8 @@ static bool new_run(long k)
 
 	arm(k);
 	j = run_new(&fake_g, &fake_sp, 5, NULL, &err);
-	bool hit = injected > 0;
-	disarm();
-	if (j == NULL) {
-		cr_assert(hit, "allocation %ld: %s", k, err.message);
-		assert_oom(&err, k);
-	} else {
+	bool hit = disarm();
+	if (outcome(j == NULL, hit, &err, k)) {
 		size_t n;
 		run_slots(j, &n);
 		cr_assert_eq(n, 0);

@@ -38,7 +38,10 @@ static void expect_body(uint8_t *body, uint32_t len, const uint8_t *frame, size_
 	frame_free(body);
 }
 
-Test(frame, a_whole_frame_is_ready_at_once)
+/* Feeds one sample frame in pieces of `piece` bytes: every piece is taken
+ * whole, the frame is ready exactly after its last byte, and the stream ends
+ * cleanly after it. */
+static void feed_in_pieces(size_t piece)
 {
 	struct frame_reader r;
 	struct proto_err err;
@@ -47,8 +50,12 @@ Test(frame, a_whole_frame_is_ready_at_once)
 	uint32_t blen;
 
 	frame_reader_init(&r, PROTO_FRAME_DEFAULT);
-	cr_assert_eq(frame_reader_feed(&r, f, len, &used, &err), FRAME_READY);
-	cr_assert_eq(used, len);
+	for (size_t i = 0; i < len; i += piece) {
+		size_t n = len - i < piece ? len - i : piece;
+		enum frame_status st = frame_reader_feed(&r, f + i, n, &used, &err);
+		cr_assert_eq(used, n);
+		cr_assert_eq(st, i + n == len ? FRAME_READY : FRAME_NEED_MORE, "byte %zu", i);
+	}
 	{
 		uint8_t *body = frame_reader_take(&r, &blen);
 		expect_body(body, blen, f, len);
@@ -58,26 +65,14 @@ Test(frame, a_whole_frame_is_ready_at_once)
 	free(f);
 }
 
+Test(frame, a_whole_frame_is_ready_at_once)
+{
+	feed_in_pieces(SIZE_MAX);
+}
+
 Test(frame, bytes_fed_one_at_a_time_make_the_same_frame)
 {
-	struct frame_reader r;
-	struct proto_err err;
-	size_t len, used;
-	uint8_t *f = sample_frame(&len);
-	uint32_t blen;
-
-	frame_reader_init(&r, PROTO_FRAME_DEFAULT);
-	for (size_t i = 0; i < len; i++) {
-		enum frame_status st = frame_reader_feed(&r, f + i, 1, &used, &err);
-		cr_assert_eq(used, 1);
-		cr_assert_eq(st, i + 1 == len ? FRAME_READY : FRAME_NEED_MORE, "byte %zu", i);
-	}
-	{
-		uint8_t *body = frame_reader_take(&r, &blen);
-		expect_body(body, blen, f, len);
-	}
-	frame_reader_free(&r);
-	free(f);
+	feed_in_pieces(1);
 }
 
 Test(frame, two_frames_split_at_every_offset_both_arrive_intact)

@@ -27,53 +27,25 @@ struct raw_case {
 /* Criterion re-executes the binary per test, so parameters carry indices. */
 static const struct raw_case RAWS[] = {
     RAW("array top level", "\x93\x01\x02\x03", NOT_A_MAP),
-    RAW("string top level",
-        "\xa2"
-        "hi",
-        NOT_A_MAP),
+    RAW("string top level", "\xa2hi", NOT_A_MAP),
     RAW("reserved byte", "\xc1", MSGPACK_INVALID),
-    RAW("truncated map",
-        "\x81\xa2"
-        "id",
-        MSGPACK_INVALID),
-    RAW("truncated str",
-        "\x82\xa2"
-        "id\x07\xa2o",
-        MSGPACK_INVALID),
+    RAW("truncated map", "\x81\xa2id", MSGPACK_INVALID),
+    RAW("truncated str", "\x82\xa2id\x07\xa2o", MSGPACK_INVALID),
     RAW("trailing bytes", "\x80\x00", MSGPACK_INVALID),
     RAW("5-byte array32 bomb", "\xdd\xff\xff\xff\xff", MSGPACK_COUNT_TOO_LARGE),
-    RAW("map16 over the bytes",
-        "\xde\x00\x10"
-        "\xc0\xc0",
-        MSGPACK_COUNT_TOO_LARGE),
+    RAW("map16 over the bytes", "\xde\x00\x10\xc0\xc0", MSGPACK_COUNT_TOO_LARGE),
     RAW("bin32 over the bytes", "\x81\xa1x\xc6\x7f\xff\xff\xff", MSGPACK_INVALID),
-    RAW("missing id",
-        "\x81\xa2op\xa4"
-        "scan",
-        BAD_ENVELOPE),
-    RAW("string id",
-        "\x82\xa2id\xa1x\xa2op\xa4"
-        "scan",
-        BAD_ENVELOPE),
-    RAW("negative id",
-        "\x82\xa2id\xff\xa2op\xa4"
-        "scan",
-        BAD_ENVELOPE),
+    RAW("missing id", "\x81\xa2op\xa4scan", BAD_ENVELOPE),
+    RAW("string id", "\x82\xa2id\xa1x\xa2op\xa4scan", BAD_ENVELOPE),
+    RAW("negative id", "\x82\xa2id\xff\xa2op\xa4scan", BAD_ENVELOPE),
     RAW("float id", "\x82\xa2id\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\xa2op\xa4scan", BAD_ENVELOPE),
-    RAW("bool id",
-        "\x82\xa2id\xc3\xa2op\xa4"
-        "scan",
-        BAD_ENVELOPE),
+    RAW("bool id", "\x82\xa2id\xc3\xa2op\xa4scan", BAD_ENVELOPE),
     RAW("missing op", "\x81\xa2id\x07", BAD_ENVELOPE),
     RAW("integer op", "\x82\xa2id\x07\xa2op\x05", BAD_ENVELOPE),
     RAW("empty op", "\x82\xa2id\x07\xa2op\xa0", BAD_ENVELOPE),
 };
 
-#define N_RAWS (sizeof RAWS / sizeof RAWS[0])
-
-INDEX_PARAMS(msg, malformed_envelopes_get_their_own_code, N_RAWS)
-
-ParameterizedTest(int *i, msg, malformed_envelopes_get_their_own_code)
+TABLE_TEST(msg, malformed_envelopes_get_their_own_code, RAWS)
 {
 	const struct raw_case *c = &RAWS[*i];
 	struct msg m;

@@ -159,11 +159,15 @@ Test(tree, a_nested_path_names_dict_keys_and_indices)
 
 /* ---- malformed trees: one row per class ------------------------------- */
 
+/* A case builds its tree with build(b), or with build_n(b, n) where the
+ * builder makes a tree of a given size (depth, leaves, key length). */
 struct bad_case {
 	const char *name;
 	void (*build)(struct tbuf *b);
 	enum proto_code code;
 	const char *path;
+	void (*build_n)(struct tbuf *b, int n);
+	int n;
 };
 
 static const int64_t S4[] = {4};
@@ -174,28 +178,10 @@ static void nest(struct tbuf *b, int depth)
 		msgpack_pack_array(&b->pk, 1);
 	msgpack_pack_nil(&b->pk);
 }
-static void depth_16(struct tbuf *b)
+static void leaves(struct tbuf *b, int n)
 {
-	nest(b, 16);
-}
-static void depth_17(struct tbuf *b)
-{
-	nest(b, 17);
-}
-static void depth_33(struct tbuf *b)
-{
-	nest(b, 33);
-}
-static void leaves_4096(struct tbuf *b)
-{
-	msgpack_pack_array(&b->pk, 4096);
-	for (int i = 0; i < 4096; i++)
-		msgpack_pack_nil(&b->pk);
-}
-static void leaves_4097(struct tbuf *b)
-{
-	msgpack_pack_array(&b->pk, 4097);
-	for (int i = 0; i < 4097; i++)
+	msgpack_pack_array(&b->pk, (uint32_t)n);
+	for (int i = 0; i < n; i++)
 		msgpack_pack_nil(&b->pk);
 }
 static void byte_length_short(struct tbuf *b)
@@ -240,23 +226,13 @@ static void short_header(struct tbuf *b)
 }
 static void duplicate_key(struct tbuf *b)
 {
-	msgpack_pack_map(&b->pk, 3);
-	tbuf_str(b, "x");
-	msgpack_pack_nil(&b->pk);
-	tbuf_str(b, "y");
-	msgpack_pack_nil(&b->pk);
-	tbuf_str(b, "x");
-	msgpack_pack_nil(&b->pk);
+	tbuf_nil_map(b, 3, (const char *[]){"x", "y", "x"});
 }
 /* Empty strings decode with a NULL pointer: the comparison must not pass it
  * to memcmp (UBSan found this through the fuzzer). */
 static void empty_key_twice(struct tbuf *b)
 {
-	msgpack_pack_map(&b->pk, 2);
-	tbuf_str(b, "");
-	msgpack_pack_nil(&b->pk);
-	tbuf_str(b, "");
-	msgpack_pack_nil(&b->pk);
+	tbuf_nil_map(b, 2, (const char *[]){"", ""});
 }
 static void many_keys_one_duplicate(struct tbuf *b)
 {
@@ -277,22 +253,12 @@ static void int_key(struct tbuf *b)
 	msgpack_pack_nil(&b->pk);
 }
 /* {"kkk…": None} with a key of n bytes */
-static void key_of(struct tbuf *b, size_t n)
+static void key_of(struct tbuf *b, int n)
 {
 	char k[258];
-	memset(k, 'k', n);
+	memset(k, 'k', (size_t)n);
 	k[n] = '\0';
-	msgpack_pack_map(&b->pk, 1);
-	tbuf_str(b, k);
-	msgpack_pack_nil(&b->pk);
-}
-static void long_key(struct tbuf *b)
-{
-	key_of(b, 257);
-}
-static void key_256(struct tbuf *b)
-{
-	key_of(b, 256);
+	tbuf_nil_map(b, 1, (const char *[]){k});
 }
 static void unknown_ext(struct tbuf *b)
 {
@@ -326,10 +292,11 @@ static void map32_bomb(struct tbuf *b)
 
 /* Criterion re-executes the binary per test, so parameters carry indices. */
 static const struct bad_case BAD[] = {
-    {"depth 17", depth_17, PROTO_E_DEPTH_EXCEEDED,
-     "carry[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]"},
-    {"depth 33", depth_33, PROTO_E_DEPTH_EXCEEDED, ""},
-    {"4097 leaves", leaves_4097, PROTO_E_TOO_MANY_LEAVES, "carry[4096]"},
+    {"depth 17", NULL, PROTO_E_DEPTH_EXCEEDED,
+     "carry[0][0][0][0][0][0][0][0][0][0][0][0][0][0][0][0]", nest, 17},
+    {"depth 33", NULL, PROTO_E_DEPTH_EXCEEDED, "", nest, 33},
+    {"4097 leaves", NULL, PROTO_E_TOO_MANY_LEAVES, "carry[4096]", leaves, 4097},
+    {"257-byte key", NULL, PROTO_E_KEY_TOO_LONG, "carry", key_of, 257},
     {"byte length short", byte_length_short, PROTO_E_BYTE_LENGTH_MISMATCH, "carry[\"f\"][1]"},
     {"byte length long", byte_length_long, PROTO_E_BYTE_LENGTH_MISMATCH, "carry"},
     {"shape overflow", shape_overflow, PROTO_E_SHAPE_OVERFLOW, "carry"},
@@ -342,7 +309,6 @@ static const struct bad_case BAD[] = {
     {"duplicate among many", many_keys_one_duplicate, PROTO_E_DUPLICATE_KEY, "carry"},
     {"the empty key twice", empty_key_twice, PROTO_E_DUPLICATE_KEY, "carry"},
     {"non-string key", int_key, PROTO_E_NON_STRING_KEY, "carry"},
-    {"257-byte key", long_key, PROTO_E_KEY_TOO_LONG, "carry"},
     {"unknown ext tag", unknown_ext, PROTO_E_UNKNOWN_TYPE, "carry[0]"},
     {"integer leaf", int_leaf, PROTO_E_UNKNOWN_TYPE, "carry[1]"},
     {"string leaf", string_leaf, PROTO_E_UNKNOWN_TYPE, "carry"},
@@ -351,67 +317,51 @@ static const struct bad_case BAD[] = {
     {"map32 header of 5 bytes", map32_bomb, PROTO_E_MSGPACK_COUNT_TOO_LARGE, ""},
 };
 
-#define N_BAD (sizeof BAD / sizeof BAD[0])
+/* Trees exactly at each limit: depth 16, 4096 leaves, a 256-byte key. */
+static const struct bad_case GOOD[] = {
+    {"depth 16", NULL, PROTO_E_OK, "", nest, 16},
+    {"4096 leaves", NULL, PROTO_E_OK, "", leaves, 4096},
+    {"256-byte key", NULL, PROTO_E_OK, "", key_of, 256},
+};
 
-INDEX_PARAMS(tree, malformed_trees_get_their_own_code_and_path, N_BAD)
-
-ParameterizedTest(int *i, tree, malformed_trees_get_their_own_code_and_path)
+/* Builds c's request and parses it as the daemon would; parsed_free and
+ * tbuf_destroy are due. */
+static int parse_case(const struct bad_case *c, struct tbuf *b, struct parsed *p)
 {
-	const struct bad_case *c = &BAD[*i];
-	struct tbuf b;
-	struct msg m;
-	struct proto_err err;
-	struct tree_node out;
-	uint8_t *body;
-	int rc;
+	tbuf_init(b);
+	tbuf_request(b, "carry");
+	if (c->build)
+		c->build(b);
+	else
+		c->build_n(b, c->n);
+	p->body = tbuf_body(b);
+	return parse_tree(p, b->sb.size, "carry", NULL);
+}
 
-	tbuf_init(&b);
-	tbuf_request(&b, "carry");
-	c->build(&b);
-	body = tbuf_body(&b);
-	rc = msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err);
-	if (rc == 0)
-		rc = msg_get_tree(&m, "carry", true, &out, &err);
-	cr_assert_eq(rc, -1, "%s: accepted", c->name);
-	cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(err.code),
-	             err.message);
-	cr_assert_str_eq(err.path, c->path, "%s: path", c->name);
+TABLE_TEST(tree, malformed_trees_get_their_own_code_and_path, BAD)
+{
+	struct tbuf b;
+	struct parsed p;
+	const struct bad_case *c = &BAD[*i];
+
+	cr_assert_eq(parse_case(c, &b, &p), -1, "%s: accepted", c->name);
+	cr_assert_eq(p.err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(p.err.code),
+	             p.err.message);
+	cr_assert_str_eq(p.err.path, c->path, "%s: path", c->name);
 	if (c->path[0])
-		cr_assert(strstr(err.message, c->path) != NULL, "%s: message names the path: %s",
-		          c->name, err.message);
-	msg_destroy(&m);
-	frame_free(body);
+		cr_assert(strstr(p.err.message, c->path) != NULL, "%s: message names the path: %s",
+		          c->name, p.err.message);
+	parsed_free(&p);
 	tbuf_destroy(&b);
 }
 
-struct good_case {
-	const char *name;
-	void (*build)(struct tbuf *b);
-};
-
-static const struct good_case GOOD[] = {
-    {"depth 16", depth_16}, {"4096 leaves", leaves_4096}, {"256-byte key", key_256}};
-
-INDEX_PARAMS(tree, trees_at_the_limits_are_accepted, 3)
-
-ParameterizedTest(int *i, tree, trees_at_the_limits_are_accepted)
+TABLE_TEST(tree, trees_at_the_limits_are_accepted, GOOD)
 {
-	const struct good_case *c = &GOOD[*i];
 	struct tbuf b;
-	struct msg m;
-	struct proto_err err;
-	struct tree_node out;
-	uint8_t *body;
+	struct parsed p;
 
-	tbuf_init(&b);
-	tbuf_request(&b, "carry");
-	c->build(&b);
-	body = tbuf_body(&b);
-	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), 0, "%s", err.message);
-	cr_assert_eq(msg_get_tree(&m, "carry", true, &out, &err), 0, "%s: %s", c->name,
-	             err.message);
-	msg_destroy(&m);
-	frame_free(body);
+	cr_assert_eq(parse_case(&GOOD[*i], &b, &p), 0, "%s: %s", GOOD[*i].name, p.err.message);
+	parsed_free(&p);
 	tbuf_destroy(&b);
 }
 
@@ -452,21 +402,14 @@ static const struct shm_case SHM[] = {
     {"header cut short", 2, 1, 0, 4, 0, 32, 1, 8, PROTO_E_BAD_SHAPE},
 };
 
-#define N_SHM (sizeof SHM / sizeof SHM[0])
-
-INDEX_PARAMS(tree, shared_memory_references_are_checked_against_the_region, N_SHM)
-
-ParameterizedTest(int *i, tree, shared_memory_references_are_checked_against_the_region)
+TABLE_TEST(tree, shared_memory_references_are_checked_against_the_region, SHM)
 {
 	const struct shm_case *c = &SHM[*i];
 	uint8_t *mem = aligned_alloc(64, RSIZE), ext[6 + PROTO_SHM_HEAD + 8 * 9] = {0};
 	struct tree_region region = {mem, RSIZE};
 	uint32_t len = PROTO_SHM_HEAD + 8u * c->ndim - (uint32_t)c->short_by;
 	struct tbuf b;
-	struct msg m;
-	struct proto_err err;
-	struct tree_node out;
-	uint8_t *body;
+	struct parsed p;
 	int rc;
 
 	ext[0] = 0xc9;
@@ -482,23 +425,20 @@ ParameterizedTest(int *i, tree, shared_memory_references_are_checked_against_the
 	tbuf_init(&b);
 	tbuf_request(&b, "carry");
 	tbuf_raw(&b, ext, 6 + len);
-	body = tbuf_body(&b);
-	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, &err), 0, "%s", err.message);
-	m.region = c->region ? &region : NULL;
-	rc = msg_get_tree(&m, "carry", true, &out, &err);
+	p.body = tbuf_body(&b);
+	rc = parse_tree(&p, b.sb.size, "carry", c->region ? &region : NULL);
 	if (c->code == PROTO_E_OK) {
-		cr_assert_eq(rc, 0, "%s: %s", c->name, err.message);
-		cr_assert_eq(out.kind, TREE_TENSOR);
-		cr_assert_eq(out.tensor.data, mem + c->off, "%s: data in the region", c->name);
-		cr_assert_eq(out.tensor.nbytes, c->nbytes);
+		cr_assert_eq(rc, 0, "%s: %s", c->name, p.err.message);
+		cr_assert_eq(p.out.kind, TREE_TENSOR);
+		cr_assert_eq(p.out.tensor.data, mem + c->off, "%s: data in the region", c->name);
+		cr_assert_eq(p.out.tensor.nbytes, c->nbytes);
 	} else {
 		cr_assert_eq(rc, -1, "%s: accepted", c->name);
-		cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name,
-		             proto_code_name(err.code), err.message);
-		cr_assert_str_eq(err.path, "carry", "%s: path", c->name);
+		cr_assert_eq(p.err.code, c->code, "%s: got %s (%s)", c->name,
+		             proto_code_name(p.err.code), p.err.message);
+		cr_assert_str_eq(p.err.path, "carry", "%s: path", c->name);
 	}
-	msg_destroy(&m);
-	frame_free(body);
+	parsed_free(&p);
 	tbuf_destroy(&b);
 	free(mem);
 }
