@@ -529,6 +529,7 @@ void daemon_run(struct daemon *d)
 	bool answered = false; /* a request came since the loop last went idle */
 
 	busypoll_init(&bp, d->cfg.cores > 1 ? (uint64_t)d->cfg.busy_poll_us * 1000 : 0);
+	busypoll_stretch(&bp);
 	for (;;) {
 		if (answered && d->inflight == 0 && bp.max_ns > 0) {
 			uint64_t t0 = uv_hrtime();

@@ -4,6 +4,8 @@
  * sleep that ended within 4x the maximum doubles it (from 10 µs after a
  * shrink to 0, never past the maximum), a longer sleep halves it, and below
  * 10 µs it is 0 (every wait sleeps) until a short sleep grows it again.
+ * Stretched (the daemon's loop, the Python client), a window follows the
+ * last short sleep's length and a quarter, up to 4x the maximum.
  */
 #include "busypoll.h"
 
@@ -58,4 +60,25 @@ Test(busypoll, a_maximum_of_zero_never_polls)
 	busypoll_update(&b, false, 1);
 	busypoll_update(&b, false, 1000 * US);
 	cr_assert_eq(b.window_ns, 0);
+}
+
+Test(busypoll, a_stretched_window_covers_the_last_short_sleep_up_to_four_maximums)
+{
+	struct busypoll b, plain;
+	/* sleeps of 120, 160, 40 and 199 µs (all within 4x 50 µs), then 300 µs */
+	const uint64_t waited[] = {120 * US, 160 * US, 40 * US, 199 * US, 300 * US};
+	const uint64_t want[] = {150 * US, 200 * US, 50 * US, 200 * US, 100 * US};
+
+	busypoll_init(&b, 50 * US);
+	busypoll_stretch(&b);
+	busypoll_init(&plain, 50 * US);
+	for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+		busypoll_update(&b, false, waited[i]);
+		busypoll_update(&plain, false, waited[i]);
+		cr_assert_eq(b.window_ns, want[i], "after sleep %zu: %llu ns", i + 1,
+		             (unsigned long long)b.window_ns);
+		cr_assert_leq(plain.window_ns, 50 * US, "unstretched, never past the maximum");
+	}
+	busypoll_update(&b, true, 0);
+	cr_assert_eq(b.window_ns, 100 * US, "a wait that polling covered keeps it");
 }

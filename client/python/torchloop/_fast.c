@@ -346,6 +346,7 @@ static int conn_init(PyObject *self, PyObject *args, PyObject *kwds)
 	c->off = c->len = 0;
 	busy_poll_us = busy_poll_us < 0 ? 0 : busy_poll_us > 1000 ? 1000 : busy_poll_us;
 	busypoll_init(&c->poll, (uint64_t)busy_poll_us * 1000);
+	busypoll_stretch(&c->poll); /* one solver's client: proto/busypoll.h */
 	Py_INCREF(exc);
 	Py_XSETREF(c->lost, exc);
 	return 0;
