@@ -99,6 +99,62 @@ Test(ops, a_protocol_mismatch_is_refused_naming_both_versions)
 	teardown(&f);
 }
 
+/* The required fields request.c reads for several ops (request_adapter,
+ * request_i64): missing, mistyped or naming nothing, each gets its code and
+ * message, and the same connection and the daemon serve on. */
+#define REQ(lit, code, text)                                                                       \
+	{                                                                                          \
+		lit, sizeof lit - 1, code, text                                                    \
+	}
+static const struct {
+	const char *frame;
+	size_t len;
+	const char *code, *text;
+} REQUIRED[] = {
+    REQ("\x82\xa2id\x01\xa2op\xa7"
+        "compile",
+        "INVALID_ARGUMENT", "request has no adapter"),
+    REQ("\x83\xa2id\x02\xa2op\xa7"
+        "compile\xa7"
+        "adapter\x05",
+        "INVALID_ARGUMENT", "adapter must be a string"),
+    REQ("\x83\xa2id\x03\xa2op\xa7"
+        "compile\xa7"
+        "adapter\xa4nope",
+        "NOT_FOUND", "no adapter named 'nope'"),
+    REQ("\x82\xa2id\x04\xa2op\xa5hello", "INVALID_ARGUMENT", "hello needs protocol (an integer)"),
+    REQ("\x83\xa2id\x05\xa2op\xa5hello\xa8protocol\xa1x", "INVALID_ARGUMENT",
+        "protocol must be an integer"),
+    REQ("\x82\xa2id\x06\xa2op\xa6"
+        "attach",
+        "INVALID_ARGUMENT", "attach needs size (bytes, an integer)"),
+};
+
+Test(ops, required_fields_missing_or_mistyped_get_their_code_and_the_daemon_serves_on)
+{
+	static const char hello[] = "\x83\xa2id\x07\xa2op\xa5hello\xa8protocol\x01";
+	struct fixture f;
+	char code[64], msg[1024];
+	long long id;
+	int fd = setup_raw(&f, NULL);
+
+	for (size_t i = 0; i < sizeof REQUIRED / sizeof REQUIRED[0]; i++) {
+		raw_send_frame(fd, REQUIRED[i].frame, REQUIRED[i].len);
+		cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0, "case %zu",
+		             i);
+		cr_assert_eq(id, (long long)i + 1);
+		cr_assert_str_eq(code, REQUIRED[i].code, "case %zu: %s", i, msg);
+		cr_assert_str_eq(msg, REQUIRED[i].text, "case %zu", i);
+	}
+	raw_send_frame(fd, hello, sizeof hello - 1);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_eq(id, 7);
+	cr_assert_str_eq(code, "", "the same connection is served: %s", msg);
+	close(fd);
+	scan_ok(&f, f.c);
+	teardown(&f);
+}
+
 /* ---- validation: code, leaf path, and the next request is served ------------------ */
 
 enum bad {
