@@ -43,7 +43,7 @@
 	X("quick-tier-steps", quick_tier_steps, 0, 32, 129,                                        \
 	  "unrolled graphs of this many steps or more are served by the scan op's graph while "    \
 	  "they compile (0 or 129: never)")                                                        \
-	X("upgrade-budget", upgrade_budget, 0, 0, 86400,                                           \
+	X("upgrade-budget", upgrade_budget, 0, 40, 86400,                                          \
 	  "estimated seconds unrolling may add to a quick tier's upgrade compile; over it the "    \
 	  "scan op runs blocks of unrolled steps (0: no limit, always the unrolled loop)")         \
 	X("max-graphs-per-uid", max_graphs_per_uid, 1, 64, 65536,                                  \

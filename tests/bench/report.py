@@ -93,6 +93,18 @@ that alias (the worker clones around that).
 """
 
 
+def final_graph(a: dict, b: dict) -> list[str]:
+    """The "after" daemon's final graph of one adapter against the "before"
+    daemon's unrolled loop: plan, compile seconds, run p50s and their ratio."""
+    up = a.get("upgrade") or {}
+    if a["tier"] != "quick":
+        return ["— (no upgrade)", "—", "—"]
+    plan = f"{up.get('plan') or 'none'} ({up.get('verdict', '?')})"
+    run_a, run_b = a.get("run_p50_us"), b.get("run_p50_us")
+    runs = f"{us(run_a)} vs {us(run_b)} ({ratio(run_a / run_b)}×)" if run_a and run_b else "–"
+    return [plan, f"{a['final_compile_s']:.1f}", runs]
+
+
 def tier_section(t: dict) -> str:
     if not t:
         return "## Cold T = 128 compiles: the quick tier\n\n(tier.json missing: run `make bench`.)\n"
@@ -104,10 +116,10 @@ def tier_section(t: dict) -> str:
         rows.append([f"`{name}`", f"{b['first_reply_s']:.1f}", f"{a['first_reply_s']:.1f}",
                      f"{a['tier']} ({a['lowered']})",
                      f"{a['final_s']:.1f}" if a["tier"] == "quick" else "—",
-                     str(a["compiles"])])
+                     *final_graph(a, b), str(a["compiles"])])
     worst_b = max(before.values(), key=lambda r: r["first_reply_s"])
     worst_a = max(after.values(), key=lambda r: r["first_reply_s"])
-    met = "is met" if worst_a["first_reply_s"] <= 10 else "is **missed**"
+    met = "is met" if worst_a["first_reply_s"] <= 5 else "is **missed**"
     finals = "".join(f" `{a['adapter']}`'s quick compile was lowered {a['lowered']} (final: "
                      "nothing follows)." for a in after.values() if a["tier"] != "quick")
     return f"""## Cold T = 128 compiles: the quick tier
@@ -116,18 +128,36 @@ def tier_section(t: dict) -> str:
 starts it (the example adapters, the start-up probe on) on an empty cache,
 then one scan at T = {t['T']} per example adapter, in turn, each once the one
 before is fully built: seconds until the reply. "Before": `--quick-tier-steps
-0`, the reply waits for the unrolled compile. "After": the default (32), the
-scan op's graph serves first while the unrolled graph compiles in the
-background; "unrolled in" is when it took over (from the request).
+0`, the reply waits for the unrolled compile. "After": the defaults (quick
+tier at 32 steps, `--upgrade-budget` 40), the scan op's graph serves first
+while the final graph compiles in the background: the unrolled loop, or
+blocks of it when unrolling is estimated over the budget, kept only if its
+trial beats the scan op's graph ("final graph": plan and verdict; "final in":
+when it took over, from the request; "final compile": that compile's
+seconds). Run p50: the daemon's own run time over the last 1 024 of 1 100
+scans on the final graph, after against before (the unrolled loop).
 
 {table(["adapter", "before: first reply (s)", "after: first reply (s)", "served by",
-        "after: unrolled in (s)", "compiles"], rows, "lrrlrr")}
+        "after: final in (s)", "final graph", "final compile (s)",
+        "run p50 after vs before (µs)", "compiles"], rows, "lrrlrlrlr")}
 
 Slowest first reply: {worst_b['first_reply_s']:.1f} s before (`{worst_b['adapter']}`),
-{worst_a['first_reply_s']:.1f} s after (`{worst_a['adapter']}`): the ≤ 10 s target for a cold
-T = 128 request {met} in this run.{finals}
+{worst_a['first_reply_s']:.1f} s after (`{worst_a['adapter']}`): the ≤ 5 s target for a cold
+T = 128 request {met} in this run.{finals}{lorenz_target(before, after)}
 
 {busy_section(t.get("busy"), after)}"""
+
+
+def lorenz_target(before: dict, after: dict) -> str:
+    """Issue 29's target for lorenz's final graph, from this run."""
+    a, b = after.get("lorenz.rk4"), before.get("lorenz.rk4")
+    if not a or not b or not a.get("run_p50_us") or not b.get("run_p50_us"):
+        return ""
+    v = a["run_p50_us"] / b["run_p50_us"]
+    ok = a["final_compile_s"] <= 60 and v <= 1.3
+    return (f" `lorenz.rk4`'s final graph: {a['final_compile_s']:.1f} s of background compile, "
+            f"its run {ratio(v)}× the unrolled loop's: the target (≤ 60 s, ≤ 1.3×) is "
+            f"{'met' if ok else '**missed**'} in this run.")
 
 
 def busy_section(busy: dict | None, after: dict) -> str:
@@ -751,6 +781,14 @@ HISTORY = [
     ("2026-12-05", "a compile worker's hello imports no torch (torch's build read from "
      "`torch/version.py`, the ISA and ABI kept); the recycle check no longer imports the parity "
      "module first", "a daemon's start to ready 1.8–2.4 → 0.3–0.4 s"),
+    ("2026-12-05", "the scan op's while loop without per-iteration allocations and handles (the "
+     "worker's loop_pass.py: scratch buffers once, handed-on buffers two taken in turn, read-only "
+     "handles as references); Inductor's dtype handler set up once per process "
+     "(codegen_speed.py); the forward exported once",
+     "lorenz T = 128 in four blocks of 32 (in process): 18.1 → 10.4 µs a run (unrolled 8.6 µs); "
+     "its compile 30.5 → 26.5 s; lorenz's unrolled T = 128 compile (in process) 103 → 83 s"),
+    ("2026-12-05", "`--upgrade-budget` 40 s by default (before: no limit)",
+     "lorenz T = 128 final graph: the unrolled loop after 147.5 s → block42 after about 40 s"),
 ]
 
 

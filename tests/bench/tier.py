@@ -8,8 +8,11 @@ serves first while the unrolled one compiles in the background: "after") --
 starts a daemon as `make run` does (examples/adapters, the start-up probe on)
 on a private, empty cache, then for each example adapter in turn sends one
 scan at T = 128 and records: seconds until that reply (the wait a solver
-sees on a cold cache), which graph served it (tier, lowered), and seconds
-until the unrolled graph took over.  The next adapter is asked only once the
+sees on a cold cache), which graph served it (tier, lowered), seconds
+until the final graph took over (the unrolled loop, or within
+`--upgrade-budget` blocks of it: the upgrade's plan and trial), and the
+daemon's run p50 over RUNS more scans on the final graph (before: the
+unrolled loop's).  The next adapter is asked only once the
 previous one's upgrade is over, so each first reply is one adapter's cold
 compile (plus the worker's queue, empty then).
 
@@ -38,6 +41,7 @@ from tlwire import Client  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 T = 128
+RUNS = 1100  # more than the daemon's latency ring (1024): every run in it is the final graph's
 
 
 def trees(adapter: str):
@@ -122,6 +126,14 @@ def run_busy(build: str) -> dict:
     return row
 
 
+def run_p50(c: Client, adapter: str, carry: object, inputs: object) -> float:
+    """The daemon's run p50 (µs, no IPC) over the adapter's last runs, once
+    RUNS more scans ran on the final graph."""
+    for _ in range(RUNS):
+        assert "result" in c.call("scan", adapter=adapter, carry=carry, inputs=inputs)
+    return float(c.call("describe", name=adapter)["result"]["counters"]["run_p50_us"])
+
+
 def run_mode(build: str, tier_steps: int | None) -> dict:
     proc, sock, tmp, ready_s = start_daemon(build, tier_steps)
     rows = {"ready_s": ready_s, "adapters": []}
@@ -142,9 +154,11 @@ def run_mode(build: str, tier_steps: int | None) -> dict:
         row["final_lowered"] = sp["lowered"]
         row["final_compile_s"] = sp["compile_seconds"]
         row["compiles"] = c.call("describe", name=adapter)["result"]["counters"]["compiles"]
+        row["run_p50_us"] = run_p50(c, adapter, carry, inputs)
+        row["upgrade"] = spec_of(c, adapter).get("upgrade")  # the trial's verdict by now
         rows["adapters"].append(row)
         print(f"  {adapter}: first reply {first:.1f} s ({row['tier']}, {row['lowered']}), "
-              f"unrolled after {row['final_s']:.1f} s", flush=True)
+              f"final ({row['final_lowered']}) after {row['final_s']:.1f} s", flush=True)
     stop_daemon(proc, tmp)
     return rows
 

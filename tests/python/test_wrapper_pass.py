@@ -1,11 +1,13 @@
 """The generated wrapper with less per-call work
-(daemon/worker/torchloop_worker/wrapper_pass.py).
+(daemon/worker/torchloop_worker/wrapper_pass.py, loop_pass.py).
 
-The view rewrite is checked on wrapper text (no compile): what it replaces,
-and each reason to leave a view alone.  Then one AOTInductor build of a scan
-op over blocks of unrolled steps (the worker's blocked()), run against
-eager: the while loop allocates no buffer that nothing uses, and makes no
-view per stacked row.  One Inductor build in all.
+The rewrites are checked on wrapper text (no compile): what each replaces,
+and each reason to leave a view, a buffer or a handle alone.  Then one
+AOTInductor build of a scan op over blocks of unrolled steps (the worker's
+blocked()), run against eager: the while loop allocates no buffer that
+nothing uses, allocates nothing per iteration (scratch buffers once, the
+buffers it hands on two, taken in turn), makes no view per stacked row and
+no handle per carried tensor that is only read.  One Inductor build in all.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(ROOT / "daemon" / "worker"))
 from torchloop_worker.blocked import blocked  # noqa: E402
 from torchloop_worker.build import WRAPPER_PASS, build_artifact  # noqa: E402
 from torchloop_worker.elf import check_artifact  # noqa: E402
+from torchloop_worker.loop_pass import alias_handles, loop_buffers  # noqa: E402
 from torchloop_worker.wrapper_pass import alias_pointers  # noqa: E402
 
 F64 = torch.float64
@@ -70,6 +73,118 @@ def test_a_view_whose_base_changes_before_its_last_use_is_kept(change: str) -> N
     assert alias_pointers(code) == (code, 0)
 
 
+
+def _alloc(name: str, array: str = "int_array_8") -> list[str]:
+    return [f"        AtenTensorHandle {name}_handle;",
+            f"        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(1, {array}, int_array_9, "
+            f"cached_torch_dtype_float64, cached_torch_device_type_cpu, this->device_idx_, "
+            f"&{name}_handle));",
+            f"        RAIIAtenTensorHandle {name}({name}_handle);"]
+
+
+def _loop_of(body: list[str]) -> list[str]:
+    return ["    static constexpr int64_t int_array_9[] = {1L, };", "    while (1) {",
+            "        static constexpr int64_t int_array_8[] = {16L, };", *body, "    }"]
+
+
+def test_a_loops_scratch_buffer_is_allocated_once_and_a_handed_on_one_taken_in_turn() -> None:
+    code = "\n".join(_loop_of([
+        *_alloc("s1"), *_alloc("c1"),
+        "        auto s2 = std::move(s1);  // reuse",
+        "        kernel((double*)(s2.data_ptr()), (double*)(c1.data_ptr()));",
+        "        s2.reset();",
+        "        buf5.reset();",
+        "        buf5 = std::move(c1);",  # the next iteration's carry
+    ]))
+    out, hoisted, turns = loop_buffers(code)
+    assert (hoisted, turns) == (1, 1)
+    turn = [t.replace("c1", "c1_turn0") for t in _alloc("c1")] + \
+        [t.replace("c1", "c1_turn1") for t in _alloc("c1")]
+    assert out.split("\n") == [
+        "    static constexpr int64_t int_array_9[] = {1L, };",
+        "        static constexpr int64_t int_array_8[] = {16L, };", *_alloc("s1"), *turn,
+        "    int torchloop_turn0 = 0;",
+        "    while (1) {",
+        "        AtenTensorHandle c1_handle;",
+        "        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_assign_tensors_out("
+        "torchloop_turn0 ? c1_turn1 : c1_turn0, &c1_handle));",
+        "        RAIIAtenTensorHandle c1(c1_handle);",
+        "        auto& s2 = s1;  // reuse (hoisted)",
+        "        kernel((double*)(s2.data_ptr()), (double*)(c1.data_ptr()));",
+        "        buf5.reset();",
+        "        buf5 = std::move(c1);",
+        "        torchloop_turn0 ^= 1;",
+        "    }",
+    ]
+
+
+@pytest.mark.parametrize("use", [
+    "        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_item_int64(s1, &u0_raw));",  # a tensor
+    "        buf5 = std::move(s1);\n        buf6 = std::move(s1);",  # handed on twice
+    "        auto s2 = wrap_with_raii_handle_if_needed(reinterpret_tensor_wrapper(s1, 1, a, b, 0L));",
+])
+def test_a_loop_buffer_used_as_a_tensor_is_allocated_each_iteration(use: str) -> None:
+    code = "\n".join(_loop_of([*_alloc("s1"), "        kernel((double*)(s1.data_ptr()));", use]))
+    assert loop_buffers(code) == (code, 0, 0)
+
+
+def test_no_buffer_is_taken_in_turn_where_a_variable_gets_another_ones_tensor() -> None:
+    # buf6 = buf5's old tensor (a handle made from it): two variables could
+    # then hold the turn buffers, and one would be overwritten while read
+    code = "\n".join(_loop_of([
+        *_alloc("c1"), *_handle("a5", "buf5"),
+        "        kernel((double*)(a5.data_ptr()), (double*)(c1.data_ptr()));",
+        "        buf5 = std::move(c1);",
+        "        buf6 = std::move(a5);",
+    ]))
+    assert loop_buffers(code) == (code, 0, 0)
+
+
+def test_a_buffer_outside_a_loop_read_after_it_or_in_an_inner_block_stays() -> None:
+    outside = "\n".join([*_alloc("s1"), "        kernel((double*)(s1.data_ptr()));"])
+    assert loop_buffers(outside) == (outside, 0, 0)
+    after = "\n".join([*_loop_of([*_alloc("s1"), "        kernel((double*)(s1.data_ptr()));"]),
+                       "    other((double*)(s1.data_ptr()));"])
+    assert loop_buffers(after) == (after, 0, 0)
+    inner = "\n".join(_loop_of(["        if (x) {", *["    " + t for t in _alloc("s1")],
+                                 "            kernel((double*)(s1.data_ptr()));", "        }"]))
+    assert loop_buffers(inner) == (inner, 0, 0)
+
+
+def _handle(name: str, base: str) -> list[str]:
+    return [f"        AtenTensorHandle {name}_handle;",
+            f"        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_assign_tensors_out({base}, &{name}_handle));",
+            f"        RAIIAtenTensorHandle {name}({name}_handle);"]
+
+
+def test_a_handle_only_read_becomes_a_reference_and_an_unused_one_goes() -> None:
+    code = "\n".join([
+        *_handle("a0", "buf3"), *_handle("a1", "buf4"),
+        "        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_item_int64(a0, &u0_raw));",
+        "        kernel((const int64_t*)(a0.data_ptr()));",
+        "        a0.reset();",
+        "        buf3.reset();",
+    ])
+    out, n = alias_handles(code)
+    assert n == 2
+    assert out.split("\n") == [
+        "        auto& a0 = buf3;  // a handle's reads",
+        "        AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_item_int64(a0, &u0_raw));",
+        "        kernel((const int64_t*)(a0.data_ptr()));",
+        "        buf3.reset();",
+    ]
+
+
+@pytest.mark.parametrize("use", [
+    "        buf4 = std::move(a0);",  # handed on: its own tensor
+    "        buf3.reset();\n        kernel((double*)(a0.data_ptr()));",  # read after its source changed
+    "        other(a0);",  # passed as a tensor
+])
+def test_a_handle_used_as_a_tensor_or_outliving_its_source_is_kept(use: str) -> None:
+    code = "\n".join([*_handle("a0", "buf3"), use])
+    assert alias_handles(code) == (code, 0)
+
+
 def _step(x: torch.Tensor, v: torch.Tensor, f: torch.Tensor) -> list[torch.Tensor]:
     """A damped oscillator's semi-implicit Euler step: carry (x, v), y = x."""
     v = v + 0.1 * (f - 4.0 * x - 0.3 * v)
@@ -96,7 +211,7 @@ def _loop(wrapper: str) -> str:
 
 
 @pytest.mark.skipif(not WRAPPER_PASS, reason="TORCHLOOP_WRAPPER_PASS=0 in the environment")
-def test_the_scan_ops_loop_allocates_only_what_its_kernels_use(
+def test_the_scan_ops_loop_allocates_nothing_and_every_buffer_is_used(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     gen = torch.Generator().manual_seed(3)
@@ -110,15 +225,33 @@ def test_the_scan_ops_loop_allocates_only_what_its_kernels_use(
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
     (wrapper,) = Path(so).parent.rglob("*.wrapper.cpp")
-    loop = _loop(wrapper.read_text())
+    code = wrapper.read_text()
+    loop = _loop(code)
     assert "reinterpret_tensor_wrapper" not in loop  # no view per stacked row
-    allocated = re.findall(r"aoti_torch_empty_strided\([^;]*&(\w+)_handle\)\);", loop)
+    allocated = re.findall(ALLOCATED, code)
     assert allocated
-    for buf in allocated:  # each is read or written by a kernel, under its name or a reuse's
-        names, used = {buf}, False
-        for a, b in re.findall(r"auto (\w+) = std::move\((\w+)\);", loop):
-            if b in names:
-                names.add(a)
-        for name in names:
-            used |= f"{name}.data_ptr()" in loop
-        assert used, f"{buf} is allocated at every iteration and no kernel uses it"
+    for buf in allocated:  # each is used by something: no buffer that fusion removed
+        assert _used(code.split("\n"), buf), f"{buf} is allocated and nothing uses it"
+    per_iteration = re.findall(ALLOCATED, loop)
+    assert not per_iteration, f"allocated at every iteration: {per_iteration}"
+    cond = loop.split("// subgraph: while_loop_body")[0]  # (a turn's handle is a ternary's)
+    assert not re.search(r"aoti_torch_assign_tensors_out\(\w+, &", cond), \
+        "the cond subgraph makes a handle per carried tensor"
+
+
+ALLOCATED = r"aoti_torch_empty_strided\([^;]*&(\w+)_handle\)\);"
+
+
+def _used(lines: list[str], name: str) -> bool:
+    """Whether a line other than name's own allocation, handle and resets
+    names it (or a reuse of it: `auto [&]other = [std::move(]name[)];`)."""
+    own = (f"AtenTensorHandle {name}_handle;", f"&{name}_handle));",
+           f"RAIIAtenTensorHandle {name}({name}_handle);", f"{name}.reset();")
+    word = re.compile(rf"\b{name}\b")
+    for line in lines:
+        if not word.search(line) or any(o in line for o in own):
+            continue
+        reuse = re.match(rf"^\s*auto&? (\w+) = (?:std::move\()?{name}\)?;", line)
+        if reuse is None or _used(lines, reuse.group(1)):
+            return True
+    return False

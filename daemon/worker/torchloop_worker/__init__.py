@@ -22,8 +22,10 @@ Modules, in the order a job meets them:
   lowering     export / make_fx of the forward or VJP graph, OutModule
   checkpoint   the checkpointed VJP (saved carries, recomputed steps)
   build        AOTInductor builds the daemon can unload
+  codegen_speed Inductor's C++ codegen without a set-up it repeats per op
   aoti_split   the AOTI runtime interface compiled once, linked into each build
   wrapper_pass less per-call work in the generated wrapper (subgraph buffers, views)
+  loop_pass    the scan op's loop without per-iteration allocations and handles
   stack_into   the post-grad pass placing stacked results into the buffers
   elf          artifact checks (proxy executor, exec stack, unique symbols)
   parity       the new artifact against the eager scan

@@ -10,7 +10,7 @@ from typing import Callable, cast
 
 import torch
 
-from . import aoti_split, wrapper_pass
+from . import aoti_split, codegen_speed, wrapper_pass
 from .elf import clear_exec_stack, set_exec_stack
 from .errors import JobError, classify
 from .frames import log
@@ -140,6 +140,7 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
     """AOT-compiles module into so_path (with placer as the post-grad pass
     when given); returns the .so's path."""
     unloadable_artifacts()
+    codegen_speed.install()
     options = aoti_options(so_path, batched)
     if placer is not None:
         options["post_grad_custom_post_pass"] = placer

@@ -102,8 +102,10 @@ def capture(
     dyn: BatchDims | None = None,
 ) -> tuple[torch.nn.Module, Tensors]:
     """torch.export of the flat scan (or make_fx of its VJP, then export), as
-    a graph that writes its results into buffers passed after its inputs."""
-    module, example = capture_values(scan, args, outs, kind, strict, dyn)
+    a graph that writes its results into buffers passed after its inputs.
+    The forward is exported once, inside OutModule (an export of an unrolled
+    RK4 loop takes seconds per 1 000 steps' calls)."""
+    module, example = capture_values(scan, args, outs, kind, strict, dyn, exported=False)
     results = tuple(outs) + (tuple(args) if KINDS[kind] else ())
     bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
     shapes = dyn.of(dyn.inputs + dyn.results) if dyn else None
@@ -117,9 +119,10 @@ def capture(
 
 def capture_values(
     scan: Scan, args: list[torch.Tensor], outs: Tensors, kind: str, strict: bool,
-    dyn: BatchDims | None = None,
+    dyn: BatchDims | None = None, exported: bool = True,
 ) -> tuple[torch.nn.Module, Tensors]:
-    """The graph that returns its results (torch.export / make_fx + export).
+    """The graph that returns its results (torch.export / make_fx + export);
+    exported=False: the forward's module as it is, not yet exported.
 
     With a symbolic batch, make_fx traces the VJP symbolically (so no size is
     baked into its views and expands) and lets the body's module-level
@@ -148,10 +151,13 @@ def capture_values(
             ep, example = export_vjp(scan, args, outs, use_scan, dyn)
         else:
             example = tuple(args)
-            ep = torch.export.export(
-                FlatModule(scan if use_scan else replace(scan, strategy="unroll")), example,
-                strict=strict, dynamic_shapes=dyn.of(dyn.inputs[: len(args)]) if dyn else None)
             scan.lowered = scan.strategy if use_scan else "unroll"
+            flat = FlatModule(scan if use_scan else replace(scan, strategy="unroll"))
+            if not exported:
+                return flat, example
+            ep = torch.export.export(
+                flat, example, strict=strict,
+                dynamic_shapes=dyn.of(dyn.inputs[: len(args)]) if dyn else None)
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below

@@ -26,7 +26,11 @@ Two things made them cost far more than they must:
   torch's `_reinterpret_tensor` adds its offset to the base's, in elements
   of the base's dtype, which a view of the same dtype shares.
 
-Both are installed once per process (`install`); the worker's cache key
+- **The scan op's loop allocated and wrapped per iteration.**  Every
+  iteration allocated each buffer its kernels write and made a new handle
+  per carried tensor for each subgraph: loop_pass.py rewrites that loop.
+
+All are installed once per process (`install`); the worker's cache key
 covers this file, so artifacts built before it are rebuilt.  They are an
 optimisation only: `STATE.changed` counts what they did in a build, and a
 build they changed that fails (to build, or to match eager) is built again
@@ -39,11 +43,11 @@ import re
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from . import loop_pass
+from .loop_pass import CAST, RESET, base_stable, index
+
 ALIAS = re.compile(r"^\s*auto (\w+) = wrap_with_raii_handle_if_needed\("
                    r"reinterpret_tensor_wrapper\((\w+), \d+, \w+, \w+, (-?\d+)L?\)\);\s*// alias$")
-RESET = re.compile(r"^\s*(\w+)\.reset\(\);$")
-WORD = re.compile(r"\b\w+\b")
-CAST = r"\(((?:const )?[\w:]+\*)\)\({name}\.data_ptr\(\)\)"
 
 
 class State:
@@ -68,15 +72,6 @@ def off() -> Iterator[None]:
         STATE.on = True
 
 
-def _index(lines: list[str]) -> dict[str, list[int]]:
-    """Each identifier -> the lines that name it, in order."""
-    where: dict[str, list[int]] = {}
-    for i, line in enumerate(lines):
-        for w in set(WORD.findall(line)):
-            where.setdefault(w, []).append(i)
-    return where
-
-
 def _uses(lines: list[str], where: dict[str, list[int]], start: int, name: str) -> list[int] | None:
     """Lines after start that name name, or None when one of them uses it
     other than through (T*)(name.data_ptr()) or name.reset()."""
@@ -93,17 +88,11 @@ def _uses(lines: list[str], where: dict[str, list[int]], start: int, name: str) 
     return found
 
 
-def _base_stable(lines: list[str], start: int, end: int, base: str) -> bool:
-    """Whether base keeps its tensor from line start to line end."""
-    changes = re.compile(rf"\b{base}\.reset\(|std::move\({base}\)|^\s*{base}\s*=|\b{base}\.release\(")
-    return not any(changes.search(lines[i]) for i in range(start + 1, end + 1))
-
-
 def alias_pointers(code: str) -> tuple[str, int]:
     """code with each view used only for its data pointer replaced by
     pointer arithmetic on its base; (new code, views replaced)."""
     lines = code.split("\n")
-    where = _index(lines)
+    where = index(lines)
     drop: set[int] = set()
     replaced = 0
     for i, line in enumerate(lines):
@@ -115,7 +104,7 @@ def alias_pointers(code: str) -> tuple[str, int]:
         if uses is None:
             continue
         reads = [u for u in uses if not RESET.match(lines[u])]
-        if not _base_stable(lines, i, reads[-1] if reads else i, base):
+        if not base_stable(lines, i, reads[-1] if reads else i, base):
             continue
         cast = re.compile(CAST.format(name=name))
         plus = f" + {offset}" if offset else ""
@@ -129,9 +118,10 @@ def alias_pointers(code: str) -> tuple[str, int]:
     return "\n".join(s for j, s in enumerate(lines) if j not in drop), replaced
 
 
+
 def install(note: Callable[[str], None]) -> None:
-    """Both changes, once per process, each applied while STATE.on; note(text)
-    hears what the second did."""
+    """The three changes, once per process, each applied while STATE.on;
+    note(text) hears what the wrapper's rewrites did."""
     from torch._inductor import codecache
     from torch._inductor.graph import GraphLowering
 
@@ -155,6 +145,13 @@ def install(note: Callable[[str], None]) -> None:
             STATE.changed += n
             if n:
                 note(f"wrapper: {n} views replaced by pointer arithmetic")
+            wrapper_code, n = loop_pass.alias_handles(wrapper_code)
+            wrapper_code, hoisted, turns = loop_pass.loop_buffers(wrapper_code)
+            STATE.changed += n + hoisted + turns
+            if n + hoisted + turns:
+                note(f"wrapper: the scan op's loop: {n} tensor handles replaced by references, "
+                     f"{hoisted} scratch buffers allocated once, {turns} handed-on buffers "
+                     f"taken in turn from two")
         return orig_compile(graph, wrapper_code, kernel_code, serialized_extern_kernel_nodes,
                             device_type=device_type, additional_files=additional_files)
 
