@@ -103,26 +103,27 @@ def capture(
 ) -> tuple[torch.nn.Module, Tensors]:
     """torch.export of the flat scan (or make_fx of its VJP, then export), as
     a graph that writes its results into buffers passed after its inputs.
-    The forward is exported once, inside OutModule (an export of an unrolled
-    RK4 loop takes seconds per 1 000 steps' calls)."""
-    module, example = capture_values(scan, args, outs, kind, strict, dyn, exported=False)
+    The forward is exported once, here, inside OutModule, as strictly as the
+    job asks (an export of an unrolled RK4 loop takes seconds per 1 000
+    steps' calls); a VJP's graph is an exported ATen graph already."""
+    module, example = capture_values(scan, args, outs, kind, dyn)
     results = tuple(outs) + (tuple(args) if KINDS[kind] else ())
     bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
     shapes = dyn.of(dyn.inputs + dyn.results) if dyn else None
     try:
-        ep = torch.export.export(OutModule(module, len(example)), example + bufs, strict=False,
-                                 dynamic_shapes=shapes)
+        ep = torch.export.export(OutModule(module, len(example)), example + bufs,
+                                 strict=strict and not KINDS[kind], dynamic_shapes=shapes)
     except Exception as exc:  # noqa: BLE001 - classified below
         raise classify(exc, "capture") from exc
     return ep.module(), example + bufs
 
 
 def capture_values(
-    scan: Scan, args: list[torch.Tensor], outs: Tensors, kind: str, strict: bool,
-    dyn: BatchDims | None = None, exported: bool = True,
+    scan: Scan, args: list[torch.Tensor], outs: Tensors, kind: str,
+    dyn: BatchDims | None = None,
 ) -> tuple[torch.nn.Module, Tensors]:
-    """The graph that returns its results (torch.export / make_fx + export);
-    exported=False: the forward's module as it is, not yet exported.
+    """The graph that returns its results: a VJP's exported (make_fx +
+    export), the forward's module as it is (capture exports it).
 
     With a symbolic batch, make_fx traces the VJP symbolically (so no size is
     baked into its views and expands) and lets the body's module-level
@@ -146,18 +147,11 @@ def capture_values(
             "batch; compiled the unrolled loop instead")
         log(scan.notes[-1])
         use_scan = False
+    if kind != "vjp":
+        scan.lowered = scan.strategy if use_scan else "unroll"
+        return FlatModule(scan if use_scan else replace(scan, strategy="unroll")), tuple(args)
     try:
-        if kind == "vjp":
-            ep, example = export_vjp(scan, args, outs, use_scan, dyn)
-        else:
-            example = tuple(args)
-            scan.lowered = scan.strategy if use_scan else "unroll"
-            flat = FlatModule(scan if use_scan else replace(scan, strategy="unroll"))
-            if not exported:
-                return flat, example
-            ep = torch.export.export(
-                flat, example, strict=strict,
-                dynamic_shapes=dyn.of(dyn.inputs[: len(args)]) if dyn else None)
+        ep, example = export_vjp(scan, args, outs, use_scan, dyn)
     except JobError:
         raise
     except Exception as exc:  # noqa: BLE001 - classified below

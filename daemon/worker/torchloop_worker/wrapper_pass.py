@@ -118,7 +118,6 @@ def alias_pointers(code: str) -> tuple[str, int]:
     return "\n".join(s for j, s in enumerate(lines) if j not in drop), replaced
 
 
-
 def install(note: Callable[[str], None]) -> None:
     """The three changes, once per process, each applied while STATE.on;
     note(text) hears what the wrapper's rewrites did."""
