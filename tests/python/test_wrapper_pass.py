@@ -1,13 +1,13 @@
 """The generated wrapper with less per-call work
-(daemon/worker/torchloop_worker/wrapper_pass.py, loop_pass.py).
+(daemon/worker/torchloop_worker/wrapper_pass.py, loop_pass.py, loop_slots.py).
 
 The rewrites are checked on wrapper text (no compile): what each replaces,
 and each reason to leave a view, a buffer or a handle alone.  Then one
 AOTInductor build of a scan op over blocks of unrolled steps (the worker's
 blocked()), run against eager: the while loop allocates no buffer that
 nothing uses, allocates nothing per iteration (scratch buffers once, the
-buffers it hands on two, taken in turn), makes no view per stacked row and
-no handle per carried tensor that is only read.  One Inductor build in all.
+buffers it hands on two, taken in turn, all in one arena), makes no view
+per stacked row, no handle and no item call per iteration.  One Inductor build in all.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def test_a_loops_scratch_buffer_is_allocated_once_and_a_handed_on_one_taken_in_t
         [t.replace("c1", "c1_turn1") for t in _alloc("c1")]
     assert out.split("\n") == [
         "    static constexpr int64_t int_array_9[] = {1L, };",
+        "    // torchloop: loop buffers",  # where loop_slots.py finds them
         "        static constexpr int64_t int_array_8[] = {16L, };", *_alloc("s1"), *turn,
         "    int torchloop_turn0 = 0;",
         "    while (1) {",
@@ -234,9 +235,10 @@ def test_the_scan_ops_loop_allocates_nothing_and_every_buffer_is_used(
         assert _used(code.split("\n"), buf), f"{buf} is allocated and nothing uses it"
     per_iteration = re.findall(ALLOCATED, loop)
     assert not per_iteration, f"allocated at every iteration: {per_iteration}"
-    cond = loop.split("// subgraph: while_loop_body")[0]  # (a turn's handle is a ternary's)
-    assert not re.search(r"aoti_torch_assign_tensors_out\(\w+, &", cond), \
-        "the cond subgraph makes a handle per carried tensor"
+    # loop_slots.py: its tensors are pointers into one arena, its items loads
+    assert "TorchloopSlot" in loop
+    for call in ("aoti_torch_assign_tensors_out", "aoti_torch_item_"):
+        assert call not in loop, f"{call} at every iteration"
 
 
 ALLOCATED = r"aoti_torch_empty_strided\([^;]*&(\w+)_handle\)\);"

@@ -26,6 +26,7 @@ Modules, in the order a job meets them:
   aoti_split   the AOTI runtime interface compiled once, linked into each build
   wrapper_pass less per-call work in the generated wrapper (subgraph buffers, views)
   loop_pass    the scan op's loop without per-iteration allocations and handles
+  loop_slots   that loop's tensors, and the run's small buffers, as pointers into one allocation
   stack_into   the post-grad pass placing stacked results into the buffers
   elf          artifact checks (proxy executor, exec stack, unique symbols)
   parity       the new artifact against the eager scan

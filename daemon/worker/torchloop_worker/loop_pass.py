@@ -41,6 +41,7 @@ REUSE = re.compile(r"^\s*auto (\w+) = std::move\((\w+)\);\s*// reuse$")
 HANDOFF = re.compile(r"^\s*(\w+) = std::move\((\w+)\);$")
 LOOP = "while (1) {"
 SEEN = "  // torchloop: loop rewritten"
+MARK = "// torchloop: loop buffers"
 
 
 def index(lines: list[str]) -> dict[str, list[int]]:
@@ -181,6 +182,8 @@ def _rewrite_loop(lines: list[str], start: int, end: int, n_loop: int) -> tuple[
         lines[c.at] = (f"{_indent(lines[c.at])}AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_assign_tensors_out("
                        f"{flip} ? {name}_turn1 : {name}_turn0, &{name}_handle));")
         pingponged += 1
+    if hoisted + pingponged:  # where loop_slots.py finds the loop's buffers
+        before.insert(0, f"{_indent(lines[start])}{MARK}")
     if pingponged:
         before.append(f"{_indent(lines[start])}int {flip} = 0;")
         lines[end] = f"{_indent(lines[start])}    {flip} ^= 1;\n{lines[end]}"

@@ -28,7 +28,9 @@ Two things made them cost far more than they must:
 
 - **The scan op's loop allocated and wrapped per iteration.**  Every
   iteration allocated each buffer its kernels write and made a new handle
-  per carried tensor for each subgraph: loop_pass.py rewrites that loop.
+  per carried tensor for each subgraph: loop_pass.py rewrites that loop,
+  and loop_slots.py then puts its buffers in one arena and its tensors on
+  pointers where the wrapper uses them only through their data.
 
 All are installed once per process (`install`); the worker's cache key
 covers this file, so artifacts built before it are rebuilt.  They are an
@@ -43,7 +45,7 @@ import re
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from . import loop_pass
+from . import loop_pass, loop_slots
 from .loop_pass import CAST, RESET, base_stable, index
 
 ALIAS = re.compile(r"^\s*auto (\w+) = wrap_with_raii_handle_if_needed\("
@@ -146,11 +148,15 @@ def install(note: Callable[[str], None]) -> None:
                 note(f"wrapper: {n} views replaced by pointer arithmetic")
             wrapper_code, n = loop_pass.alias_handles(wrapper_code)
             wrapper_code, hoisted, turns = loop_pass.loop_buffers(wrapper_code)
-            STATE.changed += n + hoisted + turns
+            wrapper_code, slotted, framed, refused = loop_slots.slot_wrapper(wrapper_code)
+            STATE.changed += n + hoisted + turns + slotted + framed
             if n + hoisted + turns:
                 note(f"wrapper: the scan op's loop: {n} tensor handles replaced by references, "
                      f"{hoisted} scratch buffers allocated once, {turns} handed-on buffers "
-                     f"taken in turn from two")
+                     f"taken in turn from two; {slotted} loops on pointers into one arena"
+                     + "".join(f"; a loop left on tensors: {why}" for why in refused))
+            if framed:
+                note(f"wrapper: {framed} of the run's buffers placed in one allocation")
         return orig_compile(graph, wrapper_code, kernel_code, serialized_extern_kernel_nodes,
                             device_type=device_type, additional_files=additional_files)
 
