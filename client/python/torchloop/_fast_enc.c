@@ -260,9 +260,10 @@ static int enc_tensor(struct buf *b, PyObject *t)
 	if ((rc = tensor_plain(t, &own)) != 0 ||
 	    (rc = tensor_dims(own ? own : t, dims, &ndim, &numel)) != 0)
 		goto out;
+	/* place gets the caller's own tensor: a copy it keeps is keyed on that
+	 * object (a detached one is new at every call) */
 	if (b->place != NULL && numel >= (b->shm_min + (size_t)itemsize - 1) / (size_t)itemsize &&
-	    (rc = put_tensor_ref(b, own ? own : t, code, ndim, dims, numel * (uint64_t)itemsize)) <=
-	        0)
+	    (rc = put_tensor_ref(b, t, code, ndim, dims, numel * (uint64_t)itemsize)) <= 0)
 		goto out;
 	rc = 1;
 	if (numel > (uint64_t)b->limit / (uint64_t)itemsize)

@@ -4,6 +4,12 @@ A sealed memfd (F_SEAL_SHRINK | F_SEAL_SEAL, so nobody can truncate it under
 the daemon) mapped here and passed to the daemon once with SCM_RIGHTS.
 Blocks are 64-byte aligned, first fit, neighbours merged.
 
+A tensor of the solver's own is copied into a block of the region for the
+request that sends it; the block is kept for the next request that sends the
+same tensor unchanged (the same object, data pointer, layout and version
+counter: every in-place write through torch bumps the counter), which then
+sends it without copying it again (`Staged`).
+
 Result tensors the daemon writes into a request's output area are views of
 the region (no copy).  The area is freed when the last tensor viewing it is
 gone: every view holds the area's memoryview (torch.frombuffer keeps its
@@ -50,6 +56,7 @@ class Region:
         self._free: list[list[int]] = [[0, size]]  # sorted [offset, length]
         self._used: dict[int, int] = {}
         self._freed: collections.deque[int] = collections.deque()
+        self.staged = Staged(self, size // 2)
 
     def close_fd(self) -> None:
         if self.fd is not None:
@@ -66,15 +73,17 @@ class Region:
     def alloc(self, n: int) -> int | None:
         self.reclaim()
         n = _align(max(n, 1))
-        for i, (off, length) in enumerate(self._free):
-            if length >= n:
-                if length == n:
-                    del self._free[i]
-                else:
-                    self._free[i] = [off + n, length - n]
-                self._used[off] = n
-                return off
-        return None
+        while True:
+            for i, (off, length) in enumerate(self._free):
+                if length >= n:
+                    if length == n:
+                        del self._free[i]
+                    else:
+                        self._free[i] = [off + n, length - n]
+                    self._used[off] = n
+                    return off
+            if not self.staged.evict():  # kept copies give way to a request's blocks
+                return None
 
     def free(self, off: int) -> None:
         n = self._used.pop(off)
@@ -120,7 +129,8 @@ class Region:
         if t.is_contiguous() and t.is_cpu and not t.is_conj() and not t.is_neg():
             ctypes.memmove(self.base + off, t.data_ptr(), n)
         else:
-            self._bytes[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+            with torch.no_grad():  # t may require grad: the region records no history
+                self._bytes[off:off + n].view(t.dtype).view(t.shape).copy_(t)
 
     def area(self, off: int) -> "Area":
         return Area(self, off)
@@ -156,3 +166,93 @@ class Area:
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(self.view, dtype=dtype, count=numel, offset=rel).view(shape)
+
+
+class _Copy:
+    """A tensor's copy in the region, and what must not have changed since."""
+
+    __slots__ = ("ref", "ptr", "version", "layout", "off")
+
+    def __init__(self, t: torch.Tensor, off: int) -> None:
+        self.ref = weakref.ref(t)
+        self.ptr = t.data_ptr()
+        self.version = t._version
+        self.layout = (t.dtype, t.shape, t.stride())
+        self.off = off
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return (self.ref() is t and self.ptr == t.data_ptr() and self.version == t._version
+                and self.layout == (t.dtype, t.shape, t.stride()))
+
+
+class Staged:
+    """The solver's tensors copied into the region, kept for the requests
+    that send them again unchanged (least recently sent first out, at most
+    max_bytes and MAX_COPIES of them; a copy whose tensor is gone or changed
+    is dropped at the next lookup).  Inference tensors have no version
+    counter: they are copied every time.  Under the Client's lock."""
+
+    MAX_COPIES = 16
+
+    def __init__(self, region: Region, max_bytes: int) -> None:
+        self.region = region
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.copies: collections.OrderedDict[int, _Copy] = collections.OrderedDict()
+        self.pinned: set[int] = set()  # offsets the request being built sends
+        self._later: list[int] = []  # pinned blocks dropped: freed once it is sent
+        self.hits = 0
+
+    def lookup(self, t: torch.Tensor) -> int | None:
+        """The offset of t's copy, when t is unchanged since it was made."""
+        c = self.copies.get(id(t))
+        if c is None:
+            return None
+        if not c.holds(t):
+            self._drop(id(t))
+            return None
+        self.copies.move_to_end(id(t))
+        self.pinned.add(c.off)
+        self.hits += 1
+        return c.off
+
+    def keep(self, t: torch.Tensor, off: int) -> bool:
+        """Keeps the block at off as t's copy (False: the request frees it)."""
+        n = self.region._used[off]
+        if t.is_inference() or n > self.max_bytes:
+            return False
+        if id(t) in self.copies:
+            self._drop(id(t))
+        for key in [k for k, c in self.copies.items() if c.ref() is None]:
+            self._drop(key)  # its tensor is gone: nobody can send it again
+        while self.bytes + n > self.max_bytes or len(self.copies) >= self.MAX_COPIES:
+            if not self.evict():
+                return False
+        self.copies[id(t)] = _Copy(t, off)
+        self.pinned.add(off)
+        self.bytes += n
+        return True
+
+    def evict(self) -> bool:
+        """Frees the least recently sent copy that the request being built
+        does not send; False when there is none."""
+        key = next((k for k, c in self.copies.items() if c.off not in self.pinned), None)
+        if key is None:
+            return False
+        self._drop(key)
+        return True
+
+    def _drop(self, key: int) -> None:
+        c = self.copies.pop(key)
+        self.bytes -= self.region._used[c.off]
+        if c.off in self.pinned:  # the request being built sends it: not before it is done
+            self._later.append(c.off)
+        else:
+            self.region.free(c.off)
+
+    def done(self) -> None:
+        """The request that pinned copies was sent and answered (or failed)."""
+        self.pinned.clear()
+        for off in self._later:
+            self.region.free(off)
+        self._later.clear()

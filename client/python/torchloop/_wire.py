@@ -148,15 +148,11 @@ class Encoder:
             raise TypeError(f"tensors must be on the CPU, got {t.device}")
         if t.layout is not torch.strided:
             raise TypeError(f"tensors must be dense (strided), got {t.layout}")
-        if t.requires_grad:
-            t = t.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
         shape = t.shape
         nbytes = t.nbytes
         small = self.small
         if self.place is not None:
-            off = self.place(t)
+            off = self.place(t)  # the caller's own tensor: a copy kept is keyed on it
             if off is not None:
                 ndim = len(shape)
                 dims = _DIMS[ndim] if ndim < len(_DIMS) else struct.Struct(f"<{ndim}q")
@@ -164,6 +160,10 @@ class Encoder:
                 small += struct.pack("<QQ", off, nbytes)
                 small += dims.pack(*shape)
                 return
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
         # ext32 marker (1) + length (4) + type (1), then the header: pad so
         # that the data starts at a multiple of 64 from the body's start
         key = (code, shape, (self.flushed + len(small)) % ALIGN)

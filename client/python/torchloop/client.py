@@ -79,7 +79,8 @@ class Client:
 
     def __init__(self, socket: str | None = None, timeout: float | None = None, *,
                  shm: int | None = None, shm_threshold: int = SHM_THRESHOLD,
-                 busy_poll_us: int | None = None, reconnect: float = RECONNECT_S) -> None:
+                 busy_poll_us: int | None = None, reconnect: float = RECONNECT_S,
+                 stage_cache: bool | None = None) -> None:
         self.path = socket or default_socket()
         self.timeout = timeout
         self.reconnect = float(reconnect)
@@ -97,6 +98,11 @@ class Client:
         self.on_event: Callable[[dict], None] | None = None
         self.shm_size = SHM_DEFAULT if shm is None else int(shm)
         self.shm_threshold = max(1, int(shm_threshold))
+        # a tensor staged in the region is sent again without a copy while
+        # unchanged (_shm.Staged); False: copied at every request
+        if stage_cache is None:
+            stage_cache = os.environ.get("TORCHLOOP_STAGE_CACHE", "1") != "0"
+        self.stage_cache = stage_cache
         self.shm_error: Exception | None = None  # why shared memory is off, if it failed
         self._region: Region | None = None
         self._hints: dict[tuple[str, str], int] = {}
@@ -430,12 +436,17 @@ class Client:
             if n < threshold:
                 return None
             off = region.offset_of(t)
+            if off is None and self.stage_cache:
+                off = region.staged.lookup(t)  # sent before, unchanged since
+                if off is not None:
+                    return off
             if off is None:
                 off = region.alloc(n)
                 if off is None:
                     return None  # region full: this one goes inline
                 region.put(off, t)
-                staged.append(off)
+                if not (self.stage_cache and region.staged.keep(t, off)):
+                    staged.append(off)
             return off
 
         size = self._hints.get(key, (2 if op == "grad" else 1) * need)
@@ -453,6 +464,7 @@ class Client:
             if result is None:
                 result = self._roundtrip(op, fields, place=place, area=area)
         finally:
+            region.staged.done()
             for off in staged:
                 region.free(off)
         if area is not None and result.get("out_needed", size) != size:
