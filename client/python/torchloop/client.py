@@ -438,15 +438,14 @@ class Client:
             off = region.offset_of(t)
             if off is None and self.stage_cache:
                 off = region.staged.lookup(t)  # sent before, unchanged since
-                if off is not None:
-                    return off
+            if off is not None:
+                return off
+            off = region.alloc(n)
             if off is None:
-                off = region.alloc(n)
-                if off is None:
-                    return None  # region full: this one goes inline
-                region.put(off, t)
-                if not (self.stage_cache and region.staged.keep(t, off)):
-                    staged.append(off)
+                return None  # region full: this one goes inline
+            region.put(off, t)
+            if not (self.stage_cache and region.staged.keep(t, off)):
+                staged.append(off)
             return off
 
         size = self._hints.get(key, (2 if op == "grad" else 1) * need)

@@ -59,6 +59,13 @@ def base_stable(lines: list[str], start: int, end: int, base: str) -> bool:
     return not any(changes.search(lines[i]) for i in range(start + 1, end + 1))
 
 
+def triple(lines: list[str], i: int, name: str) -> bool:
+    """Whether lines i - 1 and i + 1 declare name's handle and its RAII holder
+    (the wrapper's three lines around an allocation or a new handle)."""
+    return (0 < i < len(lines) - 1 and lines[i - 1].strip() == f"AtenTensorHandle {name}_handle;"
+            and lines[i + 1].strip() == f"RAIIAtenTensorHandle {name}({name}_handle);")
+
+
 def _indent(line: str) -> str:
     return line[: len(line) - len(line.lstrip())]
 
@@ -93,9 +100,7 @@ def _chain(lines: list[str], where: dict[str, list[int]], start: int, end: int,
     hand-on, or outside the loop."""
     m = ALLOC.match(lines[at])
     name = m.group(3) if m else ""
-    if not (m and start < at - 1 and at + 1 < end
-            and lines[at - 1].strip() == f"AtenTensorHandle {name}_handle;"
-            and lines[at + 1].strip() == f"RAIIAtenTensorHandle {name}({name}_handle);"
+    if not (m and start < at - 1 and at + 1 < end and triple(lines, at, name)
             and _indent(lines[at]) == _indent(lines[start]) + "    "):
         return None
     c = Chain(at, [name])
@@ -165,9 +170,9 @@ def _rewrite_loop(lines: list[str], start: int, end: int, n_loop: int) -> tuple[
             continue
         before += [lines[i] for i in c.arrays if i not in moved]
         moved.update(c.arrays)
-        name, triple = c.names[0], lines[c.at - 1: c.at + 2]
+        name, three = c.names[0], lines[c.at - 1: c.at + 2]
         if not c.handoffs:  # a scratch buffer: one, before the loop
-            before += triple
+            before += three
             moved.update(range(c.at - 1, c.at + 2))
             drop.update(c.resets)
             for i in c.reuses:
@@ -178,7 +183,7 @@ def _rewrite_loop(lines: list[str], start: int, end: int, n_loop: int) -> tuple[
             continue
         for k in (0, 1):  # handed on: two, before the loop, taken in turn
             before += [re.sub(rf"\b{name}(_handle)?\b", lambda m: f"{name}_turn{k}{m.group(1) or ''}", t)
-                       for t in triple]
+                       for t in three]
         lines[c.at] = (f"{_indent(lines[c.at])}AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_assign_tensors_out("
                        f"{flip} ? {name}_turn1 : {name}_turn0, &{name}_handle));")
         pingponged += 1
@@ -242,9 +247,7 @@ def alias_handles(code: str) -> tuple[str, int]:
     for i, line in enumerate(lines):
         m = ASSIGN.match(line)
         name = m.group(2) if m else ""
-        if not (m and 0 < i < len(lines) - 1
-                and lines[i - 1].strip() == f"AtenTensorHandle {name}_handle;"
-                and lines[i + 1].strip() == f"RAIIAtenTensorHandle {name}({name}_handle);"):
+        if not (m and triple(lines, i, name)):
             continue
         uses = _handle_uses(lines, where, name, {i, i + 1})
         if uses is None:

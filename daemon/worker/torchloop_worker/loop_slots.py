@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .loop_pass import CAST, HANDOFF, MARK, RESET, REUSE, _indent, _loop_end, index
+from .loop_pass import CAST, HANDOFF, MARK, RESET, REUSE, _indent, _loop_end, index, triple
 
 SLOT_STRUCT = [
     "struct TorchloopSlot {  // torchloop: a tensor of the scan op's loop, as its data pointer",
@@ -126,12 +126,6 @@ class Loop:
     drop: set[int] = field(default_factory=set)
 
 
-def _triple(lines: list[str], i: int, name: str) -> bool:
-    """Whether lines i - 1 and i + 1 declare name's handle and RAII holder."""
-    return (0 < i < len(lines) - 1 and lines[i - 1].strip() == f"AtenTensorHandle {name}_handle;"
-            and lines[i + 1].strip() == f"RAIIAtenTensorHandle {name}({name}_handle);")
-
-
 def _arena(lines: list[str], where: dict[str, list[int]], lp: Loop, n: int) -> None:
     """The loop's buffers, allocated between its mark and its start, as
     slots of one arena."""
@@ -139,7 +133,7 @@ def _arena(lines: list[str], where: dict[str, list[int]], lp: Loop, n: int) -> N
         if not ANY_ALLOC.search(lines[i]):
             continue
         m = ALLOC.match(lines[i])
-        if not (m and _triple(lines, i, m.group(5)) and m.group(4) in ELEMENT):
+        if not (m and triple(lines, i, m.group(5)) and m.group(4) in ELEMENT):
             raise Refused(f"an allocation it cannot place: {lines[i].strip()}")
         sizes, strides = _array(lines, where, m.group(2)), _array(lines, where, m.group(3))
         if len(sizes) != int(m.group(1)) or len(strides) != len(sizes):
@@ -166,7 +160,7 @@ def _declaration(lines: list[str], where: dict[str, list[int]], lp: Loop, var: s
         lp.new[at] = f"{_indent(lines[at])}TorchloopSlot {var};"
         return
     m = ASSIGN.match(lines[at - 1])
-    if not (m and m.group(2) == var and _triple(lines, at - 1, var)):
+    if not (m and m.group(2) == var and triple(lines, at - 1, var)):
         raise Refused(f"{var} is not declared from a tensor before the loop")
     source = m.group(1)
     view = VIEW.match(source)
@@ -196,7 +190,7 @@ def _flows(lines: list[str], where: dict[str, list[int]], lp: Loop) -> None:
     for i in range(lp.start + 1, lp.end):
         line = lines[i]
         m, r, u, h = ASSIGN.match(line), REF.match(line), REUSE.match(line), HANDOFF.match(line)
-        if m and _triple(lines, i, m.group(2)):
+        if m and triple(lines, i, m.group(2)):
             pick = PICK.match(m.group(1))
             sources, target = ([pick.group(2), pick.group(3)] if pick else [m.group(1)]), m.group(2)
         elif r or u:
@@ -352,7 +346,7 @@ def frame_arena(lines: list[str]) -> tuple[dict[int, str], set[int], int]:
     size, first = 0, None
     for i in range(start, end):
         m = ALLOC.match(lines[i])
-        if not (m and _indent(lines[i]) == "    " and _triple(lines, i, m.group(5))
+        if not (m and _indent(lines[i]) == "    " and triple(lines, i, m.group(5))
                 and m.group(4) in ELEMENT):
             continue
         try:
