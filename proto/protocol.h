@@ -133,6 +133,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(TOO_MANY_ELEMENTS, "TOO_MANY_ELEMENTS", "a leaf exceeds max_elements")                   \
 	X(SPEC_MISMATCH, "SPEC_MISMATCH", "tensors differ from the compiled signature")            \
 	X(COTANGENT_MISMATCH, "COTANGENT_MISMATCH", "cotangent tree does not match")               \
+	X(SAVED_MISMATCH, "SAVED_MISMATCH",                                                        \
+	  "saved is not what this grad's forward graph kept (length, dtype, or saved_key)")        \
 	/* shared memory (the attach op and PROTO_EXT_SHM leaves) */                               \
 	X(SHM_NO_FD, "SHM_NO_FD", "attach came without a file descriptor")                         \
 	X(SHM_ALREADY_ATTACHED, "SHM_ALREADY_ATTACHED", "the connection has a region already")     \

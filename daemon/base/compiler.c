@@ -112,7 +112,7 @@ static int send_job(struct slot *s, struct compile_job *j)
 		writer_key_str(w, "entry", j->entry);
 		return wproc_send(s->p, w);
 	}
-	msg_begin_request(w, j->id, "compile", j->sample ? 13 : 12);
+	msg_begin_request(w, j->id, "compile", 12 + (j->sample != NULL) + (j->wrt != NULL));
 	writer_key_str(w, j->graph ? "body_graph" : "body_source", j->body_source);
 	writer_key_str(w, "body_file", j->body_file);
 	writer_key_str(w, "entry", j->entry);
@@ -123,6 +123,8 @@ static int send_job(struct slot *s, struct compile_job *j)
 	writer_key_i64(w, "max_batch", j->max_batch);
 	writer_key_str(w, "output", j->output);
 	writer_key_str(w, "lane", COMPILER_LANE_NAMES[s->lane]);
+	if (j->wrt)
+		writer_key_str(w, "wrt", j->wrt);
 	writer_str(w, "carry");
 	shapes_write(w, j->carry);
 	writer_str(w, "inputs");

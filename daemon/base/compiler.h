@@ -73,6 +73,7 @@ struct compile_job {
 	enum proto_dtype dtype;
 	int64_t steps;
 	int64_t max_batch; /* dynamic = batch: the largest batch size (shapes mark it -1); else 0 */
+	const char *wrt;   /* a saved kind's gradient mask (graphs.h scan_args), or NULL */
 	/* the requesting scan's own inputs (signature_sample) for the parity
 	 * check, or NULL: random ones */
 	const uint8_t *sample;

@@ -6,6 +6,7 @@
 
 #include "shapes.h"
 
+#include <stdio.h>
 #include <string.h>
 
 struct sbuf {
@@ -230,4 +231,25 @@ uint8_t *signature_sample(const struct tree_node *carry, const struct tree_node 
 	}
 	*len = sb.size;
 	return (uint8_t *)sb.data;
+}
+
+#define WRT_TAG ";wrt="
+
+int signature_wrt(char *buf, size_t size, const char *wrt)
+{
+	size_t n = strlen(buf);
+
+	if (wrt == NULL)
+		return 0;
+	if (n + strlen(WRT_TAG) + strlen(wrt) >= size)
+		return -1;
+	snprintf(buf + n, size - n, "%s%s", WRT_TAG, wrt);
+	return 0;
+}
+
+const char *signature_wrt_of(const char *sig)
+{
+	const char *p = strstr(sig, WRT_TAG);
+
+	return p ? p + strlen(WRT_TAG) : NULL;
 }

@@ -29,6 +29,11 @@
 int signature_of(const struct tree_node *carry, const struct tree_node *inputs,
                  enum proto_dtype dtype, int64_t steps, bool batch, char *buf, size_t size);
 
+/* Appends ";wrt=" and wrt (a saved kind's gradient mask) when not NULL. */
+int signature_wrt(char *buf, size_t size, const char *wrt);
+/* The mask a signature ends with (signature_wrt), or NULL. */
+const char *signature_wrt_of(const char *sig);
+
 /*
  * Symbolic batch (adapter option dynamic = batch): marks the batch
  * dimensions of a specialization's own trees SHAPES_BATCH, their sizes then

@@ -424,6 +424,7 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.dtype = sp->dtype;
 	j->job.steps = sp->steps;
 	j->job.max_batch = sp->batch ? spec_max_batch(sp) : 0;
+	j->job.wrt = sp->wrt;
 	j->job.sample = j->sample;
 	j->job.key = j->key;
 	j->job.sample_len = j->sample_len;

@@ -31,20 +31,35 @@ static void fill_expected_out(struct specialization *sp);
 
 /* ---- pool: cache lookup, commit, load ---------------------------------- */
 
+static size_t layout(const struct specialization *sp, bool results, struct engine_tensor *out);
+
 static int check_arity(struct specialization *sp, size_t n_in, size_t n_out, struct proto_err *err)
 {
-	size_t want_in = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
-	size_t want_out = tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->y);
+	size_t want_in = layout(sp, false, NULL), want_out = layout(sp, true, NULL);
 
-	if (spec_grad(sp)) {
-		want_in += want_out;
-		want_out += tree_count_tensors(&sp->carry) + tree_count_tensors(&sp->inputs);
-	}
 	if (n_in != want_in || n_out != want_out)
 		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
 		                  "artifact takes %zu inputs and gives %zu outputs; the signature "
 		                  "needs %zu and %zu",
 		                  n_in, n_out, want_in, want_out);
+	return 0;
+}
+
+/* A saved kind's worker spec is the tuple (outputs' spec, saved's): y is
+ * the first, saved the second (one 1-D tensor). */
+static int split_saved(struct specialization *sp, struct proto_err *err)
+{
+	const struct tree_node *y = &sp->y;
+
+	if (!spec_kinds[sp->kind].saved)
+		return 0;
+	if (y->kind != TREE_TUPLE || y->count != 2 || y->items[1].kind != TREE_TENSOR ||
+	    y->items[1].tensor.ndim != 1)
+		return proto_fail(err, PROTO_E_ARTIFACT_CORRUPT, NULL,
+		                  "a %s graph's output spec is not (outputs, saved)",
+		                  spec_kinds[sp->kind].name);
+	sp->saved = y->items[1];
+	sp->y = y->items[0];
 	return 0;
 }
 
@@ -72,7 +87,7 @@ static int load_artifact(struct load_job *j, const uint8_t *y, size_t y_len, str
 	}
 	rc = shapes_read(&up.data, sp->zone, sp->dtype, sp->batch, &sp->y, err);
 	msgpack_unpacked_destroy(&up);
-	if (rc != 0)
+	if (rc != 0 || split_saved(sp, err) != 0)
 		return -1;
 open:
 	if (cache_load_link(j->g->cache, j->key, so, sizeof so, err) != 0)
@@ -101,36 +116,17 @@ static void loaded(struct load_job *j)
 	index_append(j->g, j->sp);
 }
 
-static void fill_expected(struct specialization *sp)
-{
-	size_t n = 0;
-
-	sp->expected = calloc(sp->n_in ? sp->n_in : 1, sizeof *sp->expected);
-	if (sp->expected == NULL)
-		return;
-	signature_flatten(&sp->carry, sp->expected, &n);
-	signature_flatten(&sp->inputs, sp->expected, &n);
-	if (spec_grad(sp)) {
-		/* cotangents: final carry (carry's shapes), then stacked outputs */
-		size_t ny = 0;
-		signature_flatten(&sp->carry, sp->expected, &n);
-		signature_flatten(&sp->y, sp->expected + n, &ny);
-		for (size_t i = n; i < n + ny; i++) {
-			struct engine_tensor *t = &sp->expected[i];
-			memmove(t->shape + 1, t->shape, (PROTO_MAX_NDIM - 1) * sizeof t->shape[0]);
-			t->shape[0] = sp->steps;
-			t->ndim++;
-		}
-	}
-}
-
 /* Shapes (and sizes: the engine lays the result buffers out by them) of one
- * tree's tensor leaves, with T prepended when stacked. */
+ * tree's tensor leaves, with T prepended when stacked; out NULL: counts. */
 static void expect_tree(const struct tree_node *t, int64_t stacked, struct engine_tensor *out,
                         size_t *n)
 {
 	size_t first = *n;
 
+	if (out == NULL) {
+		*n += tree_count_tensors(t);
+		return;
+	}
 	signature_flatten(t, out, n);
 	for (size_t i = first; i < *n; i++) {
 		if (stacked > 0) {
@@ -146,20 +142,45 @@ static void expect_tree(const struct tree_node *t, int64_t stacked, struct engin
 	}
 }
 
-/* What the graph must return: final carry, stacked outputs (then the grads). */
-static void fill_expected_out(struct specialization *sp)
+/* The graph's data inputs (results false) or results, in order, as
+ * spec_kinds says (graphs.h); returns how many. */
+static size_t layout(const struct specialization *sp, bool results, struct engine_tensor *out)
 {
+	const struct spec_kind_info *k = &spec_kinds[sp->kind];
 	size_t n = 0;
 
-	sp->expected_out = calloc(sp->n_out ? sp->n_out : 1, sizeof *sp->expected_out);
-	if (sp->expected_out == NULL)
-		return;
-	expect_tree(&sp->carry, 0, sp->expected_out, &n);
-	expect_tree(&sp->y, sp->steps, sp->expected_out, &n);
-	if (spec_grad(sp)) {
-		expect_tree(&sp->carry, 0, sp->expected_out, &n);
-		expect_tree(&sp->inputs, 0, sp->expected_out, &n);
+	if (!results) {
+		expect_tree(&sp->carry, 0, out, &n);
+		expect_tree(&sp->inputs, 0, out, &n);
+	} else if (k->results) {
+		expect_tree(&sp->carry, 0, out, &n);
+		expect_tree(&sp->y, sp->steps, out, &n);
 	}
+	if (k->saved && k->grad != results)
+		expect_tree(&sp->saved, 0, out, &n);
+	if (k->grad && !results) { /* cotangents: final carry, then stacked outputs */
+		expect_tree(&sp->carry, 0, out, &n);
+		expect_tree(&sp->y, sp->steps, out, &n);
+	} else if (k->grad) {
+		expect_tree(&sp->carry, 0, out, &n);
+		expect_tree(&sp->inputs, 0, out, &n);
+	}
+	return n;
+}
+
+static void fill_expected(struct specialization *sp)
+{
+	sp->expected = calloc(sp->n_in ? sp->n_in : 1, sizeof *sp->expected);
+	if (sp->expected != NULL)
+		layout(sp, false, sp->expected);
+}
+
+/* What the graph must return (the engine checks its outputs against it). */
+static void fill_expected_out(struct specialization *sp)
+{
+	sp->expected_out = calloc(sp->n_out ? sp->n_out : 1, sizeof *sp->expected_out);
+	if (sp->expected_out != NULL)
+		layout(sp, true, sp->expected_out);
 }
 
 /* Pool: LOOKUP.  Leaves hit, lock_busy, or neither (a miss), or rc -1. */

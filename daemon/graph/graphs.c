@@ -107,7 +107,8 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 	struct proto_err err;
 
 	if (signature_of(args->carry, args->inputs, args->dtype, args->steps, args->batch > 0, sig,
-	                 sizeof sig) != 0) {
+	                 sizeof sig) != 0 ||
+	    signature_wrt(sig, sizeof sig, args->wrt) != 0) {
 		proto_fail(&err, PROTO_E_INVALID_ARGUMENT, NULL, "request signature too long");
 		w->done(w, NULL, &err);
 		return;
@@ -176,15 +177,17 @@ unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct
 	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
 		struct scan_args args = {
 		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
-		    recs[i].kind};
+		    recs[i].kind,   recs[i].wrt};
 		char sig[SPEC_SIG_MAX];
 		struct specialization *sp;
 		struct load_job *j;
 		if (recs[i].inputs.kind == TREE_NONE)
 			continue;
 		args.steps = first_steps(&recs[i].inputs);
-		if (args.steps <= 0 || signature_of(args.carry, args.inputs, args.dtype, args.steps,
-		                                    args.batch > 0, sig, sizeof sig) != 0)
+		if (args.steps <= 0 ||
+		    signature_of(args.carry, args.inputs, args.dtype, args.steps, args.batch > 0,
+		                 sig, sizeof sig) != 0 ||
+		    signature_wrt(sig, sizeof sig, args.wrt) != 0)
 			continue;
 		for (sp = a->specs; sp; sp = sp->next)
 			if (sp->kind == args.kind && strcmp(sp->signature, sig) == 0)

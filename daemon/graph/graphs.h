@@ -69,12 +69,30 @@ enum spec_state { SPEC_LOADING, SPEC_COMPILING, SPEC_READY, SPEC_FAILED };
  * What a specialization's graph computes.  Everything that names, keys or
  * tells a kind apart reads spec_kinds (graphs.c).
  */
-enum spec_kind { SPEC_SCAN, SPEC_GRAD, SPEC_GRAD_CHECKPOINT, SPEC_KINDS };
+enum spec_kind {
+	SPEC_SCAN,
+	SPEC_GRAD,
+	SPEC_GRAD_CHECKPOINT,
+	SPEC_SCAN_SAVE,
+	SPEC_GRAD_SAVED,
+	SPEC_KINDS
+};
 
+/*
+ * A graph's data inputs are the carry's and the inputs' leaves, then saved
+ * (saved && grad), then the cotangents (grad: the final carry's, the stacked
+ * outputs'); its results the final carry and the stacked outputs (results),
+ * then saved (saved && !grad), then the gradients (grad: the carry's, the
+ * inputs').  saved: one 1-D tensor of the request's dtype, of the
+ * specialization's `saved` elements, that the forward of the pair keeps
+ * for the backward (worker saved.py).
+ */
 struct spec_kind_info {
 	const char *name; /* protocol (describe, compile's kind, the index): "scan", ... */
 	const char *job;  /* the worker's job kind and the cache key's part: "forward", ... */
 	bool grad;        /* a VJP graph: cotangents in, gradients out */
+	bool results;     /* returns the final carry and the stacked outputs */
+	bool saved;       /* one of the pair that hands saved from forward to backward */
 	bool tiered;      /* the quick tier may serve it while the unrolled graph builds */
 	bool blocks;      /* its upgrade may be blocks of unrolled steps (upgrade.c) */
 };
@@ -119,6 +137,11 @@ struct specialization {
 	struct tree_node carry, inputs, y; /* specs (no data) */
 	enum proto_dtype dtype;
 	int64_t steps;
+	/* a saved kind's saved tensor (the worker's, with y): its spec, and the
+	 * key shared by the pair's two graphs, which a grad's saved_key names */
+	struct tree_node saved;
+	char pair_key[CACHE_KEY_HEX];
+	const char *wrt; /* args' wrt: the end of signature (";wrt=" before it), or NULL */
 	size_t n_in, n_out;
 	struct engine_tensor *expected;     /* n_in, the compiled input signature */
 	struct engine_tensor *expected_out; /* n_out, what the graph must return */
@@ -263,6 +286,9 @@ struct scan_args {
 	int64_t steps;
 	int64_t batch; /* dynamic = batch adapters: the request's batch size (>= 1); else 0 */
 	enum spec_kind kind;
+	/* a saved kind's `wrt`: '1' per leaf (carry's, params', inputs') whose
+	 * gradient the graph computes, '0' where it is zero; NULL: every leaf */
+	const char *wrt;
 };
 
 /*

@@ -46,8 +46,10 @@ void index_append(struct graphs *g, struct specialization *sp)
 	graphs_index_path(g, sp->adapter, path, sizeof path);
 	if (writer_init(&w) != 0)
 		return;
-	msgpack_pack_map(&w.pk, 4);
+	msgpack_pack_map(&w.pk, sp->wrt ? 5 : 4);
 	writer_key_str(&w, "kind", spec_kinds[sp->kind].name);
+	if (sp->wrt)
+		writer_key_str(&w, "wrt", sp->wrt);
 	writer_key_str(&w, "dtype", proto_dtype_name(sp->dtype));
 	writer_str(&w, "carry");
 	shapes_write(&w, &sp->carry);
@@ -126,6 +128,15 @@ static int index_record(const struct msg *m, msgpack_zone *zone, bool batch,
 	} else {
 		msg_get_bool(&m->up.data, "grad", &grad, NULL);
 		rec->kind = grad ? SPEC_GRAD : SPEC_SCAN;
+	}
+	rec->wrt = NULL;
+	if (msg_get_str(&m->up.data, "wrt", &s, &n, NULL) == 0) {
+		char *w = msgpack_zone_malloc(zone, n + 1);
+		if (w == NULL)
+			return -1;
+		memcpy(w, s, n);
+		w[n] = '\0';
+		rec->wrt = w;
 	}
 	if (msg_get_str(&m->up.data, "dtype", &s, &n, NULL) != 0)
 		return -1;

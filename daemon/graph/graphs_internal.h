@@ -117,6 +117,7 @@ struct prewarm_rec {
 	enum spec_kind kind;
 	enum proto_dtype dtype;
 	struct tree_node carry, inputs;
+	const char *wrt; /* in the zone, or NULL */
 };
 /* Pool: appends sp to its adapter's index. */
 void index_append(struct graphs *g, struct specialization *sp);

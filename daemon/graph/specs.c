@@ -273,9 +273,20 @@ bool spec_outputs_too_large(struct specialization *sp, struct proto_err *err)
 	return graphs_check_outputs(sp, 1, err) != 0;
 }
 
+static void key_of(struct graphs *g, const struct specialization *sp, const char *strategy,
+                   const char *job, char key[CACHE_KEY_HEX]);
+
 /* The cache key of sp's graph lowered with this strategy. */
 void spec_key(struct graphs *g, const struct specialization *sp, const char *strategy,
               char key[CACHE_KEY_HEX])
+{
+	key_of(g, sp, strategy, spec_kinds[sp->kind].job, key);
+}
+
+/* Everything in a cache key but the kind: what the two graphs of the saved
+ * pair share (a grad's saved_key must be the forward's). */
+static void key_of(struct graphs *g, const struct specialization *sp, const char *strategy,
+                   const char *job, char key[CACHE_KEY_HEX])
 {
 	struct adapter *a = sp->adapter;
 	const struct worker_info *wi = compiler_info(g->compiler);
@@ -291,7 +302,7 @@ void spec_key(struct graphs *g, const struct specialization *sp, const char *str
 	parts[1] = a->body_sha;
 	parts[2] = bounds;
 	parts[3] = sp->signature;
-	parts[4] = spec_kinds[sp->kind].job;
+	parts[4] = job;
 	parts[5] = torch;
 	parts[6] = AOTI_OPTIONS;
 	parts[7] = strategy;
@@ -326,9 +337,12 @@ struct specialization *spec_new(struct graphs *g, struct adapter *a, const struc
 		return NULL;
 	}
 	memcpy(sp->signature, sig, n + 1);
+	sp->wrt = signature_wrt_of(sp->signature);
 	if (sp->batch)
 		signature_mark_batch(&sp->carry, &sp->inputs);
 	spec_key(g, sp, a->def.strategy, sp->key);
+	if (spec_kinds[sp->kind].saved)
+		key_of(g, sp, a->def.strategy, "saved pair", sp->pair_key);
 	sp->next = a->specs;
 	a->specs = sp;
 	a->held++;

@@ -67,7 +67,8 @@ static int parse(struct request *req, struct scan_args *args, struct proto_err *
 		int kind = spec_kind_parse(s, n);
 		if (kind < 0)
 			return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "kind",
-			                  "kind must be scan, grad or grad_checkpoint");
+			                  "kind must be scan, grad, grad_checkpoint, scan_save or "
+			                  "grad_saved");
 		args->kind = (enum spec_kind)kind;
 	}
 	return read_spec(req, "carry", dtype, &req->carry, err) ||
@@ -83,8 +84,9 @@ static void op_compile(struct request *req)
 	struct adapter *a;
 
 	if (request_adapter(req, &a, &err) != 0 || parse(req, &args, &err) != 0 ||
+	    op_scan_saving(a, args.kind, "kind", &err) != 0 ||
 	    op_scan_validate(a, &req->carry, false, &req->inputs, &args, &err) != 0 ||
-	    op_scan_chunk(req, a, &args, &err) != 0) {
+	    op_scan_wrt(req, &args, &err) != 0 || op_scan_chunk(req, a, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

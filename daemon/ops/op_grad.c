@@ -3,7 +3,9 @@
  * for cotangents of (final carry, stacked outputs) with respect to
  * (carry, inputs).  A None cotangent (a whole tree or a leaf) means zero.
  * The vjp graph is its own specialization (kind "grad", or with checkpoint
- * "grad_checkpoint") and counts against the adapter's budget.
+ * "grad_checkpoint") and counts against the adapter's budget.  With saved
+ * (what a scan with save kept, and its saved_key), only the gradients:
+ * kind "grad_saved", which does not run the forward again.
  */
 #include "op_scan.h"
 #include "shm.h"
@@ -121,6 +123,33 @@ static int add_cotangents(struct run_job *j, struct request *req, struct special
 	return 0;
 }
 
+/* A grad_saved run's saved: the tensor its forward's reply carried, from the
+ * same pair of graphs (saved_key), after the carry and the inputs. */
+static int add_saved(struct run_job *j, struct request *req, struct specialization *sp,
+                     struct proto_err *err)
+{
+	const struct tree_node *t = &req->saved;
+	int64_t want = sp->saved.tensor.shape[0];
+
+	if (!spec_kinds[sp->kind].saved)
+		return 0;
+	if (t->kind != TREE_TENSOR || t->tensor.ndim != 1 || t->tensor.dtype != sp->dtype ||
+	    t->tensor.shape[0] != want)
+		return proto_fail(
+		    err, PROTO_E_SAVED_MISMATCH, "saved",
+		    "saved: this grad's forward graph keeps one 1-D %s tensor of %lld "
+		    "elements (the saved of a scan with save on the same carry and "
+		    "inputs)",
+		    proto_dtype_name(sp->dtype), (long long)want);
+	if (req->saved_key_len != strlen(sp->pair_key) ||
+	    memcmp(req->saved_key, sp->pair_key, req->saved_key_len) != 0)
+		return proto_fail(err, PROTO_E_SAVED_MISMATCH, "saved_key",
+		                  "saved_key: saved was kept by another graph (another body, "
+		                  "definition, signature or daemon build) than this grad's");
+	run_add(j, t);
+	return 0;
+}
+
 static void grad_ready(struct request *req, struct specialization *sp)
 {
 	struct proto_err err;
@@ -130,7 +159,7 @@ static void grad_ready(struct request *req, struct specialization *sp)
 		request_fail(req, &err);
 		return;
 	}
-	if (add_cotangents(j, req, sp, &err) != 0) {
+	if (add_saved(j, req, sp, &err) != 0 || add_cotangents(j, req, sp, &err) != 0) {
 		run_free(j);
 		request_fail(req, &err);
 		return;
@@ -159,27 +188,44 @@ static int pair_cot_carry(struct request *req, struct proto_err *err)
 }
 
 /* checkpoint: true asks for the checkpointed VJP (carries saved, steps
- * recomputed): a kind of its own, so a graph of its own. */
-static int grad_kind(struct request *req, enum spec_kind *kind, struct proto_err *err)
+ * recomputed): a kind of its own, so a graph of its own.  saved (with
+ * saved_key) asks for the backward of a scan with save (grad_saved). */
+static int grad_kind(struct request *req, const struct adapter *a, enum spec_kind *kind,
+                     struct proto_err *err)
 {
 	bool checkpoint = false;
+	int rc = msg_get_tree(&req->msg, "saved", false, &req->saved, err);
 
-	if (msg_get_bool(&req->msg.up.data, "checkpoint", &checkpoint, err) < 0)
+	if (rc < 0 || msg_get_bool(&req->msg.up.data, "checkpoint", &checkpoint, err) < 0)
 		return -1;
 	*kind = checkpoint ? SPEC_GRAD_CHECKPOINT : SPEC_GRAD;
-	return 0;
+	if (rc > 0) {
+		req->saved.kind = TREE_NONE;
+		return 0;
+	}
+	if (checkpoint)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "saved",
+		                  "saved: a grad with checkpoint recomputes its steps; saved is "
+		                  "for the backward of a scan with save");
+	if (msg_get_str(&req->msg.up.data, "saved_key", &req->saved_key, &req->saved_key_len,
+	                err) != 0)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "saved_key",
+		                  "saved_key: a grad with saved needs the saved_key (a string) of "
+		                  "the scan that returned it");
+	*kind = SPEC_GRAD_SAVED;
+	return op_scan_saving(a, *kind, "saved", err);
 }
 
 static void op_grad(struct request *req)
 {
 	struct adapter *a;
 	struct scan_args args = {0};
-	enum spec_kind kind;
 	struct proto_err err;
 
-	if (grad_kind(req, &kind, &err) != 0 ||
-	    op_scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	if (op_scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	    grad_kind(req, a, &args.kind, &err) != 0 ||
 	    op_scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
+	    op_scan_wrt(req, &args, &err) != 0 ||
 	    optional_tree(req, "cot_carry", &req->cot_carry, &err) != 0 ||
 	    pair_cot_carry(req, &err) != 0 ||
 	    optional_tree(req, "cot_outputs", &req->cot_outputs, &err) != 0 ||
@@ -187,7 +233,6 @@ static void op_grad(struct request *req)
 		request_fail(req, &err);
 		return;
 	}
-	args.kind = kind;
 	request_acquire(req, a, &args, grad_ready);
 }
 

@@ -193,25 +193,40 @@ static int put_tree(struct outmsg *out, struct reply_ctx *c, const char *key,
 	return 0;
 }
 
-/* The result trees in the engine's order: the final carry, the stacked
- * outputs, then (grad) the carry's and the inputs' gradients.  With params,
- * the graph's carry is (carry, params): params are not sent back, their
- * gradients are grad_params. */
+/* The result trees in the engine's order (spec_kinds, graphs.h): the final
+ * carry and the stacked outputs, saved (and the pair's key), the carry's and
+ * the inputs' gradients.  With params, the graph's carry is (carry, params):
+ * params are not sent back, their gradients are grad_params. */
 static int put_results(struct outmsg *out, struct reply_ctx *c, const struct specialization *sp)
 {
+	const struct spec_kind_info *k = &spec_kinds[sp->kind];
 	const struct tree_node *carry = c->req->params ? &sp->carry.items[0] : &sp->carry;
 	const struct tree_node *params = c->req->params ? &sp->carry.items[1] : NULL;
 	size_t pos = 0;
 
-	return put_tree(out, c, "carry", carry, &pos) ||
-	               (params && put_tree(out, c, NULL, params, &pos)) ||
-	               put_tree(out, c, "outputs", &sp->y, &pos) ||
-	               (spec_grad(sp) &&
-	                (put_tree(out, c, "grad_carry", carry, &pos) ||
-	                 (params && put_tree(out, c, "grad_params", params, &pos)) ||
-	                 put_tree(out, c, "grad_inputs", &sp->inputs, &pos)))
+	if (k->results && (put_tree(out, c, "carry", carry, &pos) ||
+	                   (params && put_tree(out, c, NULL, params, &pos)) ||
+	                   put_tree(out, c, "outputs", &sp->y, &pos)))
+		return -1;
+	if (k->saved && !k->grad) {
+		if (put_tree(out, c, "saved", &sp->saved, &pos) != 0)
+			return -1;
+		writer_key_str(&out->w, "saved_key", sp->pair_key);
+	}
+	return k->grad && (put_tree(out, c, "grad_carry", carry, &pos) ||
+	                   (params && put_tree(out, c, "grad_params", params, &pos)) ||
+	                   put_tree(out, c, "grad_inputs", &sp->inputs, &pos))
 	           ? -1
 	           : 0;
+}
+
+/* The reply's keys besides out_needed (put_results). */
+static uint32_t result_keys(const struct request *req, const struct specialization *sp)
+{
+	const struct spec_kind_info *k = &spec_kinds[sp->kind];
+
+	return (k->results ? 2 : 0) + (k->saved && !k->grad ? 2 : 0) +
+	       (k->grad ? 2 + req->params : 0);
 }
 
 /* The reply frame references the result buffers: it owns them until written. */
@@ -230,7 +245,7 @@ static void reply_run(struct run_job *j, void *arg)
 		return;
 	}
 	c.placed = run_placed(j, &needed);
-	out = request_begin_result(req, (spec_grad(sp) ? 4 + req->params : 2) + req->out.set);
+	out = request_begin_result(req, result_keys(req, sp) + req->out.set);
 	if (out == NULL)
 		return;
 	if (req->out.set)
@@ -338,7 +353,67 @@ int op_scan_decode(struct request *req, struct adapter **a, struct tree_node *ca
 	return decode_params(req, carry, err);
 }
 
+int op_scan_saving(const struct adapter *a, enum spec_kind kind, const char *path,
+                   struct proto_err *err)
+{
+	if (!spec_kinds[kind].saved ||
+	    (strcmp(a->def.strategy, "unroll") == 0 && !adapter_batched(a)))
+		return 0;
+	return proto_fail(err, PROTO_E_INVALID_ARGUMENT, path,
+	                  "%s: adapter %s is strategy %s, dynamic %s; a graph that keeps saved for "
+	                  "the backward is the unrolled loop's at static shapes (strategy unroll, "
+	                  "dynamic none)",
+	                  path, a->def.name, a->def.strategy, a->def.dynamic);
+}
+
+int op_scan_wrt(struct request *req, struct scan_args *args, struct proto_err *err)
+{
+	const char *s;
+	uint32_t n;
+	size_t leaves = tree_count_tensors(args->carry) + tree_count_tensors(args->inputs);
+	bool all = true;
+	char *wrt;
+
+	args->wrt = NULL;
+	if (msg_field(&req->msg, "wrt") == NULL)
+		return 0;
+	if (!spec_kinds[args->kind].saved)
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "wrt",
+		                  "wrt: only a scan with save and a grad with saved take it");
+	if (msg_get_str(&req->msg.up.data, "wrt", &s, &n, err) != 0 || n != leaves ||
+	    strspn(s, "01") < n)
+		return proto_fail(
+		    err, PROTO_E_INVALID_ARGUMENT, "wrt",
+		    "wrt: a string of one '0' or '1' per tensor leaf of carry, params "
+		    "and inputs (%zu here)",
+		    leaves);
+	for (uint32_t i = 0; i < n; i++)
+		all &= s[i] == '1';
+	if (all)
+		return 0; /* the same graph as none */
+	wrt = msgpack_zone_malloc(req->msg.up.zone, n + 1);
+	if (wrt == NULL)
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
+	memcpy(wrt, s, n);
+	wrt[n] = '\0';
+	args->wrt = wrt;
+	return 0;
+}
+
 /* ---- the scan op ------------------------------------------------------------ */
+
+/* save: true asks for the forward that keeps what the backward needs
+ * (kind scan_save): the reply adds saved and saved_key, which a grad takes. */
+static int scan_kind(struct request *req, const struct adapter *a, struct scan_args *args,
+                     struct proto_err *err)
+{
+	bool save = false;
+
+	if (msg_get_bool(&req->msg.up.data, "save", &save, err) < 0)
+		return -1;
+	args->kind = save ? SPEC_SCAN_SAVE : SPEC_SCAN;
+	return op_scan_saving(a, args->kind, "save", err);
+}
 
 static void scan_ready(struct request *req, struct specialization *sp)
 {
@@ -358,8 +433,10 @@ static void op_scan(struct request *req)
 	struct proto_err err;
 
 	if (op_scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
+	    scan_kind(req, a, &args, &err) != 0 ||
 	    op_scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
-	    op_scan_chunk(req, a, &args, &err) != 0 || shm_out_decode(req, &req->out, &err) != 0) {
+	    op_scan_wrt(req, &args, &err) != 0 || op_scan_chunk(req, a, &args, &err) != 0 ||
+	    shm_out_decode(req, &req->out, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

@@ -22,6 +22,17 @@ int op_scan_validate(const struct adapter *a, const struct tree_node *carry, boo
 int op_scan_decode(struct request *req, struct adapter **a, struct tree_node *carry,
                    struct tree_node *inputs, struct proto_err *err);
 
+/* A saved kind (scan's save, grad's saved) is the unrolled loop's at static
+ * shapes: INVALID_ARGUMENT at path for an adapter of another strategy or
+ * dynamic = batch. */
+int op_scan_saving(const struct adapter *a, enum spec_kind kind, const char *path,
+                   struct proto_err *err);
+
+/* `wrt` (optional, saved kinds only): one '0' or '1' per tensor leaf of the
+ * graph's carry (with params) then inputs; a gradient marked '0' is not
+ * computed (zeros come back).  Sets args->wrt (NULL: every leaf). */
+int op_scan_wrt(struct request *req, struct scan_args *args, struct proto_err *err);
+
 /* first becomes the tuple (first, second), its nodes in req's zone. */
 int op_scan_pair(struct request *req, struct tree_node *first, const struct tree_node *second,
                  struct proto_err *err);

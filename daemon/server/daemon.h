@@ -89,6 +89,9 @@ struct request {
 	struct graph_waiter waiter;
 	void (*ready)(struct request *req, struct specialization *sp);
 	struct tree_node carry, inputs, cot_carry, cot_outputs; /* views into body */
+	struct tree_node saved; /* a grad's `saved` (TREE_NONE: none) */
+	const char *saved_key;  /* and its `saved_key` (saved_key_len bytes, in body) */
+	uint32_t saved_key_len;
 	bool params;    /* the request named `params`: carry is the pair (carry, params) inside */
 	int64_t batch;  /* its batch size, for a dynamic = batch adapter (request_acquire) */
 	int64_t chunks; /* strategy = chunk: runs of the graph this scan takes (0: not split) */

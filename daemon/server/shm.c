@@ -181,7 +181,7 @@ int shm_out_decode(struct request *req, struct shm_out *out, struct proto_err *e
 	const msgpack_object *o = msg_field(&req->msg, "out");
 	const struct tree_region *r = &req->conn->region;
 	const struct tree_node *trees[] = {&req->carry, &req->inputs, &req->cot_carry,
-	                                   &req->cot_outputs};
+	                                   &req->cot_outputs, &req->saved};
 	struct overlap_find f;
 
 	memset(out, 0, sizeof *out);
@@ -211,7 +211,8 @@ int shm_out_decode(struct request *req, struct shm_out *out, struct proto_err *e
 	f.lo = out->offset;
 	f.hi = out->offset + out->size;
 	for (size_t i = 0; i < sizeof trees / sizeof trees[0]; i++) {
-		static const char *const roots[] = {"carry", "inputs", "cot_carry", "cot_outputs"};
+		static const char *const roots[] = {"carry", "inputs", "cot_carry", "cot_outputs",
+		                                    "saved"};
 		if (out->size && tree_visit(trees[i], roots[i], 0, overlap_visit, &f) != 0)
 			return proto_fail(err, PROTO_E_SHM_OVERLAP, f.path,
 			                  "out area [%llu, +%llu) overlaps %s, which the request "

@@ -90,6 +90,8 @@ static const struct where {
      "stacked_outputs_over_max_elements_are_refused_and_the_next_scan_served"},
     {"SPEC_MISMATCH", "test_capture.py", "test_a_scan_unlike_its_captured_graph_is_spec_mismatch"},
     {"COTANGENT_MISMATCH", "test_grad.c", "mismatched_cotangents_get_their_code_and_leaf_path"},
+    {"SAVED_MISMATCH", "test_saved.py",
+     "test_a_bad_saved_grad_gets_its_code_and_the_daemon_serves_on"},
     {"SHM_NO_FD", "test_shm.c", "bad_descriptors_get_their_codes"},
     {"SHM_ALREADY_ATTACHED", "test_shm.c", "bad_descriptors_get_their_codes"},
     {"SHM_BAD_FD", "test_shm.c", "bad_descriptors_get_their_codes"},

@@ -51,12 +51,18 @@ class _Background:
             self.compiling = True
             self.answered.set()
 
-    def run(self, fields: dict[str, Any], grad: bool, checkpoint: bool) -> None:
-        """The scan, then (gradients wanted) its VJP with zero cotangents."""
+    def run(self, fields: dict[str, Any], grad: bool, checkpoint: bool,
+            save: dict[str, str] | None) -> None:
+        """The scan, then (gradients wanted) its VJP with zero cotangents;
+        save (its wrt field, or none): the scan that keeps saved, and the
+        grad that takes it."""
         try:
-            res = self.client.call("scan", **fields)
+            res = self.client.call("scan", **fields, **({} if save is None else
+                                                        {"save": True, **save}))
             if grad:
-                more = {"checkpoint": True} if checkpoint else {}
+                more: dict[str, Any] = {"checkpoint": True} if checkpoint else {}
+                if save is not None:
+                    more = {"saved": res["saved"], "saved_key": res["saved_key"], **save}
                 self.client.call("grad", cot_carry=zeros(res["carry"]),
                                  cot_outputs=zeros(res["outputs"]), **fields, **more)
         except TorchloopError as exc:
@@ -106,7 +112,7 @@ class EagerFirst:
                 tuple(tuple(t.shape) for t in leaves))
 
     def runs_eagerly(self, key: Key, fields: Callable[[], dict[str, Any]], grad: bool,
-                     checkpoint: bool) -> bool:
+                     checkpoint: bool, save: dict[str, str] | None = None) -> bool:
         """Whether this scan runs in process: its specialization is being
         compiled (a first scan starts that compile from a thread, with the
         request fields() gives, and waits until the daemon says whether it
@@ -120,7 +126,9 @@ class EagerFirst:
             bg = self.pending.get(key)
             if bg is None:
                 bg = self.pending[key] = _Background(self.socket)
-                threading.Thread(target=bg.run, args=(fields(), grad, checkpoint), daemon=True,
+                threading.Thread(target=bg.run,
+                                 args=(fields(), grad, checkpoint, save if grad else None),
+                                 daemon=True,
                                  name="torchloop-eager-first").start()
         bg.answered.wait()
         if not bg.done:

@@ -13,9 +13,14 @@ instead (admins only).  Carry, inputs and results are trees of tuples,
 lists, dicts (string keys) and tensors or None; structure round-trips
 exactly.  When a leaf (or a tensor the body captures) requires grad, the
 results are connected to the autograd graph: backward runs the daemon's
-grad op (first order; a double backward raises).  `adapter.checkpoint(body)`
-marks a body whose backward keeps only each step's carry and recomputes the
-step (the daemon's checkpointed VJP graph).
+grad op (first order; a double backward raises).  The forward of such a
+scan keeps what the backward needs (the daemon's `scan` with `save`: the
+unrolled loop's joint graph split by torch's min-cut partitioner) and the
+backward uses it instead of running the forward again (`grad` with
+`saved`); the kept tensor lives in the connection's shared region and dies
+with the autograd graph.  `adapter.checkpoint(body)` marks a body whose
+backward keeps only each step's carry and recomputes the step (the
+daemon's checkpointed VJP graph).
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ from ._eagerfirst import EagerFirst, copied, eager_scan
 from .capture import Capturer
 from .client import Client
 from .errors import TorchloopError, TorchloopValueError
+
+# Codes a scan with save, or its grad with saved, may get where the plain
+# scan and grad would not (the saved pair cannot be built for this body, or
+# the adapter changed in between): the scan's calls go the plain way after.
+SAVE_FALLBACK = frozenset({
+    "INVALID_ARGUMENT", "COMPILE_FAILED", "COMPILE_TIMEOUT", "MISCOMPILE", "UNSUPPORTED_OP",
+    "PROXY_EXECUTOR_REQUIRED", "RECOMPILE_BUDGET_EXHAUSTED", "SAVED_MISMATCH"})
 
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -169,8 +181,11 @@ class _Driver:
 
     def __init__(self, max_steps: int, max_elements: int, socket: str | None,
                  name: str | None, dynamic: str | None = None, capture: bool = True,
-                 eager_first: bool = False) -> None:
+                 eager_first: bool = False, save: bool = True) -> None:
         self.max_steps, self.max_elements = max_steps, max_elements
+        # a graph's backward from what its forward kept (dynamic = batch: never)
+        self.save = save and dynamic != "batch"
+        self.unsaved: set[str] = set()  # adapters whose saved pair failed (SAVE_FALLBACK)
         # _eagerfirst.py: captured graphs' scans run in process while they compile
         self.eager = EagerFirst(socket) if eager_first else None
         self.dynamic = dynamic
@@ -195,7 +210,7 @@ class _Driver:
     def __reduce__(self) -> tuple[Any, ...]:
         """A driver pickles as its settings: the unpickled one connects anew."""
         return (_Driver, (self.max_steps, self.max_elements, self.socket, self.name,
-                          self.dynamic, self.capture, self.eager is not None))
+                          self.dynamic, self.capture, self.eager is not None, self.save))
 
     def adapter_for(self, body: Callable[..., Any]) -> str:
         try:  # a body seen before: its module's source is not read again
@@ -252,6 +267,19 @@ class _Driver:
                 self.by_body = {k: v for k, v in self.by_body.items() if v != name}
             return self.client.call(op, adapter=self.adapter_for(target), **fields)
 
+    def saving(self, target: Target) -> bool:
+        """Whether a scan of target with gradients keeps saved for its backward."""
+        return self.save and (target[0] if isinstance(target, tuple) else
+                              self.adapter_for(target)) not in self.unsaved
+
+    def unsave(self, target: Target, why: TorchloopError) -> None:
+        """target's scans go the plain way from now on (why: SAVE_FALLBACK's)."""
+        if why.code not in SAVE_FALLBACK:
+            raise why
+        name = target[0] if isinstance(target, tuple) else self.adapter_for(target)
+        with self.lock:
+            self.unsaved.add(name)
+
     def prepare(self, body: Callable[..., Any], carry: Any, carry_def: Any, inputs_def: Any,
                 leaves: list[torch.Tensor], n_carry: int) -> tuple[Target, list[torch.Tensor]]:
         """(what to run, live captured tensors) for this call's body and trees."""
@@ -303,8 +331,10 @@ class _Driver:
         call = _Call(self, target, carry_def, inputs_def, n_carry, len(params), checkpointed)
         every = leaves + params
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in every)
+        call.save = grad and not checkpointed and self.saving(target)
         if self.eager is not None and isinstance(target, tuple) and \
-                self._compiling(target, every, grad, checkpointed, carry, inputs, params):
+                self._compiling(target, every, grad, checkpointed, carry, inputs, params,
+                                call.wrt([t.requires_grad for t in every]) if call.save else None):
             return eager_scan(body, carry, inputs_def, leaves[n_carry:])
         if grad:
             flat = _ScanFunction.apply(call, *every)
@@ -315,7 +345,8 @@ class _Driver:
 
 
     def _compiling(self, target: tuple[str, str], every: list[torch.Tensor], grad: bool,
-                   checkpointed: bool, carry: Any, inputs: Any, params: list[torch.Tensor]) -> bool:
+                   checkpointed: bool, carry: Any, inputs: Any, params: list[torch.Tensor],
+                   save: dict[str, str] | None) -> bool:
         """eager_first: whether the daemon is compiling this scan's graph
         (_eagerfirst.py; the graph is registered first)."""
         assert self.eager is not None
@@ -325,7 +356,8 @@ class _Driver:
         key = EagerFirst.key(name, every, grad, checkpointed)
         return self.eager.runs_eagerly(
             key, lambda: dict(adapter=name, carry=copied(carry), inputs=copied(inputs),
-                              params=tuple(copied(p) for p in params)), grad, checkpointed)
+                              params=tuple(copied(p) for p in params)), grad, checkpointed,
+            save)
 
 
 Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
@@ -379,10 +411,20 @@ class _Call:
         self.carry_def, self.inputs_def, self.n_carry = carry_def, inputs_def, n_carry
         self.n_params = n_params
         self.checkpoint = checkpoint  # its grad asks for the checkpointed VJP graph
+        self.save = False  # its scan keeps saved for its grad (_ScanFunction)
         self.wrapped = isinstance(target, tuple)  # a captured graph: live tensors are params
         self.final_def: Any = None
         self.outputs_def: Any = None
         self.n_final = 0
+
+    def wrt(self, needs: Sequence[bool]) -> dict[str, str]:
+        """The saved pair's `wrt` field: which leaves' gradients to compute
+        (needs: per leaf, in this call's order), in the daemon's order (carry,
+        params, inputs); none when all of them."""
+        n_in = len(needs) - self.n_params
+        order = [*needs[:self.n_carry], *needs[n_in:], *needs[self.n_carry:n_in]]
+        mask = "".join("1" if n else "0" for n in order)
+        return {} if "0" not in mask else {"wrt": mask}
 
     def run(self, op: str, leaves: tuple[torch.Tensor, ...], **cots: Any) -> dict:
         """The op over flat leaves (carry, inputs, then the captured tensors)."""
@@ -421,7 +463,17 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        res = call.run("scan", leaves)
+        ctx.kept = None  # (saved, saved_key, wrt) of a scan with save, for the grad
+        res = None
+        if call.save:
+            wrt = call.wrt(ctx.needs_input_grad[1:])
+            try:
+                res = call.run("scan", leaves, save=True, **wrt)
+                ctx.kept = (res["saved"], res["saved_key"], wrt)
+            except TorchloopError as exc:
+                call.driver.unsave(call.target, exc)
+        if res is None:
+            res = call.run("scan", leaves)
         out: list[torch.Tensor] = []
         call.final_def = flatten(res["carry"], "carry", out)
         call.n_final = len(out)
@@ -448,9 +500,19 @@ class _ScanFunction(torch.autograd.Function):
         cots = [g.contiguous() if g is not None else None for g in grads]
         cot_carry = unflatten(call.final_def, cots, [0])
         cot_outputs = unflatten(call.outputs_def, cots[call.n_final:], [0])
-        more = {"checkpoint": True} if call.checkpoint else {}
-        res = call.run("grad", tuple(ctx.saved_tensors), cot_carry=cot_carry,
-                       cot_outputs=cot_outputs, **more)
+        leaves = tuple(ctx.saved_tensors)
+        res = None
+        if ctx.kept is not None:
+            saved, key, wrt = ctx.kept
+            ctx.kept = None  # freed with this call, not with the graph
+            try:
+                res = call.run("grad", leaves, cot_carry=cot_carry, cot_outputs=cot_outputs,
+                               saved=saved, saved_key=key, **wrt)
+            except TorchloopError as exc:
+                call.driver.unsave(call.target, exc)
+        if res is None:
+            more = {"checkpoint": True} if call.checkpoint else {}
+            res = call.run("grad", leaves, cot_carry=cot_carry, cot_outputs=cot_outputs, **more)
         gleaves: list[torch.Tensor] = []
         flatten(res["grad_carry"], "grad_carry", gleaves)
         flatten(res["grad_inputs"], "grad_inputs", gleaves)
@@ -487,7 +549,7 @@ def checkpoint(body: Callable[..., Any]) -> Checkpointed:
 def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_ELEMENTS,
                  socket: str | None = None, name: str | None = None,
                  dynamic: str | None = None, capture: bool | None = None,
-                 eager_first: bool = False) -> Any:
+                 eager_first: bool = False, save: bool = True) -> Any:
     """A LoopAdapter whose scan runs in torchloopd (see the module docstring).
 
     dynamic="batch" compiles one graph per (structure, T, dtype) that serves
@@ -498,6 +560,11 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
     graph, that scan and the same scans after it run the body eagerly in
     this process; the scan after the compile goes to the daemon
     (_eagerfirst.py).
+
+    save=True (the default): a scan with gradients runs the forward graph
+    that keeps what the backward needs, and its backward the graph that
+    uses it (two compiles, no forward run again); save=False: the backward
+    runs the VJP graph, which computes the forward again (one compile).
 
     Raises ValueError with the reference adapter's messages for bad bounds or
     a torch older than 2.14, and for a dynamic other than None, "none" or
@@ -513,5 +580,6 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
                          "static shapes it was captured at")
     if eager_first and not capture:
         raise ValueError("eager_first=True needs capture: a source body is not traced here")
-    driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture, bool(eager_first))
+    driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture, bool(eager_first),
+                     bool(save))
     return _adapter_class()(scan=driver.scan, checkpoint=checkpoint)

@@ -105,7 +105,7 @@ class Client:
         self.stage_cache = stage_cache
         self.shm_error: Exception | None = None  # why shared memory is off, if it failed
         self._region: Region | None = None
-        self._hints: dict[tuple[str, str], int] = {}
+        self._hints: dict[tuple[str, str, bool], int] = {}
         # replies are read through this buffer: a header and a small body in
         # one recv; larger bodies go straight into their own buffer
         self._stage = bytearray(16384)
@@ -376,7 +376,7 @@ class Client:
         if self._conn is None:
             return 0
         if op in ("scan", "grad") and self.shm_size > 0:
-            if self._hints.get((str(fields.get("adapter")), op)):
+            if self._hints.get(_hint_key(op, fields)):
                 return 0  # it wants an output area in the region
             return min(_wire.FAST_LIMIT, self.shm_threshold - 1)
         return _wire.FAST_LIMIT
@@ -423,8 +423,9 @@ class Client:
         there unless they live in it already), with an output area for the
         results when the region has room."""
         threshold = self.shm_threshold
-        key = (str(fields.get("adapter")), op)
-        trees = [fields.get(k) for k in ("carry", "inputs", "params", "cot_carry", "cot_outputs")]
+        key = _hint_key(op, fields)
+        trees = [fields.get(k) for k in ("carry", "inputs", "params", "cot_carry", "cot_outputs",
+                                         "saved")]
         need = sum(_ref_bytes(t, threshold) for t in trees)
         region = self._attach(need)
         if region is None:
@@ -448,7 +449,8 @@ class Client:
                 staged.append(off)
             return off
 
-        size = self._hints.get(key, (2 if op == "grad" else 1) * need)
+        # until a reply says (out_needed): a guess, saved included
+        size = self._hints.get(key, (2 if op == "grad" or key[2] else 1) * need)
         area_off = region.alloc(size) if size > 0 else None
         area = region.area(area_off) if area_off is not None else None
         if area is not None:
@@ -540,6 +542,12 @@ class Client:
         if checkpoint:
             fields["checkpoint"] = True
         return self._request("grad", fields)
+
+
+def _hint_key(op: str, fields: dict[str, Any]) -> tuple[str, str, bool]:
+    """What an output area's size is remembered by: a scan with save and a
+    grad with saved return other results than the plain ones."""
+    return str(fields.get("adapter")), op, "save" in fields or "saved" in fields
 
 
 def _given(**fields: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ VALUE_CODES = frozenset(
         "TOO_MANY_ELEMENTS",
         "SPEC_MISMATCH",
         "COTANGENT_MISMATCH",
+        "SAVED_MISMATCH",
         "CARRY_MISMATCH",
         "BAD_SHAPE",
         "SHAPE_OVERFLOW",

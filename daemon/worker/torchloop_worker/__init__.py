@@ -8,7 +8,8 @@ compiled graph is flat: its inputs are the tensor leaves of carry then inputs
 (None leaves dropped, depth-first, dict order kept), and its outputs the
 tensor leaves of the final carry then of the stacked outputs (then, for kind
 "vjp" and "vjp_checkpoint", the gradients for the carry's and the inputs'
-tensor leaves).  The daemon owns the trees; the graph only sees tensors.
+tensor leaves; the saved pair, "forward_save" and "backward_saved", lays
+its own out: saved.py).  The daemon owns the trees; the graph only sees tensors.
 Errors map to protocol codes (proto/protocol.h); nothing falls back to eager.
 
 Modules, in the order a job meets them:
@@ -21,6 +22,7 @@ Modules, in the order a job meets them:
   blocked      strategy block<K>: the scan op over blocks of unrolled steps
   lowering     export / make_fx of the forward or VJP graph, OutModule
   checkpoint   the checkpointed VJP (saved carries, recomputed steps)
+  saved        the joint graph split by min cut: a forward that keeps saved, its backward
   build        AOTInductor builds the daemon can unload
   codegen_speed Inductor's C++ codegen without a set-up it repeats per op
   aoti_split   the AOTI runtime interface compiled once, linked into each build

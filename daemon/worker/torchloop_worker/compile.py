@@ -18,8 +18,9 @@ from .build import build_artifact, build_placed
 from .elf import check_artifact
 from .errors import JobError
 from .job import KINDS, Body, Job, load_body
-from .lowering import BatchDims, Tensors, batch_dims, capture, cotangents
+from .lowering import BatchDims, Tensors, batch_dims, capture, capture_module, cotangents
 from .parity import Case, example_inputs, parity_check, parity_reference
+from . import saved
 from .scan import Scan
 from .specs import Spec, batch_y_spec, probe_batches, spec_bind, spec_has_batch, strip_dtype
 from .stack_into import StackIntoOutputs
@@ -128,7 +129,7 @@ def compile_job(job: Job) -> Reply:
     scan, outs = eager.scan, eager.outs
     phases.end("eager")
     scan.tracing = True
-    module, example = capture(scan, eager.args, outs, job.kind, job.strict, eager.dyn)
+    module, example, names, y = lowered(job, eager)
     phases.end("export")
     # AOTI writes its intermediates (wrapper/kernel sources, objects, the
     # extern-node json) beside output_path: give it a directory of its own,
@@ -141,8 +142,7 @@ def compile_job(job: Job) -> Reply:
                             eager.dyn is not None, placer)
         check_artifact(so, job_dir)
         phases.end("inductor")
-        parity_check(so, eager.cases, scan.dtype, scan.n_carry, len(outs) - scan.n_carry,
-                     eager.random)
+        parity_check(so, eager.cases, scan.dtype, names, eager.random)
         phases.end("parity")
         return so
 
@@ -152,9 +152,9 @@ def compile_job(job: Job) -> Reply:
         shutil.rmtree(job_dir, ignore_errors=True)
     return {
         "so": job.output,
-        "y": strip_dtype(eager.y_spec),
+        "y": y,
         "n_inputs": len(example),
-        "n_outputs": len(outs) + (len(eager.args) if KINDS[job.kind] else 0),
+        "n_outputs": len(names),
         "torch": torch.__version__,
         "compile_seconds": time.monotonic() - phases.started,
         # where it went: import and set-up, the eager dry run (and the parity
@@ -168,6 +168,28 @@ def compile_job(job: Job) -> Reply:
         # estimates an unrolled compile from
         "step_ops": step_ops(module, scan.lowered, job.steps),
     }
+
+
+def lowered(job: Job, eager: Eager) -> tuple[torch.nn.Module, Tensors, list[str], Spec]:
+    """The graph to build (taking example, then one buffer per result), its
+    results' names and the reply's "y": the outputs' spec, and for a saved
+    kind (saved.py) the tuple of it and saved's."""
+    scan, args, outs = eager.scan, eager.args, eager.outs
+    y = strip_dtype(eager.y_spec)
+    if job.kind not in saved.KINDS:
+        module, example = capture(scan, args, outs, job.kind, job.strict, eager.dyn)
+        nc, ny = scan.n_carry, len(outs) - scan.n_carry
+        names = ["carry"] * nc + ["outputs"] * ny + (
+            ["grad_carry"] * nc + ["grad_inputs"] * (len(args) - nc) if KINDS[job.kind] else [])
+        return module, example, names, y
+    if eager.dyn is not None or job.strategy != "unroll":
+        raise JobError("COMPILE_FAILED", f"malformed job from the daemon: kind {job.kind} "
+                       "is for an unrolled loop of static shapes")
+    low = saved.lower(scan, args, outs, job.kind, y, job.wrt)
+    eager.cases = [low.case]
+    scan.lowered = "unroll"
+    module, example = capture_module(low.module, low.example, low.case[2])
+    return module, example, low.names, low.y
 
 
 def step_ops(module: torch.nn.Module, lowered: str, steps: int) -> int:

@@ -20,8 +20,10 @@ Body = Callable[[Tree, Tree], object]
 
 # Job kinds -> whether the graph is a VJP (takes the cotangents after the
 # inputs, returns the gradients after the outputs); the daemon's spec kinds
-# (daemon/graph/graphs.c, SPEC_KINDS) name them.
-KINDS = {"forward": False, "vjp": True, "vjp_checkpoint": True}
+# (daemon/graph/kinds.c, spec_kinds) name them.  The saved kinds (saved.py)
+# lay their inputs and results out their own way.
+KINDS = {"forward": False, "vjp": True, "vjp_checkpoint": True, "forward_save": False,
+         "backward_saved": False}
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Job:
     # the requesting scan's own inputs (one buffer per carry then input leaf)
     # for the dry run and the parity check; None: random ones
     sample: list[bytes] | None = None
+    # a saved kind's gradient mask: '1' per flat input (carry, then inputs)
+    # whose gradient the graph computes; "": every one (saved.py)
+    wrt: str = ""
 
     @classmethod
     def parse(cls, req: dict[str, Any]) -> Job:
@@ -64,6 +69,7 @@ class Job:
                 inputs=spec_of(req.get("inputs")),
                 strict=bool(req.get("strict", False)),
                 sample=parse_sample(req.get("sample")),
+                wrt=str(req.get("wrt") or ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise JobError("COMPILE_FAILED", f"malformed job from the daemon: {exc!r}") from exc

@@ -118,6 +118,18 @@ def capture(
     return ep.module(), example + bufs
 
 
+def capture_module(module: torch.nn.Module, example: Tensors,
+                   results: list[torch.Tensor]) -> tuple[torch.nn.Module, Tensors]:
+    """torch.export (non-strict) of a module over ATen graphs (saved.py's),
+    in the daemon's calling convention."""
+    bufs = tuple(torch.empty(r.shape, dtype=r.dtype) for r in results)
+    try:
+        ep = torch.export.export(OutModule(module, len(example)), example + bufs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - classified below
+        raise classify(exc, "capture") from exc
+    return ep.module(), example + bufs
+
+
 def capture_values(
     scan: Scan, args: list[torch.Tensor], outs: Tensors, kind: str,
     dyn: BatchDims | None = None,

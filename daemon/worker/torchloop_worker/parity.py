@@ -88,14 +88,15 @@ def parity_mismatch(got: torch.Tensor, want: torch.Tensor, rtol: float,
     return err, int(diff.argmax()), scale
 
 
-def parity_check(so_path: str, cases: list[Case],
-                 dtype: str, n_carry: int, n_y: int, random: bool) -> None:
+def parity_check(so_path: str, cases: list[Case], dtype: str, names: list[str],
+                 random: bool) -> None:
     """Runs the new artifact on each case's inputs (its results land in fresh
     buffers) and refuses it with MISCOMPILE if any output disagrees with the
     eager reference beyond PARITY_RTOL (parity_mismatch). A case is (batch
     size or 0, the graph's data inputs, the eager results); a symbolic-batch
     graph is checked at its probe size and at batch size 1.  random: the
-    inputs are random ones, not the requesting scan's."""
+    inputs are random ones, not the requesting scan's; names: each result's
+    name, for the messages."""
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so_path, 1)
     artifacts_loaded[0] += 1
     on = "random inputs (uniform in [0, 1))" if random else "the request's own inputs"
@@ -103,8 +104,6 @@ def parity_check(so_path: str, cases: list[Case],
         bufs = [torch.full(w.shape, float("nan"), dtype=w.dtype) for w in want]
         got = runner.run([t.clone() for t in inputs] + bufs)
         where = f" at batch size {batch}" if batch else ""
-        names = (["carry"] * n_carry + ["outputs"] * n_y + ["grad_carry"] * n_carry +
-                 ["grad_inputs"] * (len(want) - 2 * n_carry - n_y))
         for i, (g, w) in enumerate(zip(got, want)):
             if g.shape != w.shape:
                 raise JobError("MISCOMPILE", f"output {i} ({names[i]}) has shape "
