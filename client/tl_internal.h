@@ -29,7 +29,7 @@
 #define TL_HINTS 16
 struct out_hint {
 	char adapter[64];
-	int grad;
+	int kind; /* tl_scan.c hint_kind: scan, grad, their saved-pair forms */
 	uint64_t needed;
 };
 
@@ -61,11 +61,14 @@ struct tl_builder {
 	msgpack_zone *zone;
 };
 
+/* The result trees a reply may carry (tl_trees.c tlc_read_trees). */
+#define TL_REPLY_TREES 5
+
 struct tl_reply {
 	uint8_t *body;
 	struct msg msg;
-	struct tree_node trees[4];
-	const char *names[4];
+	struct tree_node trees[TL_REPLY_TREES];
+	const char *names[TL_REPLY_TREES];
 	int n;
 	struct shm_region *shm; /* holds a reference while area is in use */
 	uint64_t area;          /* the output area's block, or UINT64_MAX */

@@ -125,44 +125,62 @@ static int stage_place(const struct tree_tensor *t, uint64_t *offset, void *arg)
 	return 1;
 }
 
-static struct out_hint *find_hint(struct tl_client *c, const char *adapter, int grad)
+static struct out_hint *find_hint(struct tl_client *c, const char *adapter, int kind)
 {
 	for (unsigned i = 0; i < TL_HINTS; i++)
-		if (c->hints[i].adapter[0] && c->hints[i].grad == grad &&
+		if (c->hints[i].adapter[0] && c->hints[i].kind == kind &&
 		    strncmp(c->hints[i].adapter, adapter, sizeof c->hints[i].adapter) == 0)
 			return &c->hints[i];
 	return NULL;
 }
 
-static void remember_hint(struct tl_client *c, const char *adapter, int grad, uint64_t needed)
+static void remember_hint(struct tl_client *c, const char *adapter, int kind, uint64_t needed)
 {
-	struct out_hint *h = find_hint(c, adapter, grad);
+	struct out_hint *h = find_hint(c, adapter, kind);
 
 	if (strlen(adapter) >= sizeof h->adapter)
 		return;
 	if (h == NULL)
 		h = &c->hints[c->next_hint++ % TL_HINTS];
 	snprintf(h->adapter, sizeof h->adapter, "%s", adapter);
-	h->grad = grad;
+	h->kind = kind;
 	h->needed = needed;
 }
 
-/* op ("scan", "grad") over trees named keys; checkpoint: grad's field. */
+/* A scan's or grad's fields besides its trees (docs/protocol.md). */
+struct op_fields {
+	bool checkpoint;       /* grad: the checkpointed VJP */
+	bool save;             /* scan: keep saved for the backward (the saved pair) */
+	const char *saved_key; /* grad: the pair's key, with a "saved" tree */
+};
+
+/* Output-area hints are per adapter and per kind of reply. */
+static int hint_kind(const char *op, const struct op_fields *f)
+{
+	return (strcmp(op, "grad") == 0) + 2 * (f->save || f->saved_key != NULL);
+}
+
+/* op ("scan", "grad") over trees named keys, with f's fields. */
 static int run_op(struct tl_client *c, const char *op, const char *adapter,
                   const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
-                  bool checkpoint, struct tl_reply **out, struct tl_error *err)
+                  const struct op_fields *f, struct tl_reply **out, struct tl_error *err)
 {
 	struct writer w;
 	struct stage st = {.c = c};
 	uint64_t id = 0, area = UINT64_MAX, area_size = 0;
-	int grad = strcmp(op, "grad") == 0, rc;
+	int hint = hint_kind(op, f), rc;
 	const struct out_hint *h;
+	uint32_t more = f->checkpoint + f->save + (f->saved_key != NULL);
 
-	if (tlc_begin(c, &w, op, 1 + n + (c->shm != NULL) + checkpoint, &id, err) != 0)
+	if (tlc_begin(c, &w, op, 1 + n + (c->shm != NULL) + more, &id, err) != 0)
 		return -1;
 	writer_key_str(&w, "adapter", adapter);
-	if (checkpoint)
+	if (f->checkpoint)
 		writer_key_bool(&w, "checkpoint", true);
+	if (f->save)
+		writer_key_bool(&w, "save", true);
+	if (f->saved_key)
+		writer_key_str(&w, "saved_key", f->saved_key);
 	for (uint32_t i = 0; i < n; i++) {
 		writer_str(&w, keys[i]);
 		if (trees[i] == NULL)
@@ -172,8 +190,8 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 	}
 	if (c->shm) {
 		/* outputs like the inputs unless the daemon told us better */
-		h = find_hint(c, adapter, grad);
-		area_size = h ? h->needed : (grad ? 2 : 1) * (st.bytes ? st.bytes : 1);
+		h = find_hint(c, adapter, hint);
+		area_size = h ? h->needed : (hint ? 2 : 1) * (st.bytes ? st.bytes : 1);
 		area = area_size ? shm_region_alloc(c->shm, area_size) : UINT64_MAX;
 		writer_str(&w, "out");
 		if (area == UINT64_MAX) {
@@ -197,7 +215,7 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 		shm_region_ref(c->shm);
 		(*out)->area = area;
 		if (!isnan(needed) && (uint64_t)needed != area_size)
-			remember_hint(c, adapter, grad, (uint64_t)needed);
+			remember_hint(c, adapter, hint, (uint64_t)needed);
 	} else if (area != UINT64_MAX) {
 		shm_region_free(c->shm, area);
 	}
@@ -209,8 +227,10 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 	return rc;
 }
 
-int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
-            const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
+/* A scan: with f->save, the forward of the saved pair. */
+static int scan_op(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                   const struct tl_tree *inputs, const struct op_fields *f, struct tl_reply **out,
+                   struct tl_error *err)
 {
 	const struct tl_tree *trees[] = {carry, inputs};
 	const char *keys[] = {"carry", "inputs"};
@@ -218,7 +238,43 @@ int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carr
 	if (carry == NULL || inputs == NULL)
 		return tlc_fail(err, "INVALID_ARGUMENT", NULL,
 		                "carry and inputs are required (use tl_none)");
-	return run_op(c, "scan", adapter, trees, keys, 2, false, out, err);
+	return run_op(c, "scan", adapter, trees, keys, 2, f, out, err);
+}
+
+int tl_scan(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+            const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
+{
+	return scan_op(c, adapter, carry, inputs, &(struct op_fields){0}, out, err);
+}
+
+int tl_scan_save(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                 const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err)
+{
+	return scan_op(c, adapter, carry, inputs, &(struct op_fields){.save = true}, out, err);
+}
+
+int tl_grad_saved(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                  const struct tl_tree *inputs, const struct tl_reply *fwd,
+                  const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs,
+                  struct tl_reply **out, struct tl_error *err)
+{
+	const struct tl_tree *trees[] = {carry, inputs, cot_carry, cot_outputs, NULL};
+	const char *keys[] = {"carry", "inputs", "cot_carry", "cot_outputs", "saved"};
+	char key[65];
+	size_t len = 0;
+	const char *k = fwd ? tl_reply_string(fwd, "saved_key", &len) : NULL;
+
+	if (carry == NULL || inputs == NULL)
+		return tlc_fail(err, "INVALID_ARGUMENT", NULL,
+		                "carry and inputs are required (use tl_none)");
+	trees[4] = fwd ? tl_reply_tree(fwd, "saved") : NULL;
+	if (trees[4] == NULL || k == NULL || len >= sizeof key)
+		return tlc_fail(err, "INVALID_ARGUMENT", "saved",
+		                "fwd is not the reply of a tl_scan_save");
+	memcpy(key, k, len);
+	key[len] = '\0';
+	return run_op(c, "grad", adapter, trees, keys, 5, &(struct op_fields){.saved_key = key},
+	              out, err);
 }
 
 static int grad_op(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
@@ -232,7 +288,8 @@ static int grad_op(struct tl_client *c, const char *adapter, const struct tl_tre
 	if (carry == NULL || inputs == NULL)
 		return tlc_fail(err, "INVALID_ARGUMENT", NULL,
 		                "carry and inputs are required (use tl_none)");
-	return run_op(c, "grad", adapter, trees, keys, 4, checkpoint, out, err);
+	return run_op(c, "grad", adapter, trees, keys, 4,
+	              &(struct op_fields){.checkpoint = checkpoint}, out, err);
 }
 
 int tl_grad(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
@@ -254,7 +311,8 @@ int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *c
                const struct tl_tree *inputs, enum tl_dtype dtype, enum tl_graph_kind kind,
                struct tl_reply **out, struct tl_error *err)
 {
-	static const char *const kinds[] = {"scan", "grad", "grad_checkpoint"};
+	static const char *const kinds[] = {"scan", "grad", "grad_checkpoint", "scan_save",
+	                                    "grad_saved"};
 
 	struct writer w;
 	uint64_t id = 0;

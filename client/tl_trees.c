@@ -191,6 +191,16 @@ static const msgpack_object *result_field(const struct tl_reply *r, const char *
 	return msg_obj_field(msg_field(&r->msg, "result"), key);
 }
 
+const char *tl_reply_string(const struct tl_reply *r, const char *key, size_t *len)
+{
+	const msgpack_object *o = result_field(r, key);
+
+	if (o == NULL || o->type != MSGPACK_OBJECT_STR)
+		return NULL;
+	*len = o->via.str.size;
+	return o->via.str.ptr;
+}
+
 double tl_reply_number(const struct tl_reply *r, const char *key)
 {
 	const msgpack_object *o = result_field(r, key);
@@ -215,7 +225,8 @@ double tl_reply_number(const struct tl_reply *r, const char *key)
 /* After a successful scan/grad: decode the result's trees (views). */
 int tlc_read_trees(struct tl_reply *r, struct tl_error *err)
 {
-	static const char *const keys[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
+	static const char *const keys[TL_REPLY_TREES] = {"carry", "outputs", "grad_carry",
+	                                                 "grad_inputs", "saved"};
 	const msgpack_object *res = msg_field(&r->msg, "result");
 	struct proto_err perr;
 	struct tree_region region = {0};
@@ -224,7 +235,7 @@ int tlc_read_trees(struct tl_reply *r, struct tl_error *err)
 		region.base = r->shm->base;
 		region.size = r->shm->size;
 	}
-	for (size_t i = 0; i < 4; i++) {
+	for (size_t i = 0; i < TL_REPLY_TREES; i++) {
 		const msgpack_object *o = msg_obj_field(res, keys[i]);
 		if (o == NULL)
 			continue;

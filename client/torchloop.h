@@ -133,8 +133,26 @@ int tl_grad_checkpoint(struct tl_client *c, const char *adapter, const struct tl
                        const struct tl_tree *inputs, const struct tl_tree *cot_carry,
                        const struct tl_tree *cot_outputs, struct tl_reply **out,
                        struct tl_error *err);
+/* The saved pair (docs/protocol.md "The saved pair"): tl_scan that also
+ * keeps what the backward needs; the reply adds "saved" (a tensor) and the
+ * string saved_key (kind scan_save). */
+int tl_scan_save(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                 const struct tl_tree *inputs, struct tl_reply **out, struct tl_error *err);
+/* The backward of fwd (a tl_scan_save reply of the same carry and inputs)
+ * without running the forward again (kind grad_saved): "grad_carry" and
+ * "grad_inputs" only.  fwd stays the caller's. */
+int tl_grad_saved(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
+                  const struct tl_tree *inputs, const struct tl_reply *fwd,
+                  const struct tl_tree *cot_carry, const struct tl_tree *cot_outputs,
+                  struct tl_reply **out, struct tl_error *err);
 /* What tl_compile warms. */
-enum tl_graph_kind { TL_GRAPH_SCAN, TL_GRAPH_GRAD, TL_GRAPH_GRAD_CHECKPOINT };
+enum tl_graph_kind {
+	TL_GRAPH_SCAN,
+	TL_GRAPH_GRAD,
+	TL_GRAPH_GRAD_CHECKPOINT,
+	TL_GRAPH_SCAN_SAVE, /* the saved pair (tl_scan_save, tl_grad_saved) */
+	TL_GRAPH_GRAD_SAVED
+};
 /* Warms a specialization: shape-only trees (tensors' data may be NULL). */
 int tl_compile(struct tl_client *c, const char *adapter, const struct tl_tree *carry,
                const struct tl_tree *inputs, enum tl_dtype dtype, enum tl_graph_kind kind,
@@ -164,6 +182,8 @@ void *tl_shm_alloc(struct tl_client *c, size_t nbytes);
 void tl_shm_free(struct tl_client *c, void *p);
 
 const struct tl_tree *tl_reply_tree(const struct tl_reply *r, const char *key);
+/* A string field of the result (not NUL-terminated: *len bytes), or NULL. */
+const char *tl_reply_string(const struct tl_reply *r, const char *key, size_t *len);
 /* A number or bool field of the result (NaN when absent). */
 double tl_reply_number(const struct tl_reply *r, const char *key);
 void tl_reply_free(struct tl_reply *r);

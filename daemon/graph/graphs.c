@@ -98,6 +98,29 @@ static void budget_exhausted(struct adapter *a, struct proto_err *err)
 	           a->def.name, (long long)a->def.budget, list);
 }
 
+static void partner_done(struct graph_waiter *w, struct specialization *sp,
+                         const struct proto_err *err)
+{
+	(void)sp;
+	(void)err; /* the backward's own request will say it */
+	free(w);
+}
+
+/* A saved pair's forward that is not there yet: its backward is the next
+ * request of a client that asked for it, so that graph's load or compile
+ * starts now, beside the forward's, not after it. */
+static void acquire_partner(struct graphs *g, struct adapter *a, const struct scan_args *args)
+{
+	struct scan_args b = *args;
+	struct graph_waiter *w = calloc(1, sizeof *w);
+
+	if (w == NULL)
+		return;
+	w->done = partner_done;
+	b.kind = SPEC_GRAD_SAVED;
+	graphs_acquire(g, a, &b, w);
+}
+
 void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args *args,
                     struct graph_waiter *w)
 {
@@ -148,6 +171,8 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 	if (!sp->batch) /* a symbolic-batch graph is checked at its probe sizes */
 		j->sample = signature_sample(args->carry, args->inputs, &j->sample_len);
 	start_lookup(g, sp, j, NULL);
+	if (args->kind == SPEC_SCAN_SAVE)
+		acquire_partner(g, a, args);
 }
 
 /* The leading length of the first tensor leaf (T). */

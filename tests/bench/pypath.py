@@ -18,9 +18,11 @@ closure tensors (the captured path sends them as params).
 
 Forward: p50 per call, each method in turn for 5 rounds (the median round's
 p50 is reported, and every round).  Forward + backward: `f, ys = scan(...);
-(f.sum() + ys.sum()).backward()` with carry and inputs requiring grad, (b)
-and (g).  Every row first checks (g) against (b): results (and gradients)
-within 1e-10.  One child process per row, against one daemon (the bench's
+(f.sum() + ys.sum()).backward()` with carry and inputs requiring grad, (b),
+(g) (the saved pair: the backward starts from what the forward kept) and
+(g vjp) (`save=False`: the backward runs the VJP graph, the forward
+again).  Every row first checks (g) against (b): results (and gradients,
+(g vjp)'s too) within 1e-10.  One child process per row, against one daemon (the bench's
 defaults: final graphs, no quick tier) on a private cache.
 
 First calls: each example body (examples/bodies: cumsum, ema, lorenz.rk4,
@@ -97,6 +99,9 @@ carry, xs = trees(kind, n, steps)
 ref = reference()
 ad = torchloop.loop_adapter(max_steps=128, max_elements=1 << 20, socket=sock)
 scans = {"a": eager.scan, "b": ref, "g": ad.scan}
+if mode == "bwd":  # the backward that runs the VJP graph (the forward again)
+    scans["g_vjp"] = torchloop.loop_adapter(max_steps=128, max_elements=1 << 20, socket=sock,
+                                            save=False).scan
 
 def check():
     worst = 0.0
@@ -105,12 +110,12 @@ def check():
             worst = max(worst, (x - y).abs().max().item())
         return worst
     grads = []
-    for s in (ref, ad.scan):
+    for s in (ref, ad.scan, scans["g_vjp"]):
         c, x = carry.clone().requires_grad_(), xs.clone().requires_grad_()
         f, ys = s(body, c, x)
         (f.sum() + ys.sum()).backward()
         grads.append((c.grad, x.grad))
-    return max((p - q).abs().max().item() for p, q in zip(*grads))
+    return max((p - q).abs().max().item() for g in grads[1:] for p, q in zip(grads[0], g))
 
 def call(name):
     scan = scans[name]
@@ -129,7 +134,7 @@ def fed_back():
         state[0] = ad.scan(body, state[0], xs)[0]
     return once
 
-fns = {k: call(k) for k in (("a", "b", "g") if mode == "fwd" else ("b", "g"))}
+fns = {k: call(k) for k in (("a", "b", "g") if mode == "fwd" else ("b", "g", "g_vjp"))}
 if mode == "fwd":
     fns["g_fb"] = fed_back()
 from bench import settle  # the compiles' helper processes wound down

@@ -18,6 +18,10 @@ def _shape(r: dict) -> str:
     return f"[{r['N']}, 32]" if r["body"] == "gru" else f"[{r['N']}]"
 
 
+def _vjp(p: dict) -> str:
+    return _us(p["g_vjp"]) if "g_vjp" in p else "–"
+
+
 def section(d: dict) -> str:
     if not d:
         return "## The solver's path\n\n(pypath.json missing: run `make bench`.)\n"
@@ -30,7 +34,8 @@ def section(d: dict) -> str:
                       _us(p["g_fb"]), _us(r["run_us"]) if r.get("run_us") else "–",
                       _x(p["g"] / p["b"]), _x(p["g_fb"] / p["b"]), f"{r['max_diff']:.1e}"])
     brows = [[r["body"], _shape(r), str(r["T"]), _us(r["p50_us"]["b"]), _us(r["p50_us"]["g"]),
-              _x(r["p50_us"]["g"] / r["p50_us"]["b"]), f"{r['max_diff']:.1e}"] for r in bwd]
+              _vjp(r["p50_us"]), _x(r["p50_us"]["g"] / r["p50_us"]["b"]),
+              f"{r['max_diff']:.1e}"] for r in bwd]
     first = [[r["body"], str(r["T"]), f"{r['b']['first_s']:.2f}", f"{r['g']['first_s']:.2f}",
               f"{r['g_eager']['first_s']:.2f}", _x(r["g"]["first_s"] / r["b"]["first_s"]),
               _x(r["g_eager"]["first_s"] / r["b"]["first_s"])] for r in d["first"]]
@@ -53,10 +58,15 @@ results and, below, gradients).
          "(g)/(b)", "(g fb)/(b)", "max diff"], frows, "llrrrrrrrrr")}
 
 Forward and first-order backward, `f, ys = scan(...); (f.sum() +
-ys.sum()).backward()`, carry and inputs requiring grad (µs):
+ys.sum()).backward()`, carry and inputs requiring grad (µs). (g): the saved
+pair, as in process: the forward keeps what torch's min-cut partitioner
+chose, in the client's region, and the backward starts from it (gru's
+weights do not require grad: its backward computes no gradient for them);
+(g vjp): `save=False`, the backward runs the VJP graph, which computes the
+forward again:
 
-{_table(["body", "carry", "T", "(b) in process", "(g)", "(g)/(b)", "max grad diff"], brows,
-        "llrrrrr")}
+{_table(["body", "carry", "T", "(b) in process", "(g)", "(g vjp)", "(g)/(b)", "max grad diff"],
+        brows, "llrrrrrr")}
 
 First call of a new body in a fresh process (the example bodies, tier.py's
 trees; seconds of the first scan, its compile included): (b) with an Inductor

@@ -390,6 +390,16 @@ void h_assert_grad_matches_reference(struct tl_reply *r, struct tl_builder *b, c
                                      const struct tl_tree *cot_carry,
                                      const struct tl_tree *cot_outputs)
 {
+	h_assert_pair_matches_reference(r, r, b, tag, body_file, entry, carry, inputs, cot_carry,
+	                                cot_outputs);
+}
+
+void h_assert_pair_matches_reference(const struct tl_reply *fwd, const struct tl_reply *r,
+                                     struct tl_builder *b, const char *tag, const char *body_file,
+                                     const char *entry, const struct tl_tree *carry,
+                                     const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+                                     const struct tl_tree *cot_outputs)
+{
 	static const char *const same[] = {"carry", "outputs", "grad_carry", "grad_inputs"};
 	static const char *const fd[][2] = {{"grad_carry", "fd_carry"},
 	                                    {"grad_inputs", "fd_inputs"}};
@@ -400,8 +410,8 @@ void h_assert_grad_matches_reference(struct tl_reply *r, struct tl_builder *b, c
 	h_reference(dir, body_file, entry, carry, inputs, cot_carry, cot_outputs, true, true);
 	treejson_init(&tj, b, NULL);
 	for (size_t i = 0; i < sizeof same / sizeof same[0]; i++)
-		h_assert_close(tl_reply_tree(r, same[i]), h_load_ref(&tj, dir, same[i]), 1e-10,
-		               1e-12, same[i]);
+		h_assert_close(tl_reply_tree(i < 2 ? fwd : r, same[i]),
+		               h_load_ref(&tj, dir, same[i]), 1e-10, 1e-12, same[i]);
 	for (size_t i = 0; i < sizeof fd / sizeof fd[0]; i++)
 		cr_assert_leq(
 		    h_normwise_error(tl_reply_tree(r, fd[i][0]), h_load_ref(&tj, dir, fd[i][1])),

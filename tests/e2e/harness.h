@@ -116,6 +116,13 @@ void h_assert_grad_matches_reference(struct tl_reply *r, struct tl_builder *b, c
                                      const struct tl_tree *carry, const struct tl_tree *inputs,
                                      const struct tl_tree *cot_carry,
                                      const struct tl_tree *cot_outputs);
+/* The same with carry and outputs read from fwd, the gradients from r (the
+ * saved pair: tl_scan_save, then tl_grad_saved). */
+void h_assert_pair_matches_reference(const struct tl_reply *fwd, const struct tl_reply *r,
+                                     struct tl_builder *b, const char *tag, const char *body_file,
+                                     const char *entry, const struct tl_tree *carry,
+                                     const struct tl_tree *inputs, const struct tl_tree *cot_carry,
+                                     const struct tl_tree *cot_outputs);
 
 /*
  * A scan reply r's carry and outputs against the eager reference of

@@ -5,7 +5,8 @@
  * checkpointed VJP (tl_grad_checkpoint), against torch.autograd on an
  * eager loop
  * (<= 1e-10) and central finite differences (<= 1e-6), both computed by
- * tests/helpers/eager_ref.py; and mismatched cotangent trees.
+ * tests/helpers/eager_ref.py; the saved pair (tl_scan_save, tl_grad_saved);
+ * and mismatched cotangent trees.
  */
 #include "harness.h"
 
@@ -136,6 +137,57 @@ TABLE_TEST(grad, gradients_match_autograd_and_finite_differences, CASES)
 		json_decref(desc);
 	}
 	tl_reply_free(r);
+	hs_close(&s);
+}
+
+/* ---- the saved pair ------------------------------------------------------------- */
+
+/* libtorchloop's tl_scan_save, then tl_grad_saved: the forward keeps saved,
+ * the backward starts from it (kinds scan_save and grad_saved, two graphs),
+ * against autograd and finite differences; a reply that is not a
+ * tl_scan_save's is refused before anything is sent. */
+Test(grad, the_saved_pair_matches_autograd_without_a_second_forward)
+{
+	struct h_session s = {.b = tl_builder_new()};
+	const struct gcase *gc = &CASES[3]; /* lorenz, T = MAX_STEPS: a None cotangent leaf */
+	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
+	struct tl_reply *fwd, *r, *plain, *none = NULL;
+	struct tl_error err;
+
+	build(gc, s.b, &s.bb, &carry, &inputs, &cot_c, &cot_y);
+	hs_open(&s, NULL, ARGS);
+	hd_register(s.c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
+	cr_assert_eq(tl_scan_save(s.c, gc->adapter, carry, inputs, &fwd, &err), 0, "%s %s",
+	             err.code, err.message);
+	cr_assert_not_null(tl_reply_tree(fwd, "saved"));
+	{
+		/* the backward's graph was asked for with the forward's (its compile
+		 * started beside it): there before any grad */
+		json_t *desc = h_call_json(s.c, "describe", gc->adapter);
+		json_t *sps = json_object_get(desc, "specializations");
+		bool found = false;
+		for (size_t k = 0; k < json_array_size(sps); k++)
+			found |= strcmp(json_string_value(
+			                    json_object_get(json_array_get(sps, k), "kind")),
+			                "grad_saved") == 0;
+		cr_assert(found, "no grad_saved specialization after tl_scan_save");
+		json_decref(desc);
+	}
+	cr_assert_eq(tl_grad_saved(s.c, gc->adapter, carry, inputs, fwd, cot_c, cot_y, &r, &err), 0,
+	             "%s %s", err.code, err.message);
+	cr_assert_null(tl_reply_tree(r, "carry"), "a grad with saved returns the gradients only");
+	h_assert_pair_matches_reference(fwd, r, s.b, "gsaved", gc->file, gc->entry, carry, inputs,
+	                                cot_c, cot_y);
+	cr_assert_eq(hd_counter(s.c, gc->adapter, "graphs"), 2, "two graphs: the pair");
+	tl_reply_free(r);
+	cr_assert_eq(tl_scan(s.c, gc->adapter, carry, inputs, &plain, &err), 0, "%s", err.message);
+	cr_assert_eq(
+	    tl_grad_saved(s.c, gc->adapter, carry, inputs, plain, cot_c, cot_y, &none, &err), -1);
+	cr_assert_null(none);
+	cr_assert_str_eq(err.code, "INVALID_ARGUMENT");
+	cr_assert_str_eq(err.path, "saved");
+	tl_reply_free(plain);
+	tl_reply_free(fwd);
 	hs_close(&s);
 }
 
