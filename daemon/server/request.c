@@ -51,6 +51,20 @@ struct outmsg *request_begin_result(struct request *req, uint32_t nfields)
 
 void request_reply(struct request *req, struct outmsg *out)
 {
+	if (out->w.pos > (uint64_t)req->d->cfg.max_frame) {
+		/* a frame the client could not take: it hears why instead of nothing */
+		struct proto_err err;
+		uint64_t n = out->w.pos;
+
+		conn_outmsg_free(out);
+		proto_fail(&err, PROTO_E_FRAME_TOO_LARGE, NULL,
+		           "the reply of %llu bytes exceeds --max-frame=%llu bytes: its results "
+		           "come back inline unless they fit the request's output area in shared "
+		           "memory (docs/protocol.md, \"Shared memory\")",
+		           (unsigned long long)n, (unsigned long long)req->d->cfg.max_frame);
+		request_fail(req, &err);
+		return;
+	}
 	out->keep_body = req->body; /* output tensors may alias input bytes */
 	out->body_size = req->body ? req->len : 0;
 	req->body = NULL;

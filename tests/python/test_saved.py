@@ -23,6 +23,7 @@ import bodies
 import bodyforms
 import eager
 import torchloop
+from conftest import running_daemon
 from torchloop.errors import TorchloopError
 
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -137,6 +138,38 @@ def test_a_body_whose_backward_keeps_an_index_falls_back_to_the_plain_grad(daemo
     assert ks["scan_save"]["state"] == "failed"
     assert ks["scan_save"]["error"] == "COMPILE_FAILED", ks["scan_save"]
     assert ks["grad"]["state"] == "ready"
+
+
+def test_a_reply_over_the_frame_limit_is_refused_and_the_pair_falls_back(tmp_path: Any) -> None:
+    """Without shared memory saved comes back inline: over --max-frame the
+    daemon answers FRAME_TOO_LARGE (it used to drop the reply, and the client
+    waited for ever), serves the next request, and the package goes the
+    plain way with the right gradients."""
+    gen = torch.Generator().manual_seed(8)
+    # bodies.mm_chain, carry [225, 16], inputs [3, 1]: a scan sends 28 KiB and
+    # gets 28 back (y is one number a step), but with saved (the matmuls'
+    # results) over 100 KiB; the grad of the final carry sends 56 KiB
+    c0 = torch.rand(225, 16, generator=gen, dtype=torch.float64)
+    xs = torch.rand(3, 1, generator=gen, dtype=torch.float64)
+    with running_daemon(tmp_path, "--max-frame", "65536") as sock:
+        with torchloop.Client(sock, shm=0) as c:
+            c.register("big.chain", open(bodies.__file__).read(), "mm_chain", max_steps=4)
+            with pytest.raises(TorchloopError) as info:
+                c.call("scan", adapter="big.chain", carry=c0, inputs=xs, save=True)
+            assert info.value.code == "FRAME_TOO_LARGE" and "--max-frame" in str(info.value)
+            final, _ = c.scan("big.chain", c0, xs)  # the connection serves on
+            torch.testing.assert_close(final, eager.scan(bodies.mm_chain, c0, xs)[0], **TOL)
+        adapter = torchloop.loop_adapter(max_steps=4, socket=sock, capture=False)
+        adapter.scan.__self__.client.shm_size = 0  # every tensor inline
+        c, x = c0.clone().requires_grad_(), xs.clone().requires_grad_()
+        final, ys = adapter.scan(bodies.mm_chain, c, x)
+        final.sum().backward()
+        assert adapter.scan.__self__.unsaved  # the plain way from now on
+        ce, xe = c0.clone().requires_grad_(), xs.clone().requires_grad_()
+        final, ys = eager.scan(bodies.mm_chain, ce, xe)
+        final.sum().backward()
+        torch.testing.assert_close(c.grad, ce.grad, **TOL)
+        torch.testing.assert_close(x.grad, xe.grad, **TOL)
 
 
 # ---- bad requests: each gets its code and path; the daemon serves on -----------

@@ -46,7 +46,8 @@ from .errors import TorchloopError, TorchloopValueError
 # the adapter changed in between): the scan's calls go the plain way after.
 SAVE_FALLBACK = frozenset({
     "INVALID_ARGUMENT", "COMPILE_FAILED", "COMPILE_TIMEOUT", "MISCOMPILE", "UNSUPPORTED_OP",
-    "PROXY_EXECUTOR_REQUIRED", "RECOMPILE_BUDGET_EXHAUSTED", "SAVED_MISMATCH"})
+    "PROXY_EXECUTOR_REQUIRED", "RECOMPILE_BUDGET_EXHAUSTED", "SAVED_MISMATCH",
+    "FRAME_TOO_LARGE"})  # saved inline (not in the region) over the daemon's --max-frame
 
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
