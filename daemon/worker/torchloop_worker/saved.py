@@ -102,7 +102,7 @@ def split(scan: Scan, args: list[torch.Tensor], outs: Tensors, wrt: str) -> Spli
     joint = joint_module(scan, n, wrt)
 
     try:
-        # placeholders named primals_i / tangents_i: what the partitioner reads
+        # make_fx names the inputs primals_i / tangents_i: what the partitioner reads
         gm = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(
             list(args), cotangents(outs))
         fw, bw = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=len(outs))
@@ -113,20 +113,25 @@ def split(scan: Scan, args: list[torch.Tensor], outs: Tensors, wrt: str) -> Spli
     return Split(fw, bw, *plan(fw, bw, n, len(outs), getattr(torch, scan.dtype)), len(outs))
 
 
+def graph_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """An FX graph's input nodes, in order (FX's op "placeholder")."""
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def plan(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, n_primals: int, n_out: int,
          dtype: torch.dtype) -> tuple[list[Kept], int]:
     """Where each kept value comes from; refuses what saved cannot carry."""
-    inputs = [p for p in fw.graph.nodes if p.op == "placeholder"]
+    inputs = graph_inputs(fw)
     out = next(iter(reversed(fw.graph.nodes)))
     values = list(out.args[0][n_out:])
-    n_bw = sum(1 for p in bw.graph.nodes if p.op == "placeholder")
+    n_bw = len(graph_inputs(bw))
     if len(inputs) != n_primals or n_bw != len(values) + n_out:
         raise JobError("COMPILE_FAILED", f"the partitioned graphs take {len(inputs)} and "
                        f"{n_bw} inputs, not {n_primals} and {len(values)} + {n_out}")
     kept: list[Kept] = []
     offset = 0
     for v in values:
-        if v.op == "placeholder":
+        if v in inputs:  # a primal the backward keeps: the grad request's own
             kept.append(Kept(inputs.index(v)))
             continue
         val = v.meta.get("val")
