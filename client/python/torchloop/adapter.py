@@ -268,16 +268,19 @@ class _Driver:
                 self.by_body = {k: v for k, v in self.by_body.items() if v != name}
             return self.client.call(op, adapter=self.adapter_for(target), **fields)
 
+    def name_of(self, target: Target) -> str:
+        """The adapter name a target runs under."""
+        return target[0] if isinstance(target, tuple) else self.adapter_for(target)
+
     def saving(self, target: Target) -> bool:
         """Whether a scan of target with gradients keeps saved for its backward."""
-        return self.save and (target[0] if isinstance(target, tuple) else
-                              self.adapter_for(target)) not in self.unsaved
+        return self.save and self.name_of(target) not in self.unsaved
 
     def unsave(self, target: Target, why: TorchloopError) -> None:
         """target's scans go the plain way from now on (why: SAVE_FALLBACK's)."""
         if why.code not in SAVE_FALLBACK:
             raise why
-        name = target[0] if isinstance(target, tuple) else self.adapter_for(target)
+        name = self.name_of(target)
         with self.lock:
             self.unsaved.add(name)
 
