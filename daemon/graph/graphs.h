@@ -22,6 +22,7 @@
 #include "engine.h"
 #include "protocol.h"
 #include "runner.h"
+#include "team.h"
 #include "tree.h"
 
 #include <assert.h>
@@ -163,14 +164,10 @@ struct specialization {
 	double compile_phases[COMPILE_PHASES]; /* this run's compile only (not from the cache) */
 	char lowered[16], note[256];           /* compile_result's (or the cache entry's) */
 	bool from_cache;
-	uint64_t runs;     /* completed runs (loop thread only) */
-	double run_ema_us; /* their engine time, exponential moving average */
-	/* OpenMP team for its runs (run.c): tried both ways on the first runs,
-	 * then the faster kept; loop thread only */
-	int omp_team; /* 0 while trying */
-	unsigned omp_tries;
-	double omp_best_us[2];  /* fastest run with a one-core share / all cores */
-	struct proto_err error; /* SPEC_FAILED */
+	uint64_t runs;           /* completed runs (loop thread only) */
+	double run_ema_us;       /* their engine time, exponential moving average */
+	struct team_choice team; /* OpenMP team for its runs (team.h); loop thread only */
+	struct proto_err error;  /* SPEC_FAILED */
 	struct graph_waiter *waiters;
 	uv_timer_t *progress;
 	double wait_started;
@@ -222,7 +219,8 @@ struct graphs {
 	const char *worker_sha, *isa; /* parts of every cache key */
 	struct registry reg;
 	bool stopping; /* shutdown began: a busy key's lock is no longer waited for */
-	uint64_t failed_evictions, inline_runs, runner_runs; /* counters for `stats` */
+	/* counters for `stats` */
+	uint64_t failed_evictions, inline_runs, runner_runs, contended_runs;
 	/* runs with an OpenMP team (runner.h); not started: they go to the pool */
 	struct runner runner;
 };

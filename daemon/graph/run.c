@@ -63,17 +63,11 @@ static size_t tensor_leaves(const struct tree_node *n)
 }
 
 /*
- * OpenMP team per run.  Whether a graph gains from more threads depends on
- * the graph: a bandwidth-bound sum over 8 MiB runs faster on every core, a
- * small RNN whose dozens of tiny kernels each open a parallel region runs
- * 14x slower on two (each region wakes a sleeping thread).  So each
- * specialization tries both on its first runs -- its share of the cores
- * (cores / threads) and all of them -- and keeps the faster (choose_team).
- * Whatever it chose, concurrent runs never take more than cores / runs.
- * omp_set_num_threads sets the calling thread's own value, so it is set
- * before every run; libgomp keeps its thread pool across sizes.
+ * OpenMP team per run: team.h chooses it; whatever it chose, concurrent runs
+ * never take more than cores / runs.  omp_set_num_threads sets the calling
+ * thread's own value, so it is set before every run; libgomp keeps its thread
+ * pool across sizes.
  */
-#define TEAM_TRIES 8
 static atomic_int runs_active;
 static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 static void (*omp_set)(int);
@@ -94,26 +88,19 @@ static void size_openmp(const struct config *cfg, int want, int running)
 		omp_set(team > 1 ? team : 1);
 }
 
-/* Loop thread, when a run is started: the team it tries or the one chosen. */
-static int choose_team(struct specialization *sp, const struct config *cfg, int *trial)
+/* Loop thread, when a run is done: what it measured for its team. */
+static void team_result(struct run_job *j)
 {
-	*trial = -1;
-	if (sp->omp_team > 0 || cfg->cores <= cfg->omp_threads)
-		return sp->omp_team > 0 ? sp->omp_team : cfg->omp_threads;
-	*trial = (int)(sp->omp_tries++ % 2);
-	return *trial ? cfg->cores : cfg->omp_threads;
-}
+	const struct config *cfg = j->g->cfg;
+	struct specialization *sp = j->sp;
 
-/* Loop thread, when a trial run is done: after TEAM_TRIES, keep the faster. */
-static void team_result(struct specialization *sp, const struct config *cfg, int trial, double us)
-{
-	if (trial < 0 || sp->omp_team > 0)
+	if (!team_measured(&sp->team, cfg->cores, cfg->omp_threads, j->team, j->team_trial,
+	                   j->run_us, uv_now(j->g->loop)))
 		return;
-	if (sp->omp_best_us[trial] == 0 || us < sp->omp_best_us[trial])
-		sp->omp_best_us[trial] = us;
-	if (sp->omp_tries >= TEAM_TRIES && sp->omp_best_us[0] > 0 && sp->omp_best_us[1] > 0)
-		sp->omp_team =
-		    sp->omp_best_us[1] < sp->omp_best_us[0] ? cfg->cores : cfg->omp_threads;
+	j->g->contended_runs++;
+	log_debug(
+	    "%s: a run of %d threads took %.0f us (one core's share: %.0f): %u ms on the share",
+	    sp->signature, j->team, j->run_us, sp->team.best_us[0], (unsigned)sp->team.backoff_ms);
 }
 
 /*
@@ -255,7 +242,7 @@ static void after_run(uv_work_t *w, int status)
 
 	(void)status;
 	if (j->rc == 0) {
-		team_result(sp, j->g->cfg, j->team_trial, j->run_us);
+		team_result(j);
 		upgrade_run_measured(sp, j->arm, j->team_trial, j->run_us);
 		adapter_record_latency(sp->adapter, j->run_us);
 		sp->run_ema_us =
@@ -394,7 +381,8 @@ void run_submit(struct run_job *j, run_done_fn *done, void *arg)
 		after_run(&j->work, 0);
 		return;
 	}
-	j->team = choose_team(j->sp, cfg, &j->team_trial);
+	j->team = team_choose(&j->sp->team, cfg->cores, cfg->omp_threads, uv_now(j->g->loop),
+	                      &j->team_trial);
 	if (j->team > 1 && j->g->runner.started) {
 		j->g->runner_runs++;
 		j->item.work = run_item_work;

@@ -124,9 +124,7 @@ static void forget_runs(struct specialization *sp)
 {
 	sp->runs = 0;
 	sp->run_ema_us = 0;
-	sp->omp_team = 0;
-	sp->omp_tries = 0;
-	memset(sp->omp_best_us, 0, sizeof sp->omp_best_us);
+	memset(&sp->team, 0, sizeof sp->team);
 }
 
 void upgrade_take_over(struct load_job *j)

@@ -2,42 +2,56 @@
 #include "describe.h"
 #include "log.h"
 
+struct counter {
+	const char *name;
+	uint64_t value;
+};
+
+/* stats' top level besides the counters: uptime, lanes, remote, error_codes, adapters */
+#define STATS_OTHER_KEYS 5
+
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
-	struct outmsg *out = request_begin_result(req, 30);
+	const struct counter counters[] = {
+	    {"connections", d->stats.connections},
+	    {"open_connections", d->n_conns},
+	    {"requests", d->stats.requests},
+	    {"errors", d->stats.errors + d->stats.frame_errors},
+	    {"limit_breaches", d->stats.limit_breaches},
+	    {"inflight", d->inflight},
+	    {"inline_runs", d->graphs.inline_runs},
+	    {"runner_runs", d->graphs.runner_runs},
+	    {"contended_runs", d->graphs.contended_runs},
+	    {"busy_polled", d->stats.busy_polled},
+	    {"worker_restarts", compiler_restarts(d->compiler)},
+	    {"worker_start_failures", compiler_start_failures(d->compiler)},
+	    {"worker_orphans_killed", compiler_orphans_killed(d->compiler)},
+	    {"worker_recycled", compiler_recycled(d->compiler)},
+	    {"pool_stalls", d->stats.pool_stalls},
+	    {"idle_closed", d->stats.idle_closed},
+	    {"stalled_closed", d->stats.stalled_frames_closed},
+	    {"memory_pauses", d->stats.memory_pauses},
+	    {"queued_bytes", d->queued_bytes},
+	    {"shm_bytes", d->shm_bytes},
+	    {"shm_regions", d->shm_regions},
+	    {"shm_attaches", d->stats.shm_attaches},
+	    {"shm_stray_fds", d->stats.shm_stray_fds},
+	    {"graphs_evicted", d->stats.graphs_evicted},
+	    {"failed_evictions", d->graphs.failed_evictions},
+	    {"busy", d->stats.busy},
+	};
+	size_t n = sizeof counters / sizeof counters[0];
+	struct outmsg *out = request_begin_result(req, (uint32_t)(n + STATS_OTHER_KEYS));
 	uint32_t n_codes = 0;
 
 	if (out == NULL)
 		return;
 	writer_key_f64(&out->w, "uptime", log_now() - d->started);
-	writer_key_u64(&out->w, "connections", d->stats.connections);
-	writer_key_u64(&out->w, "open_connections", d->n_conns);
-	writer_key_u64(&out->w, "requests", d->stats.requests);
-	writer_key_u64(&out->w, "errors", d->stats.errors + d->stats.frame_errors);
-	writer_key_u64(&out->w, "limit_breaches", d->stats.limit_breaches);
-	writer_key_u64(&out->w, "inflight", d->inflight);
-	writer_key_u64(&out->w, "inline_runs", d->graphs.inline_runs);
-	writer_key_u64(&out->w, "runner_runs", d->graphs.runner_runs);
-	writer_key_u64(&out->w, "busy_polled", d->stats.busy_polled);
-	writer_key_u64(&out->w, "worker_restarts", compiler_restarts(d->compiler));
-	writer_key_u64(&out->w, "worker_start_failures", compiler_start_failures(d->compiler));
-	writer_key_u64(&out->w, "worker_orphans_killed", compiler_orphans_killed(d->compiler));
-	writer_key_u64(&out->w, "worker_recycled", compiler_recycled(d->compiler));
+	for (size_t i = 0; i < n; i++)
+		writer_key_u64(&out->w, counters[i].name, counters[i].value);
 	writer_str(&out->w, "lanes");
 	describe_lanes(&out->w, d->compiler, true);
-	writer_key_u64(&out->w, "pool_stalls", d->stats.pool_stalls);
-	writer_key_u64(&out->w, "idle_closed", d->stats.idle_closed);
-	writer_key_u64(&out->w, "stalled_closed", d->stats.stalled_frames_closed);
-	writer_key_u64(&out->w, "memory_pauses", d->stats.memory_pauses);
-	writer_key_u64(&out->w, "queued_bytes", d->queued_bytes);
-	writer_key_u64(&out->w, "shm_bytes", d->shm_bytes);
-	writer_key_u64(&out->w, "shm_regions", d->shm_regions);
-	writer_key_u64(&out->w, "shm_attaches", d->stats.shm_attaches);
-	writer_key_u64(&out->w, "shm_stray_fds", d->stats.shm_stray_fds);
-	writer_key_u64(&out->w, "graphs_evicted", d->stats.graphs_evicted);
-	writer_key_u64(&out->w, "failed_evictions", d->graphs.failed_evictions);
-	writer_key_u64(&out->w, "busy", d->stats.busy);
 	writer_str(&out->w, "remote");
 	describe_remote(&out->w, d->graphs.remote, true);
 	for (int c = 1; c < PROTO_E__COUNT; c++)

@@ -1,6 +1,7 @@
 """The solver's own path: `loop_adapter(...).scan` against torch.compile in process.
 
-usage: pypath.py BUILD_DIR OUT_JSON [--quick] [--only warm|first]
+usage: pypath.py BUILD_DIR OUT_JSON [--quick] [--only warm|first] [--rows ema:4096:16:bwd,…]
+                 [--daemon-env K=V,…]
 
 Issue 30's table, measured the way a solver calls the package (plain torch
 tensors, `adapter.scan(body, carry, inputs)`):
@@ -146,7 +147,8 @@ for k, fn in fns.items():  # warm-up (0.5 s each); a call's time sets the count 
     t_end = time.perf_counter() + 0.5
     while time.perf_counter() < t_end:
         t0 = time.perf_counter(); fn(); per_call[k] = time.perf_counter() - t0
-runs0 = {a["name"]: a["runs"] for a in torchloop.Client(sock).stats()["adapters"]}
+stats0 = torchloop.Client(sock).stats()
+runs0 = {a["name"]: a["runs"] for a in stats0["adapters"]}
 p50s = {k: [] for k in fns}
 for _ in range(rounds):
     for k, fn in fns.items():
@@ -157,9 +159,37 @@ for _ in range(rounds):
         ts.sort()
         p50s[k].append(ts[len(ts) // 2])
 # the graph's own run time in the daemon: the adapter that ran the most scans here
-busiest = max(torchloop.Client(sock).stats()["adapters"], key=lambda a: a["runs"] - runs0.get(a["name"], 0))
+stats1 = torchloop.Client(sock).stats()
+busiest = max(stats1["adapters"], key=lambda a: a["runs"] - runs0.get(a["name"], 0))
+# runs of every core's team that waited for a core (the client's own OpenMP workers)
+contended = stats1.get("contended_runs", 0) - stats0.get("contended_runs", 0)
+
+def breakdown():
+    # (g)'s calls split: the package's Python around the C round trip
+    # (Client._conn_call: codec, socket, wake-ups, the daemon's loop and run);
+    # medians over one more set of calls
+    client = ad.scan.__self__.client
+    inner = client._conn_call
+    spent = [0.0]
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    client._conn_call = timed
+    fn, total, conn = fns["g"], [], []
+    for _ in range(max(20, min(1000, int(0.3 / max(per_call["g"], 1e-6))))):
+        spent[0] = 0.0
+        t0 = time.perf_counter(); fn(); total.append((time.perf_counter() - t0) * 1e6)
+        conn.append(spent[0] * 1e6)
+    del client._conn_call
+    return {"total_us": statistics.median(total), "conn_us": statistics.median(conn),
+            "python_us": statistics.median(t - c for t, c in zip(total, conn))}
+
 print(json.dumps({"max_diff": diff, "p50_us": {k: statistics.median(v) for k, v in p50s.items()},
-                  "rounds_us": p50s, "run_us": busiest["run_p50_us"] if mode == "fwd" else None}))
+                  "rounds_us": p50s, "run_us": busiest["run_p50_us"] if mode == "fwd" else None,
+                  "contended_runs": contended, "breakdown": breakdown() if mode == "fwd" else None}))
 """
 
 # One first call: argv sock(or "-") body steps variant(b|g|g_eager).  Prints JSON.
@@ -207,12 +237,15 @@ def run_child(args: list[str], env: dict, timeout: int = 3600) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def warm_table(build: str, rounds: int, quick: bool, env: dict | None = None) -> list[dict]:
+def warm_table(build: str, rounds: int, quick: bool, env: dict | None = None,
+               rows_only: list[str] | None = None) -> list[dict]:
     tmp = tempfile.mkdtemp(prefix="tlbench-pypath.")
     d = Daemon(build, os.path.join(tmp, "cache"), tmp, env=dict(os.environ, **(env or {})))
     rows = []
     try:
         plan = [(r, "fwd") for r in FORWARD] + [(r, "bwd") for r in BACKWARD]
+        if rows_only:  # "ema:4096:16:bwd", …
+            plan = [p for p in plan if ":".join(map(str, (*p[0], p[1]))) in rows_only]
         for (kind, n, steps), mode in plan[:3] if quick else plan:
             row = {"body": kind, "N": n, "T": steps, "mode": mode,
                    **run_child([ROW, d.sock, kind, str(n), str(steps), mode, str(rounds)],
@@ -267,7 +300,8 @@ def main() -> None:
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     denv = dict(kv.split("=", 1) for kv in sys.argv[sys.argv.index("--daemon-env") + 1].split(",")) \
         if "--daemon-env" in sys.argv else None
-    out = {"warm": warm_table(build, 1 if quick else 5, quick, denv) if only != "first" else [],
+    rows = sys.argv[sys.argv.index("--rows") + 1].split(",") if "--rows" in sys.argv else None
+    out = {"warm": warm_table(build, 1 if quick else 5, quick, denv, rows) if only != "first" else [],
            "first": first_calls(build, quick) if only != "warm" else []}
     out["rounds"] = 1 if quick else 5
     with open(out_path, "w") as f:

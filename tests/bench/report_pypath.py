@@ -22,6 +22,35 @@ def _vjp(p: dict) -> str:
     return _us(p["g_vjp"]) if "g_vjp" in p else "–"
 
 
+def _breakdown(fwd: list[dict]) -> str:
+    """Where (g)'s forward time goes, from the rows' breakdown pass."""
+    rows = []
+    for r in fwd:
+        b = r.get("breakdown")
+        if not b or not r.get("run_us"):
+            continue
+        trip = max(b["conn_us"] - r["run_us"], 0.0)
+        rows.append([r["body"], _shape(r), str(r["T"]), _us(b["total_us"]), _us(b["python_us"]),
+                     _us(trip), _us(r["run_us"]), _us(r["p50_us"]["b"]),
+                     _x(r["run_us"] / r["p50_us"]["b"])])
+    if not rows:
+        return ""
+    return f"""Where (g)'s time goes (forward, µs, medians over one more set of calls
+after the rounds): "package" is the Python of `loop_adapter(...).scan` around
+the C round trip (the tree, the capture's guard, autograd's Function when
+gradients are on, the region's bookkeeping); "round trip" is the C call
+(`_fast.Conn.call`: the codec, the copy of what is not in the region yet, the
+socket both ways, the daemon's event loop, the hand-offs to and from the
+thread that runs the graph, and every wake-up) minus the graph's run; "run"
+is the graph's own run time in the daemon (`stats`' p50). "run / (b)" is
+how much of the in-process call the graph alone takes: what is left for the
+rest to stay within (b).
+
+{_table(["body", "carry", "T", "(g)", "package", "round trip", "run", "(b) in process",
+         "run / (b)"], rows, "llrrrrrrr")}
+"""
+
+
 def section(d: dict) -> str:
     if not d:
         return "## The solver's path\n\n(pypath.json missing: run `make bench`.)\n"
@@ -35,7 +64,7 @@ def section(d: dict) -> str:
                       _x(p["g"] / p["b"]), _x(p["g_fb"] / p["b"]), f"{r['max_diff']:.1e}"])
     brows = [[r["body"], _shape(r), str(r["T"]), _us(r["p50_us"]["b"]), _us(r["p50_us"]["g"]),
               _vjp(r["p50_us"]), _x(r["p50_us"]["g"] / r["p50_us"]["b"]),
-              f"{r['max_diff']:.1e}"] for r in bwd]
+              str(r.get("contended_runs", "–")), f"{r['max_diff']:.1e}"] for r in bwd]
     first = [[r["body"], str(r["T"]), f"{r['b']['first_s']:.2f}", f"{r['g']['first_s']:.2f}",
               f"{r['g_eager']['first_s']:.2f}", _x(r["g"]["first_s"] / r["b"]["first_s"]),
               _x(r["g_eager"]["first_s"] / r["b"]["first_s"])] for r in d["first"]]
@@ -65,8 +94,17 @@ weights do not require grad: its backward computes no gradient for them);
 (g vjp): `save=False`, the backward runs the VJP graph, which computes the
 forward again:
 
-{_table(["body", "carry", "T", "(b) in process", "(g)", "(g vjp)", "(g)/(b)", "max grad diff"],
-        brows, "llrrrrrr")}
+{_table(["body", "carry", "T", "(b) in process", "(g)", "(g vjp)", "(g)/(b)", "contended runs",
+         "max grad diff"], brows, "llrrrrrrr")}
+
+"contended runs": the daemon's runs with every core's OpenMP team that took
+over twice the one-thread run during the row (`stats.contended_runs`): the
+client's own torch (the sums, the backward's copies) leaves a libgomp worker
+spinning for milliseconds on one of the two cores, and the daemon's team
+waits for it at every barrier; the specialization's runs then take one
+thread for a while (docs/architecture.md, "Threads and ownership").
+
+{_breakdown(fwd)}
 
 First call of a new body in a fresh process (the example bodies, tier.py's
 trees; seconds of the first scan, its compile included): (b) with an Inductor

@@ -165,6 +165,19 @@ Test(requests, inline_runs_can_be_switched_off)
 	teardown(&f);
 }
 
+/* stats' counted map holds all it says: the counters, then the nested parts */
+static void stats_has_every_key(struct fixture *f)
+{
+	json_t *j = h_call_json(f->c, "stats", NULL);
+
+	cr_assert(json_is_integer(json_object_get(j, "contended_runs")), "stats.contended_runs");
+	cr_assert(json_is_integer(json_object_get(j, "busy")), "stats.busy");
+	cr_assert(json_is_object(json_object_get(j, "lanes")), "stats.lanes");
+	cr_assert(json_is_object(json_object_get(j, "error_codes")), "stats.error_codes");
+	cr_assert(json_is_array(json_object_get(j, "adapters")), "stats.adapters");
+	json_decref(j);
+}
+
 /*
  * --threads 1: a run's OpenMP team is every core the daemon may use, so on a
  * machine of two or more every run goes to the one graph runner
@@ -196,6 +209,7 @@ Test(requests, runs_with_an_openmp_team_go_to_the_graph_runner)
 		cr_assert_eq(h_stat(f.c, "runner_runs"), 0);
 	}
 	cr_assert_eq(h_stat(f.c, "inline_runs"), 0);
+	stats_has_every_key(&f);
 	teardown(&f);
 }
 

@@ -1,0 +1,48 @@
+/*
+ * team.h - a specialization's OpenMP team per run (team.c).
+ *
+ * Whether a graph gains from more threads depends on the graph: a
+ * bandwidth-bound sum over 8 MiB runs faster on every core, a small RNN whose
+ * dozens of tiny kernels each open a parallel region runs 14x slower on two
+ * (each region wakes a sleeping thread).  So each specialization tries both on
+ * its first runs -- its share of the cores (cores / threads) and all of them
+ * -- and keeps the faster.
+ *
+ * A kept team of every core can still meet a core that another process holds:
+ * a client whose own torch just summed a result keeps a libgomp worker
+ * spinning for milliseconds, and the team then waits for a scheduler slice at
+ * every barrier (an ema forward and backward of 0.33 ms in process took
+ * 2.8 ms through the daemon).  A run of that team slower than twice the
+ * one-core run is counted as contended: the specialization's runs then take
+ * the one-core share until calm_at, a wait that starts at TEAM_WAIT_MS and
+ * doubles (to TEAM_WAIT_MAX_MS) while the contention goes on.
+ */
+#ifndef TORCHLOOP_TEAM_H
+#define TORCHLOOP_TEAM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define TEAM_TRIES       8
+#define TEAM_WAIT_MS     10
+#define TEAM_WAIT_MAX_MS 1000
+
+struct team_choice {
+	int team; /* 0 while trying */
+	unsigned tries;
+	double best_us[2];   /* fastest run with a one-core share / all cores */
+	uint64_t calm_at;    /* time (ms) until which runs keep to the share */
+	uint32_t backoff_ms; /* the last such wait, 0 after a run at full speed */
+};
+
+/* The team of a run starting at now_ms (cores: every core, share: the
+ * one-core share, cores / threads); *trial: 0 or 1 for a trial run (the
+ * share's, every core's), else -1. */
+int team_choose(struct team_choice *t, int cores, int share, uint64_t now_ms, int *trial);
+
+/* What a run of team (trial as team_choose said) measured, done at now_ms;
+ * true when it counted as contended. */
+bool team_measured(struct team_choice *t, int cores, int share, int team, int trial, double us,
+                   uint64_t now_ms);
+
+#endif
