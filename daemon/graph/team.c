@@ -6,31 +6,51 @@
 int team_choose(struct team_choice *t, int cores, int share, uint64_t now_ms, int *trial)
 {
 	*trial = -1;
-	if (t->team > 0 || cores <= share)
-		return t->team > share && now_ms >= t->calm_at ? t->team : share;
-	*trial = (int)(t->tries++ % 2);
-	return *trial ? cores : share;
+	if (cores <= share)
+		return share;
+	if (t->team == 0) {
+		*trial = (int)(t->tries++ % 2);
+		return *trial ? cores : share;
+	}
+	if (t->team == share) {
+		if (now_ms < t->retry_at)
+			return share;
+		t->retry_at = now_ms + TEAM_RETRY_MS;
+		*trial = 1;
+		return cores;
+	}
+	return now_ms >= t->calm_at ? t->team : share;
 }
 
-static void tried(struct team_choice *t, int cores, int share, int trial, double us)
+static void tried(struct team_choice *t, int cores, int share, int trial, double us,
+                  uint64_t now_ms)
 {
+	if (t->team == share) { /* a kept share's retry of every core */
+		if (trial == 1 && us < t->best_us[0]) {
+			t->team = cores;
+			t->best_us[1] = us;
+		}
+		return;
+	}
 	if (t->best_us[trial] == 0 || us < t->best_us[trial])
 		t->best_us[trial] = us;
-	if (t->tries >= TEAM_TRIES && t->best_us[0] > 0 && t->best_us[1] > 0)
+	if (t->tries >= TEAM_TRIES && t->best_us[0] > 0 && t->best_us[1] > 0) {
 		t->team = t->best_us[1] < t->best_us[0] ? cores : share;
+		t->retry_at = now_ms + TEAM_RETRY_MS;
+	}
 }
 
 bool team_measured(struct team_choice *t, int cores, int share, int team, int trial, double us,
                    uint64_t now_ms)
 {
 	if (trial >= 0) {
-		if (t->team == 0)
-			tried(t, cores, share, trial, us);
+		if (t->team != cores)
+			tried(t, cores, share, trial, us, now_ms);
 		return false;
 	}
 	if (team <= share || t->best_us[0] <= 0)
 		return false;
-	if (us <= 2 * t->best_us[0]) {
+	if (us <= t->best_us[0]) {
 		t->backoff_ms = 0;
 		return false;
 	}

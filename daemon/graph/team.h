@@ -12,10 +12,16 @@
  * a client whose own torch just summed a result keeps a libgomp worker
  * spinning for milliseconds, and the team then waits for a scheduler slice at
  * every barrier (an ema forward and backward of 0.33 ms in process took
- * 2.8 ms through the daemon).  A run of that team slower than twice the
- * one-core run is counted as contended: the specialization's runs then take
+ * 2.8 ms through the daemon).  A run of that team slower than the fastest
+ * one-core run (what made it the choice no longer holds) is counted as
+ * contended: the specialization's runs then take
  * the one-core share until calm_at, a wait that starts at TEAM_WAIT_MS and
  * doubles (to TEAM_WAIT_MAX_MS) while the contention goes on.
+ *
+ * The trials themselves can meet such a core, or the compile worker building
+ * the specialization's partner graph beside its first runs: a kept share
+ * tries every core once every TEAM_RETRY_MS and takes it when that run beats
+ * the share's fastest.
  */
 #ifndef TORCHLOOP_TEAM_H
 #define TORCHLOOP_TEAM_H
@@ -26,6 +32,7 @@
 #define TEAM_TRIES       8
 #define TEAM_WAIT_MS     10
 #define TEAM_WAIT_MAX_MS 1000
+#define TEAM_RETRY_MS    1000
 
 struct team_choice {
 	int team; /* 0 while trying */
@@ -33,11 +40,12 @@ struct team_choice {
 	double best_us[2];   /* fastest run with a one-core share / all cores */
 	uint64_t calm_at;    /* time (ms) until which runs keep to the share */
 	uint32_t backoff_ms; /* the last such wait, 0 after a run at full speed */
+	uint64_t retry_at;   /* a kept share: time (ms) of its next trial of every core */
 };
 
 /* The team of a run starting at now_ms (cores: every core, share: the
  * one-core share, cores / threads); *trial: 0 or 1 for a trial run (the
- * share's, every core's), else -1. */
+ * share's, every core's; a kept share's retry is 1), else -1. */
 int team_choose(struct team_choice *t, int cores, int share, uint64_t now_ms, int *trial);
 
 /* What a run of team (trial as team_choose said) measured, done at now_ms;

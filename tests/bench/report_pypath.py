@@ -98,7 +98,7 @@ forward again:
          "max grad diff"], brows, "llrrrrrrr")}
 
 "contended runs": the daemon's runs with every core's OpenMP team that took
-over twice the one-thread run during the row (`stats.contended_runs`): the
+longer than the fastest one-thread run during the row (`stats.contended_runs`): the
 client's own torch (the sums, the backward's copies) leaves a libgomp worker
 spinning for milliseconds on one of the two cores, and the daemon's team
 waits for it at every barrier; the specialization's runs then take one

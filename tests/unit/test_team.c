@@ -1,9 +1,10 @@
 /*
  * test_team.c - a specialization's OpenMP team (daemon/graph/team.c): the
- * trials keep the faster team; a kept team of every core whose run took over
- * twice the one-core run sends the runs to the one-core share for a wait that
+ * trials keep the faster team; a kept team of every core whose run took longer
+ * than the fastest one-core run sends the runs to the one-core share for a wait that
  * doubles while the contention lasts (to its cap), and a run at full speed
- * afterwards ends it.  Hand-computed times; 2 cores, a one-core share of 1.
+ * afterwards ends it; a kept share tries every core again now and then and
+ * takes it when it wins.  Hand-computed times; 2 cores, a one-core share of 1.
  */
 #include "team.h"
 
@@ -56,10 +57,10 @@ Test(team, a_contended_run_sends_the_runs_to_the_share_for_a_doubling_wait)
 	uint64_t now = 1000;
 
 	trials(&t, 100, 60);
-	/* under twice the one-core run (200 us): not contended */
-	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, -1, 199, now));
+	/* at most the fastest one-core run (100 us): not contended */
+	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, -1, 100, now));
 	cr_assert_eq(chosen(&t, now), CORES);
-	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now));
+	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 101, now));
 	cr_assert_eq(t.backoff_ms, TEAM_WAIT_MS);
 	cr_assert_eq(chosen(&t, now), SHARE);
 	cr_assert_eq(chosen(&t, now + TEAM_WAIT_MS - 1), SHARE);
@@ -80,6 +81,27 @@ Test(team, a_contended_run_sends_the_runs_to_the_share_for_a_doubling_wait)
 	cr_assert_eq(t.backoff_ms, 0, "a run at full speed ends it");
 	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now));
 	cr_assert_eq(t.backoff_ms, TEAM_WAIT_MS, "and the next contention starts short");
+}
+
+/* Trials at time 0 that keep the share; then its retries of every core. */
+Test(team, a_kept_share_tries_every_core_again_and_takes_it_when_it_wins)
+{
+	struct team_choice t = {0};
+	int trial;
+
+	trials(&t, 100, 400); /* every core lost (the compile worker beside it) */
+	cr_assert_eq(t.team, SHARE);
+	cr_assert_eq(chosen(&t, TEAM_RETRY_MS - 1), SHARE);
+	cr_assert_eq(team_choose(&t, CORES, SHARE, TEAM_RETRY_MS, &trial), CORES);
+	cr_assert_eq(trial, 1, "a retry is a trial of every core");
+	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, trial, 150, TEAM_RETRY_MS));
+	cr_assert_eq(t.team, SHARE, "a retry slower than the share's fastest changes nothing");
+	cr_assert_eq(chosen(&t, 2 * TEAM_RETRY_MS - 1), SHARE);
+	cr_assert_eq(team_choose(&t, CORES, SHARE, 2 * TEAM_RETRY_MS, &trial), CORES);
+	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, trial, 60, 2 * TEAM_RETRY_MS));
+	cr_assert_eq(t.team, CORES, "a retry that wins keeps every core");
+	cr_assert_eq(chosen(&t, 2 * TEAM_RETRY_MS), CORES);
+	cr_assert_eq(chosen(&t, 10 * TEAM_RETRY_MS), CORES, "and retries no more");
 }
 
 Test(team, one_core_never_tries)
