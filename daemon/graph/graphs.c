@@ -155,7 +155,7 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 		spec_add_waiter(sp, w);
 		return;
 	}
-	if (a->held >= (unsigned)a->def.budget) {
+	if (spec_kinds[args->kind].budgeted && a->held >= (unsigned)a->def.budget) {
 		budget_exhausted(a, &err);
 		w->done(w, NULL, &err);
 		return;

@@ -96,6 +96,9 @@ struct spec_kind_info {
 	bool saved;       /* one of the pair that hands saved from forward to backward */
 	bool tiered;      /* the quick tier may serve it while the unrolled graph builds */
 	bool blocks;      /* its upgrade may be blocks of unrolled steps (upgrade.c) */
+	/* counts against the adapter's recompile budget: a saved pair's backward
+	 * counts with its forward, as torch.compile's backward with its frame */
+	bool budgeted;
 };
 
 extern const struct spec_kind_info spec_kinds[SPEC_KINDS];

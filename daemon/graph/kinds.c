@@ -14,12 +14,13 @@
  * the daemon cannot run: a grad's upgrade is unrolled or none.  The saved
  * pair is the unrolled loop's joint graph split in two (no quick tier). */
 const struct spec_kind_info spec_kinds[SPEC_KINDS] = {
-    /* name, job, grad, results, saved, tiered, blocks */
-    [SPEC_SCAN] = {"scan", "forward", false, true, false, true, true},
-    [SPEC_GRAD] = {"grad", "vjp", true, true, false, true, false},
-    [SPEC_GRAD_CHECKPOINT] = {"grad_checkpoint", "vjp_checkpoint", true, true, false, false, false},
-    [SPEC_SCAN_SAVE] = {"scan_save", "forward_save", false, true, true, false, false},
-    [SPEC_GRAD_SAVED] = {"grad_saved", "backward_saved", true, false, true, false, false},
+    /* name, job, grad, results, saved, tiered, blocks, budgeted */
+    [SPEC_SCAN] = {"scan", "forward", false, true, false, true, true, true},
+    [SPEC_GRAD] = {"grad", "vjp", true, true, false, true, false, true},
+    [SPEC_GRAD_CHECKPOINT] = {"grad_checkpoint", "vjp_checkpoint", true, true, false, false, false,
+                              true},
+    [SPEC_SCAN_SAVE] = {"scan_save", "forward_save", false, true, true, false, false, true},
+    [SPEC_GRAD_SAVED] = {"grad_saved", "backward_saved", true, false, true, false, false, false},
 };
 
 int spec_kind_parse(const char *s, size_t n)

@@ -52,7 +52,7 @@ void spec_free(struct specialization *sp)
 
 bool spec_counts(const struct specialization *sp)
 {
-	return sp->state != SPEC_FAILED;
+	return sp->state != SPEC_FAILED && spec_kinds[sp->kind].budgeted;
 }
 
 void spec_unlist(struct specialization *sp)
@@ -345,7 +345,7 @@ struct specialization *spec_new(struct graphs *g, struct adapter *a, const struc
 		key_of(g, sp, a->def.strategy, "saved pair", sp->pair_key);
 	sp->next = a->specs;
 	a->specs = sp;
-	a->held++;
+	a->held += spec_kinds[sp->kind].budgeted;
 	sp->state = SPEC_LOADING;
 	sp->wait_started = log_now();
 	sp->last_used = ++g->reg.tick;

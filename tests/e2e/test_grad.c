@@ -156,7 +156,9 @@ Test(grad, the_saved_pair_matches_autograd_without_a_second_forward)
 
 	build(gc, s.b, &s.bb, &carry, &inputs, &cot_c, &cot_y);
 	hs_open(&s, NULL, ARGS);
-	hd_register(s.c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 8);
+	/* a budget of 2: the pair counts once (its backward with its forward, as
+	 * torch.compile's backward with its frame), the plain scan below twice */
+	hd_register(s.c, gc->adapter, gc->file, gc->entry, MAX_STEPS, 65536, 2);
 	cr_assert_eq(tl_scan_save(s.c, gc->adapter, carry, inputs, &fwd, &err), 0, "%s %s",
 	             err.code, err.message);
 	cr_assert_not_null(tl_reply_tree(fwd, "saved"));
@@ -179,6 +181,12 @@ Test(grad, the_saved_pair_matches_autograd_without_a_second_forward)
 	h_assert_pair_matches_reference(fwd, r, s.b, "gsaved", gc->file, gc->entry, carry, inputs,
 	                                cot_c, cot_y);
 	cr_assert_eq(hd_counter(s.c, gc->adapter, "graphs"), 2, "two graphs: the pair");
+	{
+		json_t *desc = h_call_json(s.c, "describe", gc->adapter);
+		cr_assert_eq(json_integer_value(json_object_get(desc, "budget_used")), 1,
+		             "the pair spends one of the budget");
+		json_decref(desc);
+	}
 	tl_reply_free(r);
 	cr_assert_eq(tl_scan(s.c, gc->adapter, carry, inputs, &plain, &err), 0, "%s", err.message);
 	cr_assert_eq(
