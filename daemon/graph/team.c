@@ -50,10 +50,12 @@ bool team_measured(struct team_choice *t, int cores, int share, int team, int tr
 	}
 	if (team <= share || t->best_us[0] <= 0)
 		return false;
-	if (us <= t->best_us[0]) {
+	t->cores_ema_us = t->cores_ema_us > 0 ? 0.75 * t->cores_ema_us + 0.25 * us : us;
+	if (t->cores_ema_us <= TEAM_CONTENDED * t->best_us[0]) {
 		t->backoff_ms = 0;
 		return false;
 	}
+	t->cores_ema_us = 0; /* the next runs of every core start it afresh */
 	t->backoff_ms = t->backoff_ms ? 2 * t->backoff_ms : TEAM_WAIT_MS;
 	if (t->backoff_ms > TEAM_WAIT_MAX_MS)
 		t->backoff_ms = TEAM_WAIT_MAX_MS;

@@ -12,11 +12,15 @@
  * a client whose own torch just summed a result keeps a libgomp worker
  * spinning for milliseconds, and the team then waits for a scheduler slice at
  * every barrier (an ema forward and backward of 0.33 ms in process took
- * 2.8 ms through the daemon).  A run of that team slower than the fastest
- * one-core run (what made it the choice no longer holds) is counted as
- * contended: the specialization's runs then take
- * the one-core share until calm_at, a wait that starts at TEAM_WAIT_MS and
- * doubles (to TEAM_WAIT_MAX_MS) while the contention goes on.
+ * 2.8 ms through the daemon).  When the average of that team's runs (an
+ * exponential one, so that one slow run among fast ones is not enough)
+ * exceeds TEAM_CONTENDED times the fastest one-core run, the run that made it
+ * so is counted as contended: the specialization's runs then take the
+ * one-core share until calm_at, a wait that starts at TEAM_WAIT_MS and
+ * doubles (to TEAM_WAIT_MAX_MS) while the contention goes on.  (Against the
+ * fastest one-core run itself, or 1.5 times it, runs that the clients' own busy
+ * polls slowed sent an ema forward of 73 us to one thread, 152 us; the
+ * contention this is for stalls runs by milliseconds.)
  *
  * The trials themselves can meet such a core, or the compile worker building
  * the specialization's partner graph beside its first runs: a kept share
@@ -33,6 +37,7 @@
 #define TEAM_WAIT_MS     10
 #define TEAM_WAIT_MAX_MS 1000
 #define TEAM_RETRY_MS    1000
+#define TEAM_CONTENDED   4.0
 
 struct team_choice {
 	int team; /* 0 while trying */
@@ -41,6 +46,7 @@ struct team_choice {
 	uint64_t calm_at;    /* time (ms) until which runs keep to the share */
 	uint32_t backoff_ms; /* the last such wait, 0 after a run at full speed */
 	uint64_t retry_at;   /* a kept share: time (ms) of its next trial of every core */
+	double cores_ema_us; /* a kept team of every core: its runs' average (0: none yet) */
 };
 
 /* The team of a run starting at now_ms (cores: every core, share: the

@@ -1,10 +1,10 @@
 /*
  * test_team.c - a specialization's OpenMP team (daemon/graph/team.c): the
- * trials keep the faster team; a kept team of every core whose run took longer
- * than the fastest one-core run sends the runs to the one-core share for a wait that
- * doubles while the contention lasts (to its cap), and a run at full speed
- * afterwards ends it; a kept share tries every core again now and then and
- * takes it when it wins.  Hand-computed times; 2 cores, a one-core share of 1.
+ * trials keep the faster team; a kept team of every core whose runs'
+ * average exceeds 4 times the fastest one-core run sends the runs to the
+ * one-core share for a wait that doubles while the contention lasts (to its
+ * cap), and a run at full speed afterwards ends it; a kept share tries every core again now and
+ * then and takes it when it wins.  Hand-computed times; 2 cores, a one-core share of 1.
  */
 #include "team.h"
 
@@ -56,17 +56,19 @@ Test(team, a_contended_run_sends_the_runs_to_the_share_for_a_doubling_wait)
 	struct team_choice t = {0};
 	uint64_t now = 1000;
 
-	trials(&t, 100, 60);
-	/* at most the fastest one-core run (100 us): not contended */
-	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, -1, 100, now));
+	trials(&t, 100, 60); /* contended: every core's average over 400 us */
+	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, -1, 60, now));
+	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, -1, 280, now),
+	              "one slow run among fast ones is not contention (average 115)");
 	cr_assert_eq(chosen(&t, now), CORES);
-	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 101, now));
+	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now), "average 786");
 	cr_assert_eq(t.backoff_ms, TEAM_WAIT_MS);
 	cr_assert_eq(chosen(&t, now), SHARE);
 	cr_assert_eq(chosen(&t, now + TEAM_WAIT_MS - 1), SHARE);
 	now += TEAM_WAIT_MS;
 	cr_assert_eq(chosen(&t, now), CORES, "every core again once the wait is over");
-	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now));
+	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now),
+	          "the average starts afresh after a wait: the first run is it");
 	cr_assert_eq(t.backoff_ms, 2 * TEAM_WAIT_MS, "the wait doubles while it goes on");
 	cr_assert_eq(chosen(&t, now + 2 * TEAM_WAIT_MS - 1), SHARE);
 	for (int i = 0; i < 20; i++)
@@ -79,7 +81,7 @@ Test(team, a_contended_run_sends_the_runs_to_the_share_for_a_doubling_wait)
 	cr_assert_not(team_measured(&t, CORES, SHARE, SHARE, -1, 2800, now));
 	cr_assert_not(team_measured(&t, CORES, SHARE, CORES, -1, 70, now));
 	cr_assert_eq(t.backoff_ms, 0, "a run at full speed ends it");
-	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now));
+	cr_assert(team_measured(&t, CORES, SHARE, CORES, -1, 2800, now), "average 752");
 	cr_assert_eq(t.backoff_ms, TEAM_WAIT_MS, "and the next contention starts short");
 }
 
