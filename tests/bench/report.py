@@ -819,6 +819,10 @@ HISTORY = [
      "for what does not require grad)",
      "`pypath.py` forward + backward, (g)/(b): gru [64, 32] T = 64 1.97× → 0.63×, ema [4] "
      "T = 128 1.26× → 0.53×"),
+    ("2026-12-06", "a run of every core's OpenMP team stalled by another process's spinning "
+     "libgomp worker (the solver's own torch) sends the runs to one thread for a while "
+     "(daemon/graph/team.c)", "ema [4096] T = 16 forward + backward, rounds' p50: 608–7 972 µs "
+     "→ 589–739 µs (`pypath.py --rows`, at the commit after this run's)"),
 ]
 
 

@@ -97,8 +97,10 @@ forward again:
 {_table(["body", "carry", "T", "(b) in process", "(g)", "(g vjp)", "(g)/(b)", "contended runs",
          "max grad diff"], brows, "llrrrrrrr")}
 
-"contended runs": the daemon's runs with every core's OpenMP team that took
-longer than the fastest one-thread run during the row (`stats.contended_runs`): the
+"contended runs": the daemon's runs with every core's OpenMP team counted as
+contended during the row (`stats.contended_runs`; the rule of this run's
+commit: a run slower than the fastest one-thread run; since, an average over
+4 times it, docs/architecture.md): the
 client's own torch (the sums, the backward's copies) leaves a libgomp worker
 spinning for milliseconds on one of the two cores, and the daemon's team
 waits for it at every barrier; the specialization's runs then take one
