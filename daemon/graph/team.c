@@ -3,6 +3,9 @@
  */
 #include "team.h"
 
+/* the graph layer never sees a request or a connection (docs/architecture.md) */
+#pragma GCC poison request conn outmsg daemon
+
 int team_choose(struct team_choice *t, int cores, int share, uint64_t now_ms, int *trial)
 {
 	*trial = -1;
