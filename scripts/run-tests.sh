@@ -82,7 +82,7 @@ if .venv/bin/python -c 'import xdist' 2>/dev/null; then
 else
 	echo "!!! pytest-xdist is not installed (make setup): the Python tests run in one process"
 fi
-out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" --durations=15 \
+out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rfEs -p no:cacheprovider "${xdist[@]}" --durations=15 \
 	--basetemp "$TORCHLOOP_TEST_TMP/pytest" tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
 echo "(pytest: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
