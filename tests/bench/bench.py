@@ -411,6 +411,9 @@ def floors(build: str, d: Daemon, cache: str, tmp: str, quick: bool) -> dict:
     """Where the time of a small scan goes: the kernel's and the protocol's floors, the
     thread-pool hand-off, the daemon's CPU and syscalls per scan."""
     out = {"sockpair": bench_c(build, "sockpair", 228, 5000),
+           "sockpair_poll": bench_c(build, "sockpair", 228, 20000, "poll"),
+           "sockpair_runner": bench_c(build, "sockpair", 228, 5000, "runner"),
+           "sockpair_runner_poll": bench_c(build, "sockpair", 228, 20000, "poll", "runner"),
            "ping": bench_c(build, "ping", d.sock, 5000),
            "d_small": bench_c(build, "daemon", d.sock, "bench.cumsum", 4, 1, 5000)}
     pool = Daemon(build, cache, tmp, extra=("--inline-run-us", "0"), sock="pool.sock")

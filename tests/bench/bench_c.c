@@ -12,8 +12,12 @@
  *   bench_c clients SOCK ADAPTER N T PROCS ITERS
  *                                      PROCS client processes, ITERS scans each
  *   bench_c ping SOCK ITERS            health round trips: the protocol's floor
- *   bench_c sockpair BYTES ITERS       round trips of BYTES over a socketpair to
- *                                      an epoll echo process: the kernel's floor
+ *   bench_c sockpair BYTES ITERS [poll] [runner]
+ *                                      round trips of BYTES over a socketpair to
+ *                                      an epoll echo process: the kernel's floor;
+ *                                      poll: both sides poll instead of sleeping;
+ *                                      runner: the echo hands each request to a
+ *                                      second thread and back first
  *   bench_c memcpy BYTES ITERS         memcpy bandwidth of BYTES
  *
  * Scans are cumulative sums: carry [N], inputs [T, N], float64.  Each mode
@@ -22,10 +26,15 @@
 #include "engine.h"
 #include "torchloop.h"
 
+#include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -205,49 +214,112 @@ static int ping(const char *sock, int iters)
 	return 0;
 }
 
-static int sockpair(long bytes, int iters)
+/* The echo's hand-off thread ("runner"): woken through a condition
+ * variable, it answers through an eventfd, as torchloopd's runner thread
+ * hands a run with an OpenMP team back to the loop (daemon/base/runner.c). */
+struct handoff {
+	pthread_mutex_t lock;
+	pthread_cond_t wake;
+	bool pending;
+	int done_fd;
+};
+
+static void *handoff_main(void *arg)
 {
-	int sv[2], ep;
+	struct handoff *h = arg;
+	uint64_t one = 1;
+
+	pthread_mutex_lock(&h->lock);
+	for (;;) {
+		while (!h->pending)
+			pthread_cond_wait(&h->wake, &h->lock);
+		h->pending = false;
+		if (write(h->done_fd, &one, sizeof one) != sizeof one)
+			break;
+	}
+	pthread_mutex_unlock(&h->lock);
+	return NULL;
+}
+
+/* echo: epoll_wait (timeout 0 when polling), read, write, like the daemon's
+ * loop; with a runner, each request goes to it and back before the reply. */
+static void echo(int fd, char *buf, long bytes, bool poll, bool runner)
+{
+	struct handoff h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, -1};
+	struct epoll_event ev = {.events = EPOLLIN};
+	int ep = epoll_create1(0);
+	ssize_t n = 0;
+	pthread_t t;
+
+	h.done_fd = eventfd(0, EFD_NONBLOCK);
+	ev.data.fd = fd;
+	epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+	ev.data.fd = h.done_fd;
+	epoll_ctl(ep, EPOLL_CTL_ADD, h.done_fd, &ev);
+	if (runner && pthread_create(&t, NULL, handoff_main, &h) != 0)
+		_exit(1);
+	for (;;) {
+		uint64_t k;
+
+		if (epoll_wait(ep, &ev, 1, poll ? 0 : -1) != 1)
+			continue;
+		if (ev.data.fd == h.done_fd) {
+			if (read(h.done_fd, &k, sizeof k) != sizeof k ||
+			    write(fd, buf, (size_t)n) != n)
+				_exit(0);
+			continue;
+		}
+		n = read(fd, buf, (size_t)bytes);
+		if (n <= 0 || (!runner && write(fd, buf, (size_t)n) != n))
+			_exit(0);
+		if (runner) {
+			pthread_mutex_lock(&h.lock);
+			h.pending = true;
+			pthread_cond_signal(&h.wake);
+			pthread_mutex_unlock(&h.lock);
+		}
+	}
+}
+
+/* Round trips of BYTES to the echo process; poll: both sides poll (the
+ * client recv with MSG_DONTWAIT, the echo epoll_wait with no timeout), as
+ * torchloopd and its clients do around a small inline run; else both sleep. */
+static int sockpair(long bytes, int iters, bool poll, bool runner)
+{
+	int sv[2];
 	char *buf = calloc(1, (size_t)bytes);
 	double *t = malloc(sizeof *t * (size_t)iters);
-	struct epoll_event ev = {.events = EPOLLIN};
 	pid_t pid;
 
 	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0)
 		return 1;
 	pid = fork();
-	if (pid == 0) { /* echo: epoll_wait, read, write, like the daemon's loop */
+	if (pid == 0) {
 		close(sv[0]);
-		ep = epoll_create1(0);
-		ev.data.fd = sv[1];
-		epoll_ctl(ep, EPOLL_CTL_ADD, sv[1], &ev);
-		for (;;) {
-			ssize_t n;
-			if (epoll_wait(ep, &ev, 1, -1) < 0)
-				continue;
-			n = read(sv[1], buf, (size_t)bytes);
-			if (n <= 0 || write(sv[1], buf, (size_t)n) != n)
-				_exit(0);
-		}
+		echo(sv[1], buf, bytes, poll, runner);
+		_exit(0);
 	}
 	close(sv[1]);
-	for (int i = -20; i < iters; i++) {
+	for (int i = -20 - iters / 10; i < iters; i++) {
 		double t0 = now_us();
 		ssize_t got = 0;
 		if (write(sv[0], buf, (size_t)bytes) != bytes)
 			return 1;
 		while (got < bytes) {
-			ssize_t n = read(sv[0], buf + got, (size_t)(bytes - got));
-			if (n <= 0)
+			ssize_t n =
+			    recv(sv[0], buf + got, (size_t)(bytes - got), poll ? MSG_DONTWAIT : 0);
+			if (n == 0 || (n < 0 && errno != EAGAIN))
 				return 1;
-			got += n;
+			got += n > 0 ? n : 0;
 		}
 		if (i >= 0)
 			t[i] = now_us() - t0;
 	}
 	close(sv[0]);
 	waitpid(pid, NULL, 0);
-	report("sockpair", t, iters, (double)bytes);
+	report(runner ? (poll ? "sockpair_runner_poll" : "sockpair_runner")
+	              : (poll ? "sockpair_poll" : "sockpair"),
+	       t, iters, (double)bytes);
 	return 0;
 }
 
@@ -290,8 +362,15 @@ int main(int argc, char **argv)
 		               atoi(argv[7]));
 	if (argc == 4 && strcmp(argv[1], "ping") == 0)
 		return ping(argv[2], atoi(argv[3]));
-	if (argc == 4 && strcmp(argv[1], "sockpair") == 0)
-		return sockpair(atol(argv[2]), atoi(argv[3]));
+	if (argc >= 4 && argc <= 6 && strcmp(argv[1], "sockpair") == 0) {
+		bool poll = false, runner = false;
+
+		for (int i = 4; i < argc; i++) {
+			poll |= strcmp(argv[i], "poll") == 0;
+			runner |= strcmp(argv[i], "runner") == 0;
+		}
+		return sockpair(atol(argv[2]), atoi(argv[3]), poll, runner);
+	}
 	if (argc == 4 && strcmp(argv[1], "memcpy") == 0)
 		return bench_memcpy(atol(argv[2]), atoi(argv[3]));
 	fprintf(stderr, "usage: see the comment at the top of tests/bench/bench_c.c\n");

@@ -163,6 +163,11 @@ stats1 = torchloop.Client(sock).stats()
 busiest = max(stats1["adapters"], key=lambda a: a["runs"] - runs0.get(a["name"], 0))
 # runs of every core's team that waited for a core (the client's own OpenMP workers)
 contended = stats1.get("contended_runs", 0) - stats0.get("contended_runs", 0)
+# where the daemon ran this row's graphs: on its loop thread (inline), on the
+# runner with every core's team, or on the pool with one thread
+ran = {k: stats1.get(f"{k}_runs", 0) - stats0.get(f"{k}_runs", 0) for k in ("inline", "runner")}
+ran["pool"] = sum(a["runs"] - runs0.get(a["name"], 0) for a in stats1["adapters"]) \
+    - ran["inline"] - ran["runner"]
 
 def breakdown():
     # (g)'s calls split: the package's Python around the C round trip
@@ -189,7 +194,7 @@ def breakdown():
 
 print(json.dumps({"max_diff": diff, "p50_us": {k: statistics.median(v) for k, v in p50s.items()},
                   "rounds_us": p50s, "run_us": busiest["run_p50_us"] if mode == "fwd" else None,
-                  "contended_runs": contended, "breakdown": breakdown() if mode == "fwd" else None}))
+                  "contended_runs": contended, "ran": ran, "breakdown": breakdown() if mode == "fwd" else None}))
 """
 
 # One first call: argv sock(or "-") body steps variant(b|g|g_eager).  Prints JSON.

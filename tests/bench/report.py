@@ -432,6 +432,8 @@ def time_section(b: dict) -> str:
     c50 = c.get("p50_us", 0.0)
     rows = [["a 228-byte round trip over a socketpair to an echo process that sleeps "
              "in `epoll_wait` (the kernel's wake-up round trip)", us(sp)],
+            *[[what, report_pypath.fmt_us(f[k]["p50_us"])]
+              for k, what in report_pypath.FLOORS if k in f],
             ["`health` through the daemon and libtorchloop (protocol floor: libuv, "
              "framing, msgpack)", us(ping)],
             ["`scan` N = 4, T = 1 (d)", us(d)],
@@ -930,7 +932,8 @@ def main() -> None:
     doc = "\n".join([header(b, bench_dir), strategy_section(strategy), tier_section(tier),
                       batch_section(batch),
                      latency_section(b), bigruns_section(big), pyclient_section(b),
-                     capture_section(cap), eagerfirst_section(eagerf), report_pypath.section(pyp),
+                     capture_section(cap), eagerfirst_section(eagerf),
+                     report_pypath.section(pyp, b.get("floors", {})),
                      checkpoint_section(ckpt), remote_section(remote),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b, report_pypath.targets(pyp)), time_section(b),

@@ -22,17 +22,56 @@ def _vjp(p: dict) -> str:
     return _us(p["g_vjp"]) if "g_vjp" in p else "–"
 
 
-def _breakdown(fwd: list[dict]) -> str:
-    """Where (g)'s forward time goes, from the rows' breakdown pass."""
+# bench.json's floors that bound the solver's path (bench_c sockpair: an echo
+# process built as the daemon's loop is), each with what it stands for
+FLOORS = [("sockpair_poll", "the echo, both sides polling, as the daemon's loop and its "
+                            "clients do around a small request run on the loop"),
+          ("sockpair_runner_poll", "the echo handing each request to a second thread and "
+                                   "back (condition variable, eventfd), both sides polling, as "
+                                   "a run on the pool goes"),
+          ("sockpair_runner", "that hand-off with both sides sleeping: a run with every "
+                              "core's team (the loop does not poll after one, nor the client "
+                              "for a request of 256 KiB or more)")]
+POLL_BELOW = 256 << 10  # proto/busypoll.h BUSYPOLL_MAX_REQUEST: clients poll below it
+
+fmt_us = _us
+
+
+def _request_bytes(r: dict) -> int:
+    """A forward row's tensor bytes sent (float64)."""
+    if r["body"] == "gru":  # h [64, 32], x [T, 64, 16], six weights as params
+        return 8 * (64 * 32 + r["T"] * 64 * 16 + 3 * 32 * 32 + 3 * 16 * 32)
+    return 8 * (r["N"] + r["T"] * r["N"])
+
+
+def _path(r: dict) -> tuple[str, str] | None:
+    """(where the row's runs went, the floor that path pays) from its `ran`."""
+    ran = r.get("ran")
+    if not ran or not any(ran.values()):
+        return None
+    where = max(ran, key=lambda k: ran[k])
+    if where == "inline":
+        return "loop", "sockpair_poll"
+    if where == "runner":
+        return "team", "sockpair_runner"
+    return "pool", "sockpair_runner_poll" if _request_bytes(r) < POLL_BELOW else "sockpair_runner"
+
+
+def _breakdown(fwd: list[dict], floors: dict) -> str:
+    """Where (g)'s forward time goes, from the rows' breakdown pass, against
+    the floor of the path its runs took."""
     rows = []
     for r in fwd:
-        b = r.get("breakdown")
+        b, path = r.get("breakdown"), _path(r)
         if not b or not r.get("run_us"):
             continue
         trip = max(b["conn_us"] - r["run_us"], 0.0)
+        left = r["p50_us"]["b"] - r["run_us"]
+        floor = floors.get(path[1], {}).get("p50_us") if path else None
         rows.append([r["body"], _shape(r), str(r["T"]), _us(b["total_us"]), _us(b["python_us"]),
-                     _us(trip), _us(r["run_us"]), _us(r["p50_us"]["b"]),
-                     _x(r["run_us"] / r["p50_us"]["b"])])
+                     _us(trip), _us(r["run_us"]), _us(r["p50_us"]["b"]), _us(left),
+                     path[0] if path else "–", _us(floor) if floor is not None else "–",
+                     _us(left - b["python_us"] - floor) if floor is not None else "–"])
     if not rows:
         return ""
     return f"""Where (g)'s time goes (forward, µs, medians over one more set of calls
@@ -42,16 +81,35 @@ gradients are on, the region's bookkeeping); "round trip" is the C call
 (`_fast.Conn.call`: the codec, the copy of what is not in the region yet, the
 socket both ways, the daemon's event loop, the hand-offs to and from the
 thread that runs the graph, and every wake-up) minus the graph's run; "run"
-is the graph's own run time in the daemon (`stats`' p50). "run / (b)" is
-how much of the in-process call the graph alone takes: what is left for the
-rest to stay within (b).
+is the graph's own run time in the daemon (`stats`' p50); "(b) − run" is what
+the in-process call leaves for everything else. "path": where the daemon ran
+the row's graphs (`stats`: on its event loop, on the runner with every core's
+OpenMP team, or on the pool with one thread), and "floor" what that path costs
+with no work in it on this machine (below); "slack" = (b) − run − package −
+floor: what the codec and the daemon's own work may take for (g) to reach
+(b). A negative slack means that on this path no daemon could: the graph, the
+package's Python and a bare round trip already take longer than the whole
+in-process call.
 
 {_table(["body", "carry", "T", "(g)", "package", "round trip", "run", "(b) in process",
-         "run / (b)"], rows, "llrrrrrrr")}
+         "(b) − run", "path", "floor", "slack"], rows, "llrrrrrrrlrr")}
 """
 
 
-def section(d: dict) -> str:
+def _floor(fl: dict) -> str:
+    """The round trips with no work in them that bound (g) from below."""
+    rows = [[k, _us(fl[k]["p50_us"]), what] for k, what in FLOORS if k in fl]
+    if not rows:
+        return ""
+    return f"""The floors (`bench.json` → `floors`, this run; "Where the time goes"
+has them with the others): a 228-byte round trip to an echo process built as
+the daemon's loop is (`bench_c sockpair`), p50 µs:
+
+{_table(["floor", "p50", "what it is"], rows, "lrl")}
+"""
+
+
+def section(d: dict, floors: dict) -> str:
     if not d:
         return "## The solver's path\n\n(pypath.json missing: run `make bench`.)\n"
     fwd = [r for r in d["warm"] if r["mode"] == "fwd"]
@@ -98,15 +156,15 @@ forward again:
          "max grad diff"], brows, "llrrrrrrr")}
 
 "contended runs": the daemon's runs with every core's OpenMP team counted as
-contended during the row (`stats.contended_runs`; the rule of this run's
-commit: a run slower than the fastest one-thread run; since, an average over
-4 times it, docs/architecture.md): the
+contended during the row (`stats.contended_runs`: the team's runs, averaged,
+over 4 times the fastest one-thread run; daemon/graph/team.h): the
 client's own torch (the sums, the backward's copies) leaves a libgomp worker
 spinning for milliseconds on one of the two cores, and the daemon's team
 waits for it at every barrier; the specialization's runs then take one
 thread for a while (docs/architecture.md, "Threads and ownership").
 
-{_breakdown(fwd)}
+{_breakdown(fwd, floors)}
+{_floor(floors)}
 
 First call of a new body in a fresh process (the example bodies, tier.py's
 trees; seconds of the first scan, its compile included): (b) with an Inductor
