@@ -143,10 +143,11 @@ from bench import settle  # the compiles' helper processes wound down
 diff = check()
 settle()
 per_call = {}
-for k, fn in fns.items():  # warm-up (0.5 s each); a call's time sets the count per round
-    t_end = time.perf_counter() + 0.5
+for k, fn in fns.items():  # warm-up (0.5 s each); its median call sets the count per round
+    t_end, seen = time.perf_counter() + 0.5, []
     while time.perf_counter() < t_end:
-        t0 = time.perf_counter(); fn(); per_call[k] = time.perf_counter() - t0
+        t0 = time.perf_counter(); fn(); seen.append(time.perf_counter() - t0)
+    per_call[k] = statistics.median(seen)
 stats0 = torchloop.Client(sock).stats()
 runs0 = {a["name"]: a["runs"] for a in stats0["adapters"]}
 p50s = {k: [] for k in fns}
