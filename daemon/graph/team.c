@@ -16,9 +16,13 @@ int team_choose(struct team_choice *t, int cores, int share, uint64_t now_ms, in
 		return *trial ? cores : share;
 	}
 	if (t->team == share) {
-		if (now_ms < t->retry_at)
-			return share;
-		t->retry_at = now_ms + TEAM_RETRY_MS;
+		if (t->retry_left == 0) {
+			if (now_ms < t->retry_at)
+				return share;
+			t->retry_at = now_ms + TEAM_RETRY_MS;
+			t->retry_left = TEAM_RETRY_RUNS;
+		}
+		t->retry_left--;
 		*trial = 1;
 		return cores;
 	}

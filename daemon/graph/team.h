@@ -24,8 +24,12 @@
  *
  * The trials themselves can meet such a core, or the compile worker building
  * the specialization's partner graph beside its first runs: a kept share
- * tries every core once every TEAM_RETRY_MS and takes it when that run beats
- * the share's fastest.
+ * tries every core once every TEAM_RETRY_MS, for TEAM_RETRY_RUNS runs in a
+ * row, and takes it when one of them beats the share's fastest.  One run
+ * alone never did: after a second without a run of the team, its libgomp
+ * workers sleep, and waking them at each parallel region made the lone retry
+ * of an ema [4096] T = 16 forward slower than one thread (the bench's row
+ * stayed on one thread: 266 us against 98 in process, 170 with the team).
  */
 #ifndef TORCHLOOP_TEAM_H
 #define TORCHLOOP_TEAM_H
@@ -37,6 +41,7 @@
 #define TEAM_WAIT_MS     10
 #define TEAM_WAIT_MAX_MS 1000
 #define TEAM_RETRY_MS    1000
+#define TEAM_RETRY_RUNS  4
 #define TEAM_CONTENDED   4.0
 
 struct team_choice {
@@ -46,6 +51,7 @@ struct team_choice {
 	uint64_t calm_at;    /* time (ms) until which runs keep to the share */
 	uint32_t backoff_ms; /* the last such wait, 0 after a run at full speed */
 	uint64_t retry_at;   /* a kept share: time (ms) of its next trial of every core */
+	unsigned retry_left; /* runs of every core left in the trial going on */
 	double cores_ema_us; /* a kept team of every core: its runs' average (0: none yet) */
 };
 
