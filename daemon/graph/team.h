@@ -29,7 +29,8 @@
  * alone never did: after a second without a run of the team, its libgomp
  * workers sleep, and waking them at each parallel region made the lone retry
  * of an ema [4096] T = 16 forward slower than one thread (the bench's row
- * stayed on one thread: 266 us against 98 in process, 170 with the team).
+ * stayed on one thread: 266 us p50 against 98 in process; 163 with the team,
+ * pypath.py --rows).
  */
 #ifndef TORCHLOOP_TEAM_H
 #define TORCHLOOP_TEAM_H
