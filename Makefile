@@ -31,7 +31,7 @@ CRIT_LIBS    := $(shell pkg-config --libs criterion 2>/dev/null)
 
 PROTO_SRC  := $(wildcard proto/*.c)
 PROTO_OBJ  := $(PROTO_SRC:%.c=$(BUILD)/%.o)
-DAEMON_SRC := $(filter-out daemon/server/main.c,$(wildcard $(DAEMON_DIRS:%=%/*.c)))
+DAEMON_SRC := $(filter-out daemon/server/main.c daemon/base/sandbox_main.c,$(wildcard $(DAEMON_DIRS:%=%/*.c)))
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
 CLIENT_SRC := $(filter-out client/cli.c client/cli_stats.c client/treejson.c,$(wildcard client/*.c))
 CLIENT_OBJ := $(CLIENT_SRC:%.c=$(BUILD)/%.o)
@@ -57,7 +57,7 @@ build: setup
 
 BINARIES := $(BUILD)/libproto.a
 ifneq ($(wildcard daemon/server/main.c),)
-BINARIES += $(BUILD)/torchloopd
+BINARIES += $(BUILD)/torchloopd $(BUILD)/torchloopd-sandbox
 endif
 ifneq ($(wildcard client/cli.c),)
 BINARIES += $(BUILD)/torchloop $(BUILD)/libtorchloop.so $(BUILD)/libtorchloop.a $(BUILD)/torchloop.pc
@@ -65,7 +65,7 @@ endif
 
 .PHONY: binaries tests
 binaries: $(BINARIES)
-tests: $(UNIT_BIN) $(E2E_BIN) $(BUILD)/torchloopd-testhooks
+tests: $(UNIT_BIN) $(E2E_BIN) $(BUILD)/torchloopd-testhooks $(BUILD)/torchloopd-sandbox
 
 HEADERS := $(wildcard proto/*.h $(DAEMON_DIRS:%=%/*.h) client/*.h)
 $(BUILD)/%.o: %.c $(HEADERS)
@@ -80,6 +80,11 @@ $(BUILD)/libdaemon.a: $(DAEMON_OBJ)
 
 $(BUILD)/torchloopd: $(BUILD)/daemon/server/main.o $(BUILD)/libdaemon.a $(BUILD)/libproto.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(UV_LIBS) $(SD_LIBS) $(REMOTE_LIBS) $(MSGPACK_LIBS) $(TORCH_LIBS) -ldl -lpthread -lm
+
+# The compile worker's launcher (daemon/base/sandbox.h): libc only, so
+# nothing but libc runs before the sandbox is on.
+$(BUILD)/torchloopd-sandbox: $(BUILD)/daemon/base/sandbox_main.o $(BUILD)/daemon/base/sandbox.o
+	$(CC) $(LDFLAGS) -o $@ $^
 
 # The same daemon with test-only hooks (SIGUSR2 stalls the loop, for the
 # watchdog test; SIGUSR1 the graph runner and a pool thread, for health's
@@ -135,6 +140,7 @@ sanitize: setup
 	@$(MAKE) -j$(JOBS) --no-print-directory BUILD=build-san SAN=1 binaries
 	@$(MAKE) -j$(JOBS) --no-print-directory BUILD=build-san SAN=1 tests
 	@TORCHLOOP_TEST_SAN=1 $(MAKE) --no-print-directory BUILD=build-san SAN=1 run-tests
+	@$(MAKE) --no-print-directory fuzz-graph
 
 # libFuzzer over frame + envelope + tree decoding, under ASan+UBSan.
 FUZZ_BIN := $(BUILD)/fuzz/fuzz_proto
@@ -144,9 +150,17 @@ $(FUZZ_BIN): tests/fuzz/fuzz_proto.c $(PROTO_SRC) $(wildcard proto/*.h)
 		-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
 		-o $@ tests/fuzz/fuzz_proto.c $(PROTO_SRC) $(MSGPACK_LIBS)
 
+# Then the graph-format fuzzer (mutated captured graphs through the worker's
+# loader, tests/fuzz/fuzz_graph.py), after the proto fuzzer on the same core:
+# `make test` runs this target beside valgrind's, which takes longer than both.
 fuzz: setup
 	@$(MAKE) --no-print-directory $(FUZZ_BIN)
 	@bash scripts/fuzz.sh $(FUZZ_BIN) $(FUZZ_SECONDS)
+	@$(MAKE) --no-print-directory fuzz-graph
+
+.PHONY: fuzz-graph
+fuzz-graph: setup
+	@FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) tests/fuzz/fuzz_graph.py
 
 run: build
 	exec $(BUILD)/torchloopd --adapters examples/adapters --state-dir $(BUILD)/state $(RUN_ARGS)
@@ -192,7 +206,7 @@ WORKER_PKG := $(wildcard daemon/worker/torchloop_worker/*.py)
 INSTALL_FILES = $(DESTDIR)$(PREFIX)/bin/torchloopd $(DESTDIR)$(PREFIX)/bin/torchloop \
 	$(DESTDIR)$(PREFIX)/lib/libtorchloop.so $(DESTDIR)$(PREFIX)/lib/libtorchloop.a \
 	$(DESTDIR)$(PREFIX)/include/torchloop.h $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc \
-	$(DESTDIR)$(PREFIX)/lib/torchloopd/compile_worker.py \
+	$(DESTDIR)$(PREFIX)/lib/torchloopd/compile_worker.py $(DESTDIR)$(PREFIX)/lib/torchloopd/torchloopd-sandbox \
 	$(patsubst daemon/worker/%,$(DESTDIR)$(PREFIX)/lib/torchloopd/%,$(WORKER_PKG)) \
 	$(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.socket \
 	$(DESTDIR)/usr/lib/sysusers.d/torchloopd.conf $(DESTDIR)/usr/lib/tmpfiles.d/torchloopd.conf
@@ -207,6 +221,7 @@ install: build $(BUILD)/torchloop.pc
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(PREFIX)/lib|' -e 's|@INCLUDEDIR@|$(PREFIX)/include|' \
 	    -e 's|@VERSION@|$(VERSION)|' -e 's|@MSGPACK_LIBS@|$(MSGPACK_LIBS)|' client/torchloop.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/torchloop.pc
 	install -m 0644 daemon/worker/compile_worker.py $(DESTDIR)$(PREFIX)/lib/torchloopd/
+	install -m 0755 $(BUILD)/torchloopd-sandbox $(DESTDIR)$(PREFIX)/lib/torchloopd/
 	install -m 0644 $(WORKER_PKG) $(DESTDIR)$(PREFIX)/lib/torchloopd/torchloop_worker/
 	sed -e 's|/usr/local/bin/torchloopd|$(PREFIX)/bin/torchloopd --worker $(PREFIX)/lib/torchloopd/compile_worker.py --python $(PY)|' \
 	    systemd/torchloopd.service > $(DESTDIR)$(SYSTEMD_DIR)/torchloopd.service

@@ -5,7 +5,9 @@
 #include "msg.h"
 
 #include "mpguard.h"
+#include "utf8.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #define MSG_OP_MAX 32
@@ -61,6 +63,57 @@ static int parse_op(struct msg *m, struct proto_err *err)
 	return 0;
 }
 
+/*
+ * Every string of o (map keys too) is well-formed UTF-8, else BAD_REQUEST
+ * naming field (the request's top-level key it lies under).  Depth is
+ * bounded by mpguard already.
+ */
+static int check_text(const msgpack_object *o, const char *field, struct proto_err *err)
+{
+	size_t bad;
+
+	switch (o->type) {
+	case MSGPACK_OBJECT_STR:
+		bad = utf8_check(o->via.str.ptr, o->via.str.size);
+		if (bad == o->via.str.size)
+			return 0;
+		return proto_fail(err, PROTO_E_BAD_REQUEST, field,
+		                  "%s holds a string that is not well-formed UTF-8 (byte %zu)",
+		                  field, bad);
+	case MSGPACK_OBJECT_ARRAY:
+		for (uint32_t i = 0; i < o->via.array.size; i++)
+			if (check_text(&o->via.array.ptr[i], field, err) != 0)
+				return -1;
+		return 0;
+	case MSGPACK_OBJECT_MAP:
+		for (uint32_t i = 0; i < o->via.map.size; i++)
+			if (check_text(&o->via.map.ptr[i].key, field, err) != 0 ||
+			    check_text(&o->via.map.ptr[i].val, field, err) != 0)
+				return -1;
+		return 0;
+	default:
+		return 0;
+	}
+}
+
+/* The request's strings, under the top-level key each lies under. */
+static int check_request_text(const struct msg *m, struct proto_err *err)
+{
+	for (uint32_t i = 0; i < m->map->size; i++) {
+		const msgpack_object *k = &m->map->ptr[i].key;
+		char field[PROTO_MAX_KEY_BYTES + 1] = "a request key";
+		if (k->type == MSGPACK_OBJECT_STR &&
+		    utf8_check(k->via.str.ptr, k->via.str.size) != k->via.str.size)
+			return proto_fail(err, PROTO_E_BAD_REQUEST, NULL,
+			                  "a request key is not well-formed UTF-8");
+		if (k->type == MSGPACK_OBJECT_STR && k->via.str.size < sizeof field)
+			snprintf(field, sizeof field, "%.*s", (int)k->via.str.size, k->via.str.ptr);
+		if (check_text(&m->map->ptr[i].val, field, err) != 0)
+			return -1;
+	}
+	return 0;
+}
+
 int msg_parse(struct msg *m, const uint8_t *body, size_t len, enum msg_kind kind,
               struct proto_err *err)
 {
@@ -85,6 +138,8 @@ int msg_parse(struct msg *m, const uint8_t *body, size_t len, enum msg_kind kind
 		return 0;
 	if (parse_id(m, kind, err) != 0)
 		return -1;
+	if (kind == MSG_REQUEST && check_request_text(m, err) != 0)
+		return -1; /* before op: its name is echoed in UNKNOWN_OP's message */
 	if (kind == MSG_REQUEST)
 		return parse_op(m, err);
 	m->is_error = msg_field(m, "error") != NULL;

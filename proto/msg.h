@@ -38,7 +38,10 @@ struct msg {
 /*
  * Parses a frame body.  For MSG_REQUEST, id (unsigned integer) and op
  * (string) must be present; an unknown op name is not an error here (op is
- * -1) so the caller can answer UNKNOWN_OP with the id.  Returns 0, or -1
+ * -1) so the caller can answer UNKNOWN_OP with the id.  Every string of a
+ * request (keys too, at any depth) must be well-formed UTF-8 (utf8.h), else
+ * BAD_REQUEST with the top-level field as path: no worker, log line or
+ * state file ever sees other bytes as text.  Returns 0, or -1
  * with err; m->has_id/m->id are set whenever the id could be read, so the
  * caller can address its error reply.  msg_destroy is always safe after.
  */

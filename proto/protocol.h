@@ -120,6 +120,7 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	  "tensor byte length differs from its shape and dtype")                                   \
 	/* request validation */                                                                   \
 	X(INVALID_ARGUMENT, "INVALID_ARGUMENT", "a request field is missing or wrong")             \
+	X(BAD_REQUEST, "BAD_REQUEST", "a request string is not well-formed UTF-8")                 \
 	X(INVALID_NAME, "INVALID_NAME", "adapter name is empty or malformed")                      \
 	X(INVALID_BOUNDS, "INVALID_BOUNDS", "max_steps/max_elements/budget out of range")          \
 	X(NOT_FOUND, "NOT_FOUND", "no adapter of that name")                                       \
@@ -167,6 +168,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(WORKER_CRASHED, "WORKER_CRASHED", "the compile worker died")                             \
 	X(ARTIFACT_CORRUPT, "ARTIFACT_CORRUPT", "a cached artifact failed verification")           \
 	X(ENGINE_ERROR, "ENGINE_ERROR", "the compiled graph failed to load or run")                \
+	X(INDEX_OUT_OF_RANGE, "INDEX_OUT_OF_RANGE",                                                \
+	  "an index the graph read from its inputs is out of range")                               \
 	/* daemon state */                                                                         \
 	X(PERMISSION_DENIED, "PERMISSION_DENIED", "peer may not perform this op")                  \
 	X(BUSY, "BUSY", "too many requests in flight on this connection")                          \

@@ -400,6 +400,7 @@ int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta
 		*quarantined = 1;
 		return 0;
 	}
+	cache_touch(c, key);
 	return 1;
 }
 
@@ -461,23 +462,78 @@ static int write_meta(const struct cache *c, const char *key, const struct cache
 	return rc;
 }
 
+/* Copies in to out while hashing what it copies, at most CACHE_ARTIFACT_MAX bytes. */
+static int copy_hashed(int in, int out, struct cache_meta *meta)
+{
+	static _Thread_local uint8_t buf[1 << 16];
+	struct sha256 s;
+	uint8_t digest[32];
+	ssize_t n;
+
+	sha256_init(&s);
+	while ((n = read(in, buf, sizeof buf)) > 0) {
+		if (s.len + (uint64_t)n > CACHE_ARTIFACT_MAX) {
+			errno = EFBIG;
+			return -1;
+		}
+		sha256_update(&s, buf, (size_t)n);
+		if (write(out, buf, (size_t)n) != n)
+			return -1;
+	}
+	if (n < 0 || fsync(out) != 0 || fchmod(out, 0500) != 0)
+		return -1;
+	meta->size = s.len;
+	sha256_final(&s, digest);
+	sha256_hex(digest, meta->sha256);
+	return 0;
+}
+
+/*
+ * The artifact a compile left at src (a regular file, not followed if a
+ * symlink) copied into a fresh file of the daemon's own under tmp/ (dst),
+ * hashed as it is copied: what is committed is what was hashed, and no
+ * process that could write src can write dst.
+ */
+static int copy_in(const struct cache *c, const char *key, const char *src, char *dst, size_t size,
+                   struct cache_meta *meta, struct proto_err *err)
+{
+	struct stat st;
+	int in = cache_open_file(src, &st), out = -1, rc = -1;
+
+	if (in < 0)
+		return cache_sys_fail(err, "cannot open the compiled artifact", src);
+	cache_tmp_path(c, key, dst, size);
+	out = open(dst, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+	if (out < 0 || copy_hashed(in, out, meta) != 0)
+		cache_sys_fail(err, "cannot copy the compiled artifact to", dst);
+	else
+		rc = 0;
+	close(in);
+	if (out >= 0)
+		close(out);
+	if (rc != 0)
+		unlink(dst);
+	return rc;
+}
+
 int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
                  struct cache_meta *meta, struct proto_err *err)
 {
-	char so[PATH_MAX], objects[PATH_MAX];
+	char so[PATH_MAX], objects[PATH_MAX], copy[PATH_MAX];
 
-	if (fsync_path(tmp_so, O_RDONLY) != 0)
-		return cache_sys_fail(err, "cannot fsync", tmp_so);
-	if (hash_regular(tmp_so, meta->sha256, &meta->size) != 0)
-		return cache_sys_fail(err, "cannot hash", tmp_so);
-	chmod(tmp_so, 0500);
+	if (copy_in(c, key, tmp_so, copy, sizeof copy, meta, err) != 0)
+		return -1;
 	cache_so_path(c, key, so, sizeof so);
-	if (rename(tmp_so, so) != 0)
-		return cache_sys_fail(err, "cannot rename to", so);
+	if (rename(copy, so) != 0) {
+		cache_sys_fail(err, "cannot rename to", so);
+		unlink(copy);
+		return -1;
+	}
 	if (write_meta(c, key, meta, err) != 0)
 		return -1;
 	snprintf(objects, sizeof objects, "%s/objects", c->dir);
 	fsync_path(objects, O_RDONLY | O_DIRECTORY);
+	cache_evict(c, time(NULL));
 	return 0;
 }
 
@@ -497,4 +553,5 @@ void cache_quarantine(const struct cache *c, const char *key, const char *why)
 			unlink(src);
 	}
 	fprintf(stderr, "torchloopd: warn cache: quarantined %.16s: %s\n", key, why);
+	cache_prune_quarantine(c);
 }

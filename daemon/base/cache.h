@@ -6,10 +6,11 @@
  *   objects/<key>.meta  msgpack record: size, sha256, graph signature; its
  *                       presence is what commits an entry
  *   objects/<key>.lock  exists (flock'ed) only while one process compiles that key
- *   tmp/                artifacts being written (temp name, fsync, rename)
- *                       and the compile worker's job directories
- *                       (<name>.d); entries of dead daemons are removed at
- *                       start (names carry the daemon's pid)
+ *   tmp/                artifacts being written (temp name, fsync, rename),
+ *                       the daemon's load links, and each compile worker's
+ *                       scratch directory w.<pid>.<n>/ (sandbox.h: the only
+ *                       place it may write); entries of dead daemons are
+ *                       removed at start (names carry the daemon's pid)
  *   quarantine/         entries that failed verification, kept for a look
  *
  * A lookup verifies size and sha256 of the .so against its .meta before the
@@ -27,11 +28,13 @@
 #include <msgpack.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #define CACHE_KEY_HEX 65
 
 struct cache {
 	char dir[PATH_MAX / 2];
+	long long max_bytes; /* --cache-max-bytes; 0: no cap */
 };
 
 struct cache_meta {
@@ -92,9 +95,14 @@ int cache_lookup(const struct cache *c, const char *key, struct cache_meta *meta
 void cache_meta_free(struct cache_meta *meta);
 
 /*
- * Commits tmp_so as the entry for key: fsync, hash, rename into objects/,
- * then write the .meta the same way.  Fills meta->size and meta->sha256.
+ * Commits tmp_so as the entry for key: copies it (a regular file of at most
+ * CACHE_ARTIFACT_MAX bytes, never a symlink's target) into a fresh file of
+ * the daemon's own while hashing it, fsyncs and renames that into objects/,
+ * then writes the .meta the same way.  tmp_so itself is never renamed: a
+ * compile worker may still hold it open (the caller removes it).  Fills
+ * meta->size and meta->sha256.
  */
+#define CACHE_ARTIFACT_MAX (1ULL << 30)
 int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
                  struct cache_meta *meta, struct proto_err *err);
 
@@ -113,5 +121,25 @@ int cache_trylock(const struct cache *c, const char *key, int *fd, struct proto_
 void cache_unlock(const struct cache *c, const char *key, int fd);
 /* At start: removes lock files no process holds (an older daemon's). */
 void cache_clean_locks(const struct cache *c);
+
+/*
+ * The size cap (cache_evict.c).  Over max_bytes, removes quarantined files,
+ * then the least recently used entries no process has pinned and none
+ * touched in the last CACHE_EVICT_GRACE_S seconds, then the oldest index
+ * files, until the directory fits.  Thread pool (it reads the directory).
+ * Returns how many entries it evicted.
+ */
+#define CACHE_EVICT_GRACE_S  60
+#define CACHE_QUARANTINE_MAX 64
+unsigned cache_evict(const struct cache *c, time_t now);
+/* Keeps quarantine/ to CACHE_QUARANTINE_MAX files, oldest go first. */
+void cache_prune_quarantine(const struct cache *c);
+/* A shared flock on the entry's .so, held while its image is loaded: the fd
+ * (the caller closes it when it unloads), or -1 (no entry: not pinned). */
+int cache_pin(const struct cache *c, const char *key);
+/* Marks the entry used now (its .meta's mtime): LRU order. */
+void cache_touch(const struct cache *c, const char *key);
+/* Entries and bytes evicted by this process so far. */
+void cache_evict_counts(uint64_t *entries, uint64_t *bytes);
 
 #endif

@@ -17,10 +17,12 @@
 #include "shapes.h"
 #include "writer.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static void pump(struct compiler *c);
 
@@ -121,7 +123,7 @@ static int send_job(struct slot *s, struct compile_job *j)
 	writer_key_str(w, "dtype", proto_dtype_name(j->dtype));
 	writer_key_i64(w, "steps", j->steps);
 	writer_key_i64(w, "max_batch", j->max_batch);
-	writer_key_str(w, "output", j->output);
+	writer_key_str(w, "output", j->staged);
 	writer_key_str(w, "lane", COMPILER_LANE_NAMES[s->lane]);
 	if (j->wrt)
 		writer_key_str(w, "wrt", j->wrt);
@@ -196,9 +198,27 @@ static void grow(struct compiler *c, struct lane *l)
 		pool_spawn(free_slot);
 }
 
+/*
+ * The job's output goes into the scratch of the worker that runs it (the
+ * only place it may write); the reply moves it out (take_artifact).
+ */
+static void stage(struct slot *s, struct compile_job *j)
+{
+	const char *scratch = wproc_scratch(s->p), *base = strrchr(j->output, '/');
+
+	if (scratch[0]) {
+		if (snprintf(j->staged, sizeof j->staged, "%s/%s", scratch,
+		             base ? base + 1 : j->output) >= (int)sizeof j->staged)
+			log_warn("compile job %llu: its output path is too long: %s",
+			         (unsigned long long)j->id, j->staged);
+	} else
+		snprintf(j->staged, sizeof j->staged, "%s", j->output);
+}
+
 static void dispatch(struct slot *s, struct compile_job *j)
 {
 	s->current = j;
+	stage(s, j);
 	if (send_job(s, j) != 0) {
 		pool_fail_current(s, PROTO_E_INTERNAL, PROTO_ERR_TRANSIENT,
 		                  "cannot send the job to the compile worker");
@@ -407,6 +427,31 @@ static void recycle(struct slot *s, const struct msg *m)
 	pool_kill_slot(s);
 }
 
+/*
+ * A worker's artifact is taken only from the path its job was given, and
+ * moved out of the worker's scratch (to the job's output, under <cache>/tmp)
+ * before the scratch goes with the worker; cache_commit then copies it, so
+ * nothing the worker still holds open becomes a cache entry.
+ */
+static int take_artifact(struct compile_job *job, struct compile_result *res, struct proto_err *err)
+{
+	struct stat st;
+
+	if (strcmp(res->so_path, job->staged) != 0 || lstat(job->staged, &st) != 0 ||
+	    !S_ISREG(st.st_mode)) {
+		free(res->y_spec);
+		return proto_fail(err, PROTO_E_COMPILE_FAILED, NULL,
+		                  "the compile worker's artifact is not a file at its job's path");
+	}
+	if (strcmp(job->staged, job->output) != 0 && rename(job->staged, job->output) != 0) {
+		free(res->y_spec);
+		return proto_fail(err, PROTO_E_INTERNAL, NULL, "cannot take the artifact %s: %s",
+		                  job->staged, strerror(errno));
+	}
+	snprintf(res->so_path, sizeof res->so_path, "%s", job->output);
+	return 0;
+}
+
 static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
 {
 	struct proto_err err;
@@ -418,7 +463,7 @@ static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
 		job->done(job, NULL, &err);
 	} else if (job->check_only) {
 		job->done(job, &res, NULL);
-	} else if (read_result(m, &res, &err) != 0) {
+	} else if (read_result(m, &res, &err) != 0 || take_artifact(job, &res, &err) != 0) {
 		job->done(job, NULL, &err);
 	} else {
 		job->done(job, &res, NULL);

@@ -33,6 +33,7 @@
 #define TORCHLOOP_COMPILER_H
 
 #include "protocol.h"
+#include "sandbox.h"
 #include "tree.h"
 
 #include <stdbool.h>
@@ -83,6 +84,7 @@ struct compile_job {
 	compile_done_cb done;
 	void *data;
 	/* private */
+	char staged[1024]; /* output, in the scratch of the worker that runs it */
 	uint64_t id;
 	struct compile_job *next;
 	unsigned lane;
@@ -130,6 +132,10 @@ struct compiler_opts {
 	unsigned foreground_workers; /* 0: compiler_default_workers() */
 	/* extra NAME=value entries for the worker (target ISA), NULL-terminated */
 	const char *const *env_extra;
+	/* the workers' sandbox (sandbox.h), their scratch directories' parent
+	 * (<cache>/tmp) and Inductor's cache directory (they may write there) */
+	enum sandbox_mode sandbox;
+	const char *scratch_root, *inductor_dir;
 };
 
 struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,
@@ -151,6 +157,8 @@ unsigned compiler_start_failures(const struct compiler *c);
 uint64_t compiler_orphans_killed(const struct compiler *c);
 /* Workers replaced after loading RECYCLE_AFTER artifacts (daemon/worker/compile_worker.py). */
 uint64_t compiler_recycled(const struct compiler *c);
+/* "landlock+seccomp", or "off (why)": health's and stats' "sandbox". */
+const char *compiler_sandbox(const struct compiler *c);
 /* The first foreground worker's pid (0 when none). */
 pid_t compiler_pid(const struct compiler *c);
 

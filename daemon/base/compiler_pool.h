@@ -55,6 +55,10 @@ struct compiler {
 	uv_timer_t restart, reaper, idle;
 	struct wproc_opts wopts;
 	char python[1024], script[1024];
+	char launcher[1024], scratch_root[1024], inductor_dir[1024];
+	const char *write[2]; /* what workers may write besides their scratch */
+	char sandbox[160];    /* compiler_sandbox */
+	unsigned scratches;   /* scratch directories made so far (their names) */
 	double timeout;
 	compiler_ready_cb ready;
 	void *data;

@@ -11,6 +11,7 @@
 #include "log.h"
 #include "proctree.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -283,11 +284,20 @@ void pool_spawn(struct slot *s)
 	struct compiler *c = s->c;
 	struct wproc_opts o = c->wopts;
 	struct proto_err err;
+	char scratch[1024];
 	int rc;
 
 	o.nice = s->lane == LANE_BACKGROUND ? BACKGROUND_NICE : 0;
 	s->hello = s->paused = false;
-	s->p = wproc_spawn(c->loop, &o, &WPROC_OPS, s, &rc);
+	o.scratch = scratch;
+	if (sandbox_scratch_create(c->scratch_root, ++c->scratches, scratch, sizeof scratch) != 0) {
+		log_error("compile worker: cannot create its scratch directory %s: %s", scratch,
+		          strerror(errno));
+		s->p = NULL;
+		rc = UV_EIO;
+	} else {
+		s->p = wproc_spawn(c->loop, &o, &WPROC_OPS, s, &rc);
+	}
 	if (s->p != NULL) {
 		struct writer *w = wproc_begin();
 		c->open_handles++; /* released by worker_closed */
@@ -345,10 +355,47 @@ static void init_timer(struct compiler *c, uv_timer_t *t, void *data)
 	c->open_handles++;
 }
 
+/*
+ * Whether workers run in the sandbox (sandbox_plan), said loudly when they
+ * do not; -1 when it is required and cannot be had.
+ */
+static int sandbox_init(struct compiler *c, const struct compiler_opts *opts)
+{
+	int on = sandbox_plan(opts->sandbox, opts->script, c->launcher, sizeof c->launcher,
+	                      c->sandbox, sizeof c->sandbox);
+
+	snprintf(c->scratch_root, sizeof c->scratch_root, "%s", opts->scratch_root);
+	snprintf(c->inductor_dir, sizeof c->inductor_dir, "%s", opts->inductor_dir);
+	c->write[0] = c->inductor_dir;
+	c->wopts.write = c->write;
+	if (on < 0) {
+		log_error("--worker-sandbox required, but the compile workers' sandbox is %s",
+		          c->sandbox);
+		return -1;
+	}
+	if (on == 0) {
+		c->launcher[0] = '\0';
+		log_error("compile workers run WITHOUT their sandbox: %s; a hostile graph that "
+		          "subverts one can write the cache and reach other sockets",
+		          c->sandbox);
+	} else {
+		log_info("compile workers run in the sandbox (%s, %s)", SANDBOX_ON, c->launcher);
+		c->wopts.sandbox = c->launcher;
+	}
+	return 0;
+}
+
+const char *compiler_sandbox(const struct compiler *c)
+{
+	return c->sandbox;
+}
+
 int pool_init(struct compiler *c, const struct compiler_opts *opts)
 {
 	unsigned max[COMPILER_LANES] = {1, opts->foreground_workers, 1};
 
+	if (sandbox_init(c, opts) != 0)
+		return -1;
 	c->wopts.env = wproc_env(opts->env_extra);
 	if (c->wopts.env == NULL)
 		return -1;

@@ -33,6 +33,7 @@ enum {
 	OPT_MODE,
 	OPT_LOG,
 	OPT_ISA,
+	OPT_SANDBOX,
 	OPT_REMOTE,
 	OPT_REMOTE_SECRET,
 	OPT_REMOTE_AUTH,
@@ -86,6 +87,9 @@ static void usage(FILE *f)
 	    "  --target-isa ISA     what graphs are compiled for: native (default: this CPU),\n"
 	    "                       avx2 (x86-64 with AVX2) or baseline (any x86-64; also what\n"
 	    "                       valgrind can run); part of every cache key\n"
+	    "  --worker-sandbox MODE  auto (default: compile workers run confined by Landlock\n"
+	    "                       and seccomp where the kernel has Landlock, else unconfined,\n"
+	    "                       said loudly), required (refuse to start without it) or off\n"
 	    "  --remote-cache URL   a second cache tier shared by many nodes: "
 	    "redis://HOST[:PORT][/DB]\n"
 	    "                       or unix:///PATH[?db=N] (default: none)\n"
@@ -218,10 +222,22 @@ static const struct option OTHER_OPTS[] = {
     {"admin-group", required_argument, NULL, OPT_ADMIN},
     {"log-level", required_argument, NULL, OPT_LOG},
     {"target-isa", required_argument, NULL, OPT_ISA},
+    {"worker-sandbox", required_argument, NULL, OPT_SANDBOX},
     {"no-probe", no_argument, NULL, OPT_NO_PROBE},
     {"help", no_argument, NULL, OPT_HELP},
     {"version", no_argument, NULL, OPT_VERSION},
 };
+
+static int parse_sandbox(struct config *c, const char *arg)
+{
+	static const char *const modes[] = {"auto", "required", "off"};
+
+	for (int i = 0; i < 3; i++)
+		if (strcmp(arg, modes[i]) == 0)
+			return c->worker_sandbox = (enum sandbox_mode)i, 0;
+	fprintf(stderr, "torchloopd: --worker-sandbox: auto, required or off\n");
+	return -1;
+}
 
 static int parse_other(struct config *c, int opt, const char *arg)
 {
@@ -264,6 +280,8 @@ static int parse_other(struct config *c, int opt, const char *arg)
 			return -1;
 		}
 		return 0;
+	case OPT_SANDBOX:
+		return parse_sandbox(c, arg);
 	case OPT_LOG:
 		for (int i = 0; i < 4; i++)
 			if (strcmp(arg, levels[i]) == 0)

@@ -11,6 +11,12 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "sandbox.h"
+
+/* --max-uids-per-adapter's largest value: what an adapter's budget table holds
+ * (graphs.h, struct adapter's shares) */
+#define CONFIG_MAX_UIDS_PER_ADAPTER 256
+
 /* name, field, min, default, max, help */
 #define CONFIG_LIMITS(X)                                                                           \
 	X("max-frame", max_frame, PROTO_FRAME_MIN, PROTO_FRAME_DEFAULT, PROTO_FRAME_MAX,           \
@@ -50,6 +56,12 @@
 	  "captured-graph adapters one uid may hold (its least recently used one goes first)")     \
 	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \
 	  "failed specializations one adapter remembers (least recently used dropped first)")      \
+	X("max-uids-per-adapter", max_uids_per_adapter, 1, 16, CONFIG_MAX_UIDS_PER_ADAPTER,        \
+	  "uids besides its owner whose specializations one adapter holds (each uid spends its "   \
+	  "own recompile_budget)")                                                                 \
+	X("cache-max-bytes", cache_max_bytes, 0, 8LL << 30, 1LL << 42,                             \
+	  "bytes the on-disk cache may hold; over it the least recently used artifacts no daemon " \
+	  "has loaded go first (0: no cap)")                                                       \
 	X("max-shm", max_shm, 0, 1LL << 30, 64LL << 30,                                            \
 	  "bytes of shared memory one connection may attach (0: attach refused)")                  \
 	X("max-shm-total", max_shm_total, 0, 16LL << 30, 1LL << 40,                                \
@@ -91,6 +103,7 @@ struct config {
 	int omp_threads; /* OpenMP team per run when every pool thread runs one */
 	int cores;       /* online CPUs at start */
 	enum target_isa target_isa;
+	enum sandbox_mode worker_sandbox; /* --worker-sandbox */
 };
 
 /*

@@ -7,12 +7,20 @@
  *
  * Ownership at the ABI: Run steals the input handles (it NULLs what it took)
  * and hands back owned output handles, which engine_result_free deletes.
+ *
+ * Fault flag: an artifact whose kernels check indices read from data exports
+ * `int torchloop_index_fault` (the worker's index_guard.py): a failed check
+ * sets a bit there and the kernel goes on with a safe index, because a C++
+ * exception cannot leave the OpenMP region it is raised in.  Runs of such an
+ * artifact are serialised by fault_lock (the flag is one per artifact):
+ * cleared before Run, read after; a set bit fails the request.
  */
 #include "engine.h"
 
 #include "aoti.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,8 +33,16 @@ struct engine_graph {
 	aoti_run_fn run;
 	aoti_last_error_fn last_error;
 	size_t n_in, n_out;
+	int pin_fd;                 /* the cache entry's pin (engine_pin), -1: none */
+	int *fault;                 /* ENGINE_FAULT_SYMBOL, or NULL: the graph checks no index */
+	pthread_mutex_t fault_lock; /* serialises runs when fault is set */
 	char path[512];
 };
+
+/* Bits of the fault flag (daemon/worker/torchloop_worker/index_guard.py). */
+#define ENGINE_FAULT_SYMBOL "torchloop_index_fault"
+#define ENGINE_FAULT_INDEX  1
+#define ENGINE_FAULT_ASSERT 2
 
 static int runtime_fail(const struct engine_graph *g, struct proto_err *err, const char *what)
 {
@@ -83,6 +99,7 @@ static int resolve(struct engine_graph *g, size_t concurrency, struct proto_err 
 	g->destroy = (aoti_delete_fn)need_sym(g, "AOTInductorModelContainerDelete", err);
 	g->run = (aoti_run_fn)need_sym(g, "AOTInductorModelContainerRun", err);
 	g->last_error = (aoti_last_error_fn)dlsym(g->dl, "AOTInductorGetLastError");
+	g->fault = (int *)dlsym(g->dl, ENGINE_FAULT_SYMBOL);
 	if (!create || !n_in || !n_out || !g->destroy || !g->run)
 		return -1;
 	if (create(&g->container, concurrency ? concurrency : 1, "cpu", NULL) != 0)
@@ -111,6 +128,8 @@ int engine_load(const char *so_path, size_t concurrency, struct engine_graph **o
 	if (g == NULL)
 		return proto_fail(err, PROTO_E_INTERNAL, NULL, "out of memory");
 	snprintf(g->path, sizeof g->path, "%s", so_path);
+	g->pin_fd = -1;
+	pthread_mutex_init(&g->fault_lock, NULL);
 	g->dl = dlopen(so_path, RTLD_NOW | RTLD_LOCAL);
 	if (g->dl == NULL) {
 		proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "dlopen %s: %s", so_path, dlerror());
@@ -133,7 +152,17 @@ void engine_unload(struct engine_graph *g)
 		g->destroy(g->container);
 	if (g->dl != NULL)
 		dlclose(g->dl);
+	if (g->pin_fd >= 0)
+		close(g->pin_fd);
+	pthread_mutex_destroy(&g->fault_lock);
 	free(g);
+}
+
+void engine_pin(struct engine_graph *g, int fd)
+{
+	if (g->pin_fd >= 0)
+		close(g->pin_fd);
+	g->pin_fd = fd;
 }
 
 size_t engine_num_inputs(const struct engine_graph *g)
@@ -286,6 +315,43 @@ static int read_output(struct engine_result *res, size_t i, const struct engine_
 	return 0;
 }
 
+/* A fault the kernels flagged (bits of ENGINE_FAULT_SYMBOL) as err. */
+static int fault_fail(const struct engine_graph *g, int bits, struct proto_err *err)
+{
+	if (bits & ENGINE_FAULT_INDEX)
+		return proto_fail(
+		    err, PROTO_E_INDEX_OUT_OF_RANGE, NULL,
+		    "an index the graph read from its inputs is out of range "
+		    "(as eager torch's 'index out of bounds'); no result was returned");
+	return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: an assertion in the graph failed",
+	                  g->path);
+}
+
+/* Run, with the fault flag cleared before and read after (under fault_lock)
+ * when the artifact has one.  Returns 0, or -1 with err. */
+static int run_checked(struct engine_graph *g, AtenTensorHandle *handles, size_t n_all,
+                       struct engine_result *res, struct proto_err *err)
+{
+	int rc, bits = 0;
+
+	if (g->fault != NULL) {
+		pthread_mutex_lock(&g->fault_lock);
+		__atomic_store_n(g->fault, 0, __ATOMIC_RELAXED);
+	}
+	rc = g->run(g->container, handles, n_all, (AtenTensorHandle *)res->handles, g->n_out, NULL,
+	            NULL);
+	if (g->fault != NULL) {
+		/* the team's writes are ordered before its join; acquire for the rest */
+		bits = __atomic_exchange_n(g->fault, 0, __ATOMIC_ACQ_REL);
+		pthread_mutex_unlock(&g->fault_lock);
+	}
+	if (rc != 0)
+		return runtime_fail(g, err, "running the graph");
+	if (bits != 0)
+		return fault_fail(g, bits, err);
+	return 0;
+}
+
 /* Wraps the inputs and res's output buffers, runs the container and reads
  * its outputs into res (res->tensors and res->handles are set up). */
 static int run_graph(struct engine_graph *g, const struct engine_tensor *in, size_t n_in,
@@ -307,11 +373,8 @@ static int run_graph(struct engine_graph *g, const struct engine_tensor *in, siz
 		if (wrap_input(t, &handles[made], &copies[made], err) != 0)
 			goto out;
 	}
-	if (g->run(g->container, handles, n_all, (AtenTensorHandle *)res->handles, g->n_out, NULL,
-	           NULL) != 0) {
-		runtime_fail(g, err, "running the graph");
+	if (run_checked(g, handles, n_all, res, err) != 0)
 		goto out;
-	}
 	rc = 0;
 	for (size_t i = 0; i < g->n_out && rc == 0; i++)
 		rc = read_output(res, i, &expected_out[i], err);

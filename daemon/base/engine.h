@@ -42,6 +42,8 @@ struct engine_result {
 int engine_load(const char *so_path, size_t concurrency, struct engine_graph **out,
                 struct proto_err *err);
 void engine_unload(struct engine_graph *g);
+/* Keeps fd (cache_pin's) open while the graph is loaded; closed on unload. */
+void engine_pin(struct engine_graph *g, int fd);
 /* Data inputs (the graph also takes one result buffer per output, after them). */
 size_t engine_num_inputs(const struct engine_graph *g);
 size_t engine_num_outputs(const struct engine_graph *g);

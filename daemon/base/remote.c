@@ -17,6 +17,7 @@
 #include "remote.h"
 
 #include "log.h"
+#include "remote_uv.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -28,14 +29,14 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
 #pragma GCC diagnostic ignored "-Wshadow"
-#pragma GCC diagnostic ignored "-Wunused-function"
-#include <hiredis/adapters/libuv.h>
 #include <hiredis/async.h>
 #include <hiredis/hiredis.h>
 #pragma GCC diagnostic pop
 
 #define RECONNECT_MS 1000
-#define KEY_MAX      (sizeof "tl:a:" - 1 + CACHE_KEY_HEX) /* prefix, key, NUL */
+/* what a reply may hold beyond --remote-max-object: its header, small replies behind it */
+#define REPLY_SLACK (64u << 10)
+#define KEY_MAX     (sizeof "tl:a:" - 1 + CACHE_KEY_HEX) /* prefix, key, NUL */
 
 struct remote {
 	uv_loop_t *loop;
@@ -101,6 +102,23 @@ static void on_disconnect(const redisAsyncContext *ac, int status)
 	}
 }
 
+/* A reply grew past --remote-max-object while being read (remote_uv.c):
+ * the connection goes; its commands fail (a fetch is a miss: compiled here). */
+static void on_breach(redisAsyncContext *ac, size_t held)
+{
+	struct remote *r = ac->data;
+	char what[24];
+
+	r->stats.reply_too_large++;
+	snprintf(what, sizeof what, "%zu", held);
+	fault(r, "a reply passed --remote-max-object while being read (%s bytes): dropped", what);
+	if (r->ac == ac) {
+		r->ac = NULL;
+		r->connected = false;
+	}
+	redisAsyncFree(ac);
+}
+
 static int connect_now(struct remote *r)
 {
 	uint64_t now = uv_now(r->loop);
@@ -121,7 +139,7 @@ static int connect_now(struct remote *r)
 		return -1;
 	}
 	ac->data = r;
-	if (redisLibuvAttach(ac, r->loop) != REDIS_OK) {
+	if (remote_uv_attach(ac, r->loop, r->o.max_object + REPLY_SLACK, on_breach) != REDIS_OK) {
 		redisAsyncFree(ac);
 		fault(r, "cannot attach to the loop%s", "");
 		return -1;

@@ -53,6 +53,8 @@ struct remote_opts {
 	X(wrong_key, "blobs refused: sealed for another key")                                      \
 	X(truncated, "blobs refused: cut or malformed")                                            \
 	X(too_large, "blobs refused: over --remote-max-object")                                    \
+	X(reply_too_large,                                                                         \
+	  "replies that passed --remote-max-object while being read (connection dropped)")         \
 	X(errors, "remote commands that failed (the daemon compiled locally)")                     \
 	X(timeouts, "remote commands over --remote-timeout")                                       \
 	X(reconnects, "connections to Redis made again")

@@ -1,14 +1,20 @@
 /*
- * wproc.c - see wproc.h.  Owns the worker's uv_process_t and its two pipes;
- * the struct is freed once all three have closed (after the exit callback).
+ * wproc.c - see wproc.h.  Owns the worker's uv_process_t and its three pipes
+ * (jobs in, replies out, its stderr); the struct is freed once all four
+ * have closed (after the exit callback).  The worker's stderr is never the
+ * daemon's: each line of it is relayed into the daemon's log quoted and
+ * escaped (log_relay), so nothing a worker or a compiler it runs prints
+ * can forge a daemon log line.
  */
 #include "wproc.h"
 
 #include "frame.h"
 #include "log.h"
 #include "proctree.h"
+#include "sandbox.h"
 #include "uvframe.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -19,12 +25,15 @@
 
 struct wproc {
 	uv_process_t proc;
-	uv_pipe_t in, out;
+	uv_pipe_t in, out, err;
 	struct frame_reader reader;
+	char line[4096]; /* the stderr line being read (relayed whole or at 4 KiB) */
+	size_t line_len;
 	const struct wproc_ops *ops;
 	void *data;
 	int open;
 	bool killed, exited;
+	char scratch[1024]; /* its own directory (removed when it is gone), or "" */
 };
 
 extern char **environ;
@@ -104,6 +113,11 @@ void *wproc_data(const struct wproc *p)
 	return p->data;
 }
 
+const char *wproc_scratch(const struct wproc *p)
+{
+	return p->scratch;
+}
+
 pid_t wproc_pid(const struct wproc *p)
 {
 	return p->proc.pid;
@@ -136,6 +150,7 @@ static void close_all(struct wproc *p)
 {
 	uv_close((uv_handle_t *)&p->in, closed);
 	uv_close((uv_handle_t *)&p->out, closed);
+	uv_close((uv_handle_t *)&p->err, closed);
 	uv_close((uv_handle_t *)&p->proc, closed);
 }
 
@@ -241,6 +256,72 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 	}
 }
 
+/* ---- the worker's stderr -------------------------------------------------- */
+
+static void relay_line(struct wproc *p)
+{
+	char who[48];
+
+	snprintf(who, sizeof who, "compile worker %d", p->proc.pid);
+	if (p->line_len > 0)
+		log_relay(LOG_INFO, who, p->line, p->line_len);
+	p->line_len = 0;
+}
+
+static void relay(struct wproc *p, const char *data, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		if (data[i] == '\n') {
+			relay_line(p);
+			continue;
+		}
+		if (p->line_len == sizeof p->line)
+			relay_line(p); /* a line this long goes out in pieces */
+		p->line[p->line_len++] = data[i];
+	}
+}
+
+static void on_err_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+	static char chunk[16384]; /* loop thread; relayed before the next read */
+
+	(void)h;
+	(void)suggested;
+	*buf = uv_buf_init(chunk, sizeof chunk);
+}
+
+static void on_err_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+	struct wproc *p = s->data;
+
+	if (nread > 0) {
+		relay(p, buf->base, (size_t)nread);
+	} else if (nread < 0) {
+		relay_line(p);
+		uv_read_stop(s);
+	}
+}
+
+/* What the worker wrote just before it exited (its last traceback): the
+ * pipe is read dry now, before it closes with the process (at most 1 MiB:
+ * a grandchild still writing is killed with the tree). */
+static void drain_err(struct wproc *p)
+{
+	uv_os_fd_t fd;
+	char buf[4096];
+	size_t total = 0;
+	ssize_t n;
+
+	if (uv_fileno((uv_handle_t *)&p->err, &fd) != 0 ||
+	    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) != 0)
+		return;
+	while (total < (1u << 20) && (n = read(fd, buf, sizeof buf)) > 0) {
+		relay(p, buf, (size_t)n);
+		total += (size_t)n;
+	}
+	relay_line(p);
+}
+
 static void on_exit_cb(uv_process_t *proc, int64_t status, int sig)
 {
 	struct wproc *p = proc->data;
@@ -253,14 +334,38 @@ static void on_exit_cb(uv_process_t *proc, int64_t status, int sig)
 	if (!p->killed)
 		proctree_kill(proc->pid); /* its group and any setsid'd children */
 	p->exited = true;
+	drain_err(p);
+	if (p->scratch[0]) /* what a job left there was moved out at its reply */
+		sandbox_scratch_remove(p->scratch);
 	p->ops->exited(p, how);
 	close_all(p);
+}
+
+/* The worker's argv: the interpreter, behind the sandbox's launcher when there is one. */
+static void worker_args(const struct wproc_opts *o, char **args, size_t max)
+{
+	size_t n = 0;
+
+	if (o->sandbox) {
+		args[n++] = (char *)o->sandbox;
+		args[n++] = "--scratch";
+		args[n++] = (char *)o->scratch;
+		for (const char *const *w = o->write; w && *w && n + 6 < max; w++) {
+			args[n++] = "--write";
+			args[n++] = (char *)*w;
+		}
+		args[n++] = "--";
+	}
+	args[n++] = (char *)o->python;
+	args[n++] = "-u";
+	args[n++] = (char *)o->script;
+	args[n] = NULL;
 }
 
 struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const struct wproc_ops *ops,
                           void *data, int *uv_err)
 {
-	char *args[] = {(char *)o->python, "-u", (char *)o->script, NULL};
+	char *args[24];
 	uv_stdio_container_t stdio[3];
 	uv_process_options_t po = {0};
 	struct wproc *p = calloc(1, sizeof *p);
@@ -270,17 +375,21 @@ struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const str
 		return NULL;
 	p->ops = ops;
 	p->data = data;
+	snprintf(p->scratch, sizeof p->scratch, "%s", o->scratch ? o->scratch : "");
 	frame_reader_init(&p->reader, PROTO_FRAME_MAX);
 	uv_pipe_init(loop, &p->in, 0);
 	uv_pipe_init(loop, &p->out, 0);
-	p->in.data = p->out.data = p->proc.data = p;
-	p->open = 3;
+	uv_pipe_init(loop, &p->err, 0);
+	p->in.data = p->out.data = p->err.data = p->proc.data = p;
+	p->open = 4;
 	stdio[0] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_READABLE_PIPE,
 	                                  .data.stream = (uv_stream_t *)&p->in};
 	stdio[1] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_WRITABLE_PIPE,
 	                                  .data.stream = (uv_stream_t *)&p->out};
-	stdio[2] = (uv_stdio_container_t){.flags = UV_INHERIT_FD, .data.fd = 2};
-	po.file = o->python;
+	stdio[2] = (uv_stdio_container_t){.flags = UV_CREATE_PIPE | UV_WRITABLE_PIPE,
+	                                  .data.stream = (uv_stream_t *)&p->err};
+	worker_args(o, args, sizeof args / sizeof args[0]);
+	po.file = args[0];
 	po.args = args;
 	po.env = o->env;
 	po.stdio = stdio;
@@ -291,6 +400,8 @@ struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const str
 	if (*uv_err != 0) {
 		/* nothing runs; the handles still close (and free p), telling nobody */
 		static const struct wproc_ops unspawned = {.closed = nobody};
+		if (p->scratch[0])
+			sandbox_scratch_remove(p->scratch);
 		p->exited = true;
 		p->ops = &unspawned;
 		p->data = NULL;
@@ -301,5 +412,6 @@ struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const str
 	if (o->nice && setpriority(PRIO_PROCESS, (id_t)p->proc.pid, o->nice) != 0)
 		log_warn("compile worker %d: setpriority failed", p->proc.pid);
 	uv_read_start((uv_stream_t *)&p->out, on_alloc, on_read);
+	uv_read_start((uv_stream_t *)&p->err, on_err_alloc, on_err_read);
 	return p;
 }

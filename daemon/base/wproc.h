@@ -37,6 +37,11 @@ struct wproc_opts {
 	const char *python, *script;
 	char **env;
 	int nice; /* added to the worker's nice value (its children inherit it) */
+	/* the sandbox's launcher (sandbox.h) put in front of the interpreter, or
+	 * NULL; scratch is the worker's own directory, write the others it may
+	 * write (NULL-terminated) */
+	const char *sandbox, *scratch;
+	const char *const *write;
 };
 
 /* The workers' environment (allow-listed, then extra): calloc'ed, free it. */
@@ -46,6 +51,8 @@ struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const str
                           void *data, int *uv_err);
 void *wproc_data(const struct wproc *p);
 pid_t wproc_pid(const struct wproc *p);
+/* Its scratch directory (wproc_opts), removed once the process is gone; or "". */
+const char *wproc_scratch(const struct wproc *p);
 /* A writer to build one message in (NULL: out of memory); wproc_send takes it. */
 struct writer *wproc_begin(void);
 /* Sends the message built in w and frees w (p NULL: just frees it); -1 if not sent. */

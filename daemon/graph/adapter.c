@@ -1,15 +1,17 @@
 /*
  * adapter.c - named adapters (the graph layer's registry).  Loop thread only.
  *
- * Registering a name that exists with the same body, entry, bounds and
- * strategy keeps the adapter (and its graphs); anything different replaces
- * it: the old adapter is unlisted, its specializations dropped (runs in
- * flight finish on their own references) and the budget starts again.  The
+ * Registering a name that exists with the same definition (every field of
+ * graphs.h's ADAPTER_FIELDS, the table a captured graph's name hashes too)
+ * keeps the adapter (and its graphs); anything different replaces it: the
+ * old adapter is unlisted, its specializations dropped (runs in flight
+ * finish on their own references) and the budget starts again.  The
  * validation messages are the reference adapter's.
  */
 #include "graphs.h"
 
 #include "sha256.h"
+#include "utf8.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,6 +76,14 @@ int adapter_def_validate(struct adapter_def *def, struct proto_err *err)
 	if (def->source == NULL || def->source[0] == '\0')
 		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "body",
 		                  "the adapter has no body source");
+	/* an adapter file's body: a request's was checked with the frame (msg.c) */
+	if (utf8_check(def->source, strlen(def->source)) != strlen(def->source))
+		return proto_fail(err, PROTO_E_BAD_REQUEST, "body",
+		                  "the body is not well-formed UTF-8 (byte %zu)",
+		                  utf8_check(def->source, strlen(def->source)));
+	if (utf8_check(def->body_file, strlen(def->body_file)) != strlen(def->body_file))
+		return proto_fail(err, PROTO_E_BAD_REQUEST, "body_file",
+		                  "body_file is not well-formed UTF-8");
 	return 0;
 }
 
@@ -102,13 +112,65 @@ static void body_hash(struct adapter *a)
 	sha256_hex(md, a->body_sha);
 }
 
+/* ADAPTER_FIELDS' kinds as text */
+static const char *field_STR(const char *v, char num[24])
+{
+	(void)num;
+	return v ? v : "";
+}
+
+static const char *field_I64(int64_t v, char num[24])
+{
+	snprintf(num, 24, "%lld", (long long)v);
+	return num;
+}
+
+static const char *field_BOOL(bool v, char num[24])
+{
+	(void)num;
+	return v ? "1" : "0";
+}
+
+const char *adapter_def_field(const struct adapter_def *def, int i, char num[24])
+{
+	int k = 0;
+
+#define FIELD_TEXT(member, key, kind)                                                              \
+	if (k++ == i)                                                                              \
+		return field_##kind(def->member, num);
+	ADAPTER_FIELDS(FIELD_TEXT)
+#undef FIELD_TEXT
+	return NULL;
+}
+
+/* The two read the same table, so a field compared is a field hashed. */
 bool adapter_same_def(const struct adapter *a, const struct adapter_def *def)
 {
-	return a->def.graph == def->graph && strcmp(a->def.source, def->source) == 0 &&
-	       strcmp(a->def.entry, def->entry) == 0 &&
-	       strcmp(a->def.strategy, def->strategy) == 0 &&
-	       strcmp(a->def.dynamic, def->dynamic) == 0 && a->def.max_steps == def->max_steps &&
-	       a->def.max_elements == def->max_elements && a->def.budget == def->budget;
+	char x[24], y[24];
+	const char *s;
+
+	for (int i = 0; (s = adapter_def_field(&a->def, i, x)) != NULL; i++)
+		if (strcmp(s, adapter_def_field(def, i, y)) != 0)
+			return false;
+	return true;
+}
+
+void adapter_graph_name(const struct adapter_def *def, char out[ADAPTER_GRAPH_NAME_LEN + 1])
+{
+	struct sha256 s;
+	uint8_t md[32];
+	char hex[65], num[24];
+	const char *f;
+
+	sha256_init(&s);
+	for (int i = 0; (f = adapter_def_field(def, i, num)) != NULL; i++) {
+		if (i > 0)
+			sha256_update(&s, "\n", 1);
+		sha256_update(&s, f, strlen(f));
+	}
+	sha256_final(&s, md);
+	sha256_hex(md, hex);
+	snprintf(out, ADAPTER_GRAPH_NAME_LEN + 1, "g.%.40s", hex);
 }
 
 unsigned adapter_count_graphs(struct registry *r, uid_t owner, struct adapter **lru)
@@ -188,6 +250,14 @@ void adapter_clear(struct registry *r)
 {
 	while (r->head)
 		unlist(r, r->head);
+}
+
+unsigned adapter_budget_used(const struct adapter *a, uid_t uid)
+{
+	for (unsigned i = 0; i < a->n_shares; i++)
+		if (a->shares[i].uid == uid)
+			return a->shares[i].used;
+	return 0;
 }
 
 void adapter_record_latency(struct adapter *a, double us)

@@ -97,6 +97,7 @@ open:
 	unlink(so);
 	if (rc != 0)
 		return -1;
+	engine_pin(*graph, cache_pin(j->g->cache, j->key));
 	n_in = engine_num_inputs(*graph);
 	n_out = engine_num_outputs(*graph);
 	if (j->purpose != LOAD_UPGRADE) {

@@ -1,7 +1,9 @@
 /*
  * graphs.c - specializations of an adapter: found or created for a request
- * (within the adapter's recompilation budget), or created at start-up from
- * the warm-start index; the graph layer opened and closed.
+ * (within the requesting uid's share of the adapter's recompilation budget:
+ * graphs.h, struct budget_share), or created at start-up from the warm-start
+ * index (nobody's share: who made them is not persisted); the graph layer
+ * opened and closed.
  *
  * A specialization's states: LOADING -> READY, or LOADING -> COMPILING ->
  * LOADING -> READY, or FAILED (specs.c keeps the waiters, the failures and
@@ -79,13 +81,14 @@ void graphs_close(struct graphs *g)
 	g->remote = NULL;
 }
 
-static void budget_exhausted(struct adapter *a, struct proto_err *err)
+/* RECOMPILE_BUDGET_EXHAUSTED: uid's share is full; the message lists it. */
+static int budget_exhausted(struct adapter *a, uid_t uid, struct proto_err *err)
 {
 	char list[PROTO_MESSAGE_MAX - 200] = "";
 	size_t len = 0;
 
 	for (struct specialization *sp = a->specs; sp; sp = sp->next) {
-		if (!spec_counts(sp))
+		if (!spec_counts(sp) || sp->uid != uid)
 			continue;
 		int w = snprintf(list + len, sizeof list - len, "%s%s %s", len ? "; " : "",
 		                 spec_kinds[sp->kind].name, sp->signature);
@@ -93,9 +96,37 @@ static void budget_exhausted(struct adapter *a, struct proto_err *err)
 			break;
 		len += (size_t)w;
 	}
-	proto_fail(err, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
-	           "adapter %s holds recompile_budget=%lld specializations already: %s",
-	           a->def.name, (long long)a->def.budget, list);
+	return proto_fail(err, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
+	                  "uid %d holds recompile_budget=%lld specializations of adapter %s "
+	                  "already (each uid has a budget of its own): %s",
+	                  (int)uid, (long long)a->def.budget, a->def.name, list);
+}
+
+/*
+ * May uid make a new specialization of this kind?  Within its own share of
+ * the budget, and, unless it owns the adapter or holds a share already, while
+ * fewer than --max-uids-per-adapter other uids hold one (what an adapter
+ * holds stays bounded).  0, or -1 with RECOMPILE_BUDGET_EXHAUSTED.
+ */
+static int budget_check(struct graphs *g, struct adapter *a, const struct scan_args *args,
+                        struct proto_err *err)
+{
+	unsigned others = a->n_shares;
+
+	if (!spec_kinds[args->kind].budgeted)
+		return 0;
+	if (adapter_budget_used(a, args->uid) >= (unsigned)a->def.budget)
+		return budget_exhausted(a, args->uid, err);
+	if (adapter_budget_used(a, args->uid) > 0 || args->uid == a->def.owner)
+		return 0;
+	others -= adapter_budget_used(a, a->def.owner) > 0;
+	if (others < (unsigned)g->cfg->max_uids_per_adapter)
+		return 0;
+	return proto_fail(err, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED, NULL,
+	                  "adapter %s holds specializations of %u uids besides its owner, "
+	                  "--max-uids-per-adapter=%lld: uid %d may use those (scan at their "
+	                  "signatures) but not make a new one",
+	                  a->def.name, others, g->cfg->max_uids_per_adapter, (int)args->uid);
 }
 
 static void partner_done(struct graph_waiter *w, struct specialization *sp,
@@ -155,8 +186,7 @@ void graphs_acquire(struct graphs *g, struct adapter *a, const struct scan_args 
 		spec_add_waiter(sp, w);
 		return;
 	}
-	if (spec_kinds[args->kind].budgeted && a->held >= (unsigned)a->def.budget) {
-		budget_exhausted(a, &err);
+	if (budget_check(g, a, args, &err) != 0) {
 		w->done(w, NULL, &err);
 		return;
 	}
@@ -202,7 +232,7 @@ unsigned graphs_prewarm(struct graphs *g, struct adapter *a, void (*done)(struct
 	for (int i = 0; i < n && a->held < (unsigned)a->def.budget; i++) {
 		struct scan_args args = {
 		    &recs[i].carry, &recs[i].inputs, recs[i].dtype, 0, adapter_batched(a) ? 1 : 0,
-		    recs[i].kind,   recs[i].wrt};
+		    recs[i].kind,   recs[i].wrt,     SPEC_NO_UID};
 		char sig[SPEC_SIG_MAX];
 		struct specialization *sp;
 		struct load_job *j;

@@ -34,7 +34,9 @@
 #include <string.h>
 #include <uv.h>
 
-#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1"
+/* index_checks=flag: kernels' index checks set the artifact's fault flag
+ * instead of throwing (worker index_guard.py); older artifacts are rebuilt */
+#define AOTI_OPTIONS "use_consts_asm_build=0;package_constants_in_so=1;index_checks=flag"
 #define LATENCY_RING 1024
 
 #define ADAPTER_NAME_MAX 64
@@ -42,6 +44,28 @@
 /* Where an adapter came from: a client's register, an --adapters file, or a
  * registration persisted in --state-dir and restored at start (persist.c). */
 enum adapter_origin { ADAPTER_REGISTERED, ADAPTER_FILE, ADAPTER_RESTORED };
+
+/*
+ * The fields that define an adapter, in one table: registering a name again
+ * with any of them different replaces the adapter (adapter_same_def), and a
+ * captured graph's name hashes every one of them in this order
+ * (adapter_graph_name; the Python package's _graph.IDENTITY_FIELDS mirrors
+ * the wire keys, tests/python/test_limits.py compares them), so that nobody
+ * can register another definition under the name of someone else's graph.
+ * X(member of struct adapter_def, wire key, kind: STR, I64 or BOOL).
+ */
+#define ADAPTER_FIELDS(X)                                                                          \
+	X(source, "body", STR)                                                                     \
+	X(graph, "graph", BOOL)                                                                    \
+	X(entry, "entry", STR)                                                                     \
+	X(max_steps, "max_steps", I64)                                                             \
+	X(max_elements, "max_elements", I64)                                                       \
+	X(budget, "recompile_budget", I64)                                                         \
+	X(strategy, "strategy", STR)                                                               \
+	X(dynamic, "dynamic", STR)
+
+/* A captured graph's name: "g." + 40 hex digits (adapter_graph_name). */
+#define ADAPTER_GRAPH_NAME_LEN (2 + 40)
 
 struct adapter_def {
 	char name[ADAPTER_NAME_MAX + 1];
@@ -151,6 +175,9 @@ struct specialization {
 	struct engine_tensor *expected_out; /* n_out, what the graph must return */
 	uint64_t last_used;                 /* registry tick of the last lookup (LRU) */
 	struct engine_graph *graph;
+	/* whose recompile budget it spends (the uid whose request made it;
+	 * SPEC_NO_UID: loaded at start-up from the warm-start index, nobody's) */
+	uid_t uid;
 	/*
 	 * Quick tier (--quick-tier-steps): an unrolled graph not in the cache is
 	 * served first by the scan op's graph (compiled in seconds, whatever T),
@@ -184,6 +211,20 @@ static inline bool spec_grad(const struct specialization *sp)
 	return spec_kinds[sp->kind].grad;
 }
 
+/* The uid of nobody's specializations (graphs_prewarm's). */
+#define SPEC_NO_UID ((uid_t)-1)
+
+/*
+ * One uid's share of an adapter's recompile budget: each uid may hold up to
+ * recompile_budget specializations of an adapter (those its requests made;
+ * one another uid made is free to use), so no uid can spend another's.  At
+ * most --max-uids-per-adapter uids besides the owner hold a share.
+ */
+struct budget_share {
+	uid_t uid;
+	unsigned used;
+};
+
 struct adapter {
 	struct adapter_def def;
 	char body_sha[CACHE_KEY_HEX];
@@ -191,7 +232,10 @@ struct adapter {
 	bool live; /* still the registered adapter of its name */
 	struct adapter *next;
 	struct specialization *specs;
-	unsigned held;   /* specializations counted against the budget */
+	unsigned held; /* specializations counted against the budget, every uid's */
+	/* held's split by uid (SPEC_NO_UID's not listed); used > 0 each */
+	struct budget_share shares[CONFIG_MAX_UIDS_PER_ADAPTER + 1];
+	unsigned n_shares;
 	unsigned failed; /* FAILED specializations remembered (bounded, LRU) */
 	/* compiles of this definition during which the worker died; at 2 the
 	 * definition is refused (crash_err) until it is re-registered */
@@ -251,8 +295,15 @@ int adapter_unregister(struct registry *r, const char *name, size_t len);
 /* Captured-graph adapters of owner; *lru: the least recently found one. */
 unsigned adapter_count_graphs(struct registry *r, uid_t owner, struct adapter **lru);
 void adapter_clear(struct registry *r);
-/* Same body, entry, bounds, budget and strategy (registering it changes nothing). */
+/* Every ADAPTER_FIELDS field equal (registering it changes nothing). */
 bool adapter_same_def(const struct adapter *a, const struct adapter_def *def);
+/* Field i of ADAPTER_FIELDS of def as text (num: room for a number), or NULL
+ * past the last field. */
+const char *adapter_def_field(const struct adapter_def *def, int i, char num[24]);
+/* The only name a non-admin may register def (a captured graph) under: "g."
+ * + 40 hex digits of SHA-256 over its ADAPTER_FIELDS' texts joined by "\n"
+ * (the source first; the others hold no "\n", so the join is unambiguous). */
+void adapter_graph_name(const struct adapter_def *def, char out[ADAPTER_GRAPH_NAME_LEN + 1]);
 
 /* dynamic = batch: one graph per signature serves every batch size. */
 static inline bool adapter_batched(const struct adapter *a)
@@ -275,6 +326,8 @@ static inline void adapter_unref(struct adapter *a)
 	free(a->def.source);
 	free(a);
 }
+/* uid's share of a's budget: the specializations it holds (0: none). */
+unsigned adapter_budget_used(const struct adapter *a, uid_t uid);
 void adapter_record_latency(struct adapter *a, double us);
 double adapter_latency_percentile(const struct adapter *a, double p);
 
@@ -290,6 +343,8 @@ struct scan_args {
 	/* a saved kind's `wrt`: '1' per leaf (carry's, params', inputs') whose
 	 * gradient the graph computes, '0' where it is zero; NULL: every leaf */
 	const char *wrt;
+	/* who asks: a new specialization spends this uid's share of the budget */
+	uid_t uid;
 };
 
 /*

@@ -55,6 +55,43 @@ bool spec_counts(const struct specialization *sp)
 	return sp->state != SPEC_FAILED && spec_kinds[sp->kind].budgeted;
 }
 
+/* A new sp counts against its adapter's budget: held, and its uid's share
+ * (graphs_acquire checked that the share table has room). */
+static void spec_charge(struct specialization *sp)
+{
+	struct adapter *a = sp->adapter;
+
+	if (!spec_counts(sp))
+		return;
+	a->held++;
+	if (sp->uid == SPEC_NO_UID)
+		return;
+	for (unsigned i = 0; i < a->n_shares; i++)
+		if (a->shares[i].uid == sp->uid) {
+			a->shares[i].used++;
+			return;
+		}
+	assert(a->n_shares < sizeof a->shares / sizeof a->shares[0]);
+	a->shares[a->n_shares++] = (struct budget_share){sp->uid, 1};
+}
+
+/* sp stops counting (it failed, or leaves the list): an empty share goes. */
+static void spec_refund(struct specialization *sp)
+{
+	struct adapter *a = sp->adapter;
+
+	if (!spec_counts(sp))
+		return;
+	if (a->held > 0)
+		a->held--;
+	for (unsigned i = 0; i < a->n_shares; i++)
+		if (a->shares[i].uid == sp->uid) {
+			if (--a->shares[i].used == 0)
+				a->shares[i] = a->shares[--a->n_shares];
+			return;
+		}
+}
+
 void spec_unlist(struct specialization *sp)
 {
 	struct adapter *a = sp->adapter;
@@ -65,8 +102,7 @@ void spec_unlist(struct specialization *sp)
 	if (*pp == NULL)
 		return;
 	*pp = sp->next;
-	if (spec_counts(sp) && a->held > 0)
-		a->held--;
+	spec_refund(sp);
 	if (sp->state == SPEC_FAILED && a->failed > 0)
 		a->failed--;
 	graphs_unref(sp);
@@ -77,6 +113,7 @@ void graphs_drop_all(struct adapter *a)
 	while (a->specs)
 		spec_unlist(a->specs);
 	a->held = 0;
+	a->n_shares = 0;
 	a->failed = 0;
 }
 
@@ -197,8 +234,7 @@ void spec_failed(struct graphs *g, struct specialization *sp, const struct proto
 	bool remember;
 
 	spec_unlock(sp);
-	if (spec_counts(sp) && a->held > 0)
-		a->held--;
+	spec_refund(sp);
 	sp->state = SPEC_FAILED;
 	sp->error = *err;
 	remember = !transient(err) && a->live;
@@ -345,8 +381,9 @@ struct specialization *spec_new(struct graphs *g, struct adapter *a, const struc
 		key_of(g, sp, a->def.strategy, "saved pair", sp->pair_key);
 	sp->next = a->specs;
 	a->specs = sp;
-	a->held += spec_kinds[sp->kind].budgeted;
+	sp->uid = args->uid;
 	sp->state = SPEC_LOADING;
+	spec_charge(sp);
 	sp->wait_started = log_now();
 	sp->last_used = ++g->reg.tick;
 	return sp;

@@ -11,7 +11,7 @@ static void op_health(struct request *req)
 {
 	struct daemon *d = req->d;
 	bool worker = compiler_alive(d->compiler);
-	struct outmsg *out = request_begin_result(req, 12);
+	struct outmsg *out = request_begin_result(req, 13);
 
 	if (out == NULL)
 		return;
@@ -20,6 +20,8 @@ static void op_health(struct request *req)
 	                d->ready && worker && !d->shutting_down && !d->pool_stalled);
 	writer_key_bool(&out->w, "worker", worker);
 	writer_key_str(&out->w, "worker_state", compiler_state(d->compiler));
+	/* "landlock+seccomp", or "off (why)" (daemon/base/sandbox.h) */
+	writer_key_str(&out->w, "sandbox", compiler_sandbox(d->compiler));
 	writer_str(&out->w, "lanes");
 	describe_lanes(&out->w, d->compiler, false);
 	writer_key_str(&out->w, "pool", d->pool_stalled ? "stalled" : "ok");

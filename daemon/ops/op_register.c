@@ -2,9 +2,10 @@
  * op_register.c - register: name, body, bounds, budget, strategy.  The body
  * is Python source + entry (admin only: the compile worker imports it, as
  * the daemon's user) or a captured step graph, body_graph (any peer: the
- * worker loads it as data, daemon/worker/torchloop_worker/graph_loader.py).  A non-admin's
- * graph must be named "g." + the hash of its text and definition (so it
- * cannot take or replace another's), and counts against --max-graphs-per-uid (the uid's
+ * worker loads it as data, daemon/worker/torchloop_worker/graph_loader.py; it takes no
+ * entry).  A non-admin's graph must be named "g." + the hash of its text and
+ * of every field adapter_same_def compares (adapter_graph_name: so it cannot
+ * take or replace another's), and counts against --max-graphs-per-uid (the uid's
  * least recently used graph adapter is dropped to make room).  The same
  * name with a different definition replaces the adapter.  A new definition
  * is checked in the compile worker first (a "check" job, queued ahead of
@@ -19,7 +20,6 @@
 #include "daemon.h"
 
 #include "log.h"
-#include "sha256.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -107,31 +107,25 @@ static int get_body(struct request *req, struct adapter_def *def, struct proto_e
 	return 0;
 }
 
-/* What a non-admin's graph must be named: "g." + 40 hex digits of SHA-256
- * over its text and definition (torchloop/_graph.py's identity()), so no one
- * can take the name another user's graph will have. */
-static void graph_name(const struct adapter_def *def, char out[3 + 40 + 1])
+/* A graph has no function for entry to name: refused with body_graph, so a
+ * graph's definition has one form (its name hashes entry all the same). */
+static int no_graph_entry(struct request *req, const struct adapter_def *def, struct proto_err *err)
 {
-	struct sha256 s;
-	uint8_t md[32];
-	char hex[65], fields[256];
-	int n = snprintf(fields, sizeof fields, "\n%lld\n%lld\n%lld\n%s\n%s",
-	                 (long long)def->max_steps, (long long)def->max_elements,
-	                 (long long)def->budget, def->strategy, def->dynamic);
+	const char *s;
+	uint32_t n;
 
-	sha256_init(&s);
-	sha256_update(&s, def->source, strlen(def->source));
-	sha256_update(&s, fields, (size_t)n);
-	sha256_final(&s, md);
-	sha256_hex(md, hex);
-	snprintf(out, 3 + 40 + 1, "g.%.40s", hex);
+	if (!def->graph || msg_get_str(&req->msg.up.data, "entry", &s, &n, err) != 0)
+		return 0;
+	return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "entry",
+	                  "entry names the function of a body_source; a captured graph "
+	                  "(body_graph) has none: leave entry out");
 }
 
 /* Source runs code: admins only.  A graph is data: anyone, under the name
  * its content gives it. */
 static int permitted(struct request *req, const struct adapter_def *def, struct proto_err *err)
 {
-	char want[3 + 40 + 1];
+	char want[ADAPTER_GRAPH_NAME_LEN + 1];
 
 	if (request_is_admin(req))
 		return 0;
@@ -142,12 +136,12 @@ static int permitted(struct request *req, const struct adapter_def *def, struct 
 		    "and the admin group (peer uid %d): it runs Python in the daemon; "
 		    "captured graphs (body_graph) are open to every user",
 		    (int)req->conn->uid);
-	graph_name(def, want);
+	adapter_graph_name(def, want);
 	if (strcmp(def->name, want) != 0)
 		return proto_fail(
 		    err, PROTO_E_PERMISSION_DENIED, "name",
 		    "a captured graph registered by uid %d must be named %s (g. + the "
-		    "hash of its text and definition)",
+		    "hash of its text and every field of its definition)",
 		    (int)req->conn->uid, want);
 	return 0;
 }
@@ -166,7 +160,7 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 	    copy_str(req, "strategy", def->strategy, sizeof def->strategy, false, err) ||
 	    copy_str(req, "dynamic", def->dynamic, sizeof def->dynamic, false, err) ||
 	    copy_str(req, "body_file", def->body_file, sizeof def->body_file, false, err) ||
-	    get_body(req, def, err))
+	    get_body(req, def, err) || no_graph_entry(req, def, err))
 		return -1;
 	def->owner = req->conn->uid;
 	return adapter_def_validate(def, err) || permitted(req, def, err);

@@ -7,12 +7,15 @@ struct counter {
 	uint64_t value;
 };
 
-/* stats' top level besides the counters: uptime, lanes, remote, error_codes, adapters */
-#define STATS_OTHER_KEYS 5
+/* stats' top level besides the counters: uptime, sandbox, lanes, remote, error_codes,
+ * adapters */
+#define STATS_OTHER_KEYS 6
 
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
+	uint64_t cache_evicted, cache_evicted_bytes;
+	cache_evict_counts(&cache_evicted, &cache_evicted_bytes);
 	const struct counter counters[] = {
 	    {"connections", d->stats.connections},
 	    {"open_connections", d->n_conns},
@@ -39,6 +42,8 @@ static void op_stats(struct request *req)
 	    {"shm_stray_fds", d->stats.shm_stray_fds},
 	    {"graphs_evicted", d->stats.graphs_evicted},
 	    {"failed_evictions", d->graphs.failed_evictions},
+	    {"cache_evicted", cache_evicted},
+	    {"cache_evicted_bytes", cache_evicted_bytes},
 	    {"busy", d->stats.busy},
 	};
 	size_t n = sizeof counters / sizeof counters[0];
@@ -48,6 +53,7 @@ static void op_stats(struct request *req)
 	if (out == NULL)
 		return;
 	writer_key_f64(&out->w, "uptime", log_now() - d->started);
+	writer_key_str(&out->w, "sandbox", compiler_sandbox(d->compiler));
 	for (size_t i = 0; i < n; i++)
 		writer_key_u64(&out->w, counters[i].name, counters[i].value);
 	writer_str(&out->w, "lanes");

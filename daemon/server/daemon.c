@@ -445,14 +445,24 @@ int daemon_graphs_open(struct daemon *d)
 		log_error("cache: %s", err.message);
 		return -1;
 	}
+	d->cache.max_bytes = d->cfg.cache_max_bytes;
 	return graphs_open(&d->graphs, d->loop, &d->cfg, &d->cache, d->worker_sha, d->isa);
 }
 
 int daemon_graphs_start_worker(struct daemon *d,
                                void (*up)(struct daemon *d, const struct proto_err *err))
 {
+	const char *inductor = getenv("TORCHINDUCTOR_CACHE_DIR");
+	char scratch_root[sizeof d->cfg.cache_dir + 8], inductor_dir[sizeof d->cfg.cache_dir + 16];
 	struct compiler_opts o = {d->cfg.python, d->cfg.worker, (double)d->cfg.compile_timeout,
 	                          (unsigned)d->cfg.compile_workers, worker_target_env(d)};
+
+	/* the same directory worker_target_env names to the worker */
+	snprintf(scratch_root, sizeof scratch_root, "%s/tmp", d->cfg.cache_dir);
+	snprintf(inductor_dir, sizeof inductor_dir, "%s/inductor", d->cfg.cache_dir);
+	o.sandbox = d->cfg.worker_sandbox;
+	o.scratch_root = scratch_root;
+	o.inductor_dir = inductor && *inductor ? inductor : inductor_dir;
 
 	d->worker_up = up;
 	d->compiler = compiler_start(d->loop, &o, worker_ready, d);

@@ -15,6 +15,15 @@ void describe_bounds(struct writer *w, const struct adapter *a)
 	writer_key_i64(w, "max_elements", a->def.max_elements);
 	writer_key_i64(w, "recompile_budget", a->def.budget);
 	writer_key_u64(w, "budget_used", a->held);
+	/* each uid's share (graphs.h, struct budget_share): at most
+	 * --max-uids-per-adapter + 1 entries */
+	writer_str(w, "budget_shares");
+	msgpack_pack_array(&w->pk, a->n_shares);
+	for (unsigned i = 0; i < a->n_shares; i++) {
+		msgpack_pack_map(&w->pk, 2);
+		writer_key_i64(w, "uid", (int64_t)a->shares[i].uid);
+		writer_key_u64(w, "used", a->shares[i].used);
+	}
 	writer_key_str(w, "strategy", a->def.strategy);
 	writer_key_str(w, "dynamic", a->def.dynamic);
 	writer_key_str(w, "entry", a->def.entry);

@@ -4,7 +4,8 @@
 
 #include "daemon.h"
 
-/* Bounds, budget, strategy: 7 map entries. */
+/* Bounds, budget (and each uid's share of it), strategy: DESCRIBE_BOUNDS map
+ * entries. */
 void describe_bounds(struct writer *w, const struct adapter *a);
 /* A map of the compile's phases (seconds; empty for a graph from the cache). */
 void describe_phases(struct writer *w, const struct specialization *sp);
@@ -15,7 +16,7 @@ void describe_phases(struct writer *w, const struct specialization *sp);
 void describe_lowering(struct writer *w, const struct specialization *sp);
 /* origin ("registered", "file", "restored") and persisted: 2 fields. */
 void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a);
-#define DESCRIBE_BOUNDS   10 /* map entries describe_bounds writes */
+#define DESCRIBE_BOUNDS   11 /* map entries describe_bounds writes */
 #define DESCRIBE_COUNTERS 13
 /* Counters and run percentiles: DESCRIBE_COUNTERS map entries. */
 void describe_counters(struct writer *w, const struct adapter *a);

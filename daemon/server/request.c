@@ -169,10 +169,13 @@ static void waiter_event(struct graph_waiter *w, const char *event, const struct
 void request_acquire(struct request *req, struct adapter *a, const struct scan_args *args,
                      void (*ready)(struct request *req, struct specialization *sp))
 {
+	struct scan_args mine = *args;
+
+	mine.uid = req->conn->uid; /* a new specialization spends this uid's budget */
 	req->batch = args->batch;
 	req->ready = ready;
 	req->waiter = (struct graph_waiter){NULL, waiter_done, waiter_event};
-	graphs_acquire(&req->d->graphs, a, args, &req->waiter);
+	graphs_acquire(&req->d->graphs, a, &mine, &req->waiter);
 }
 
 int request_name(struct request *req, const char **name, uint32_t *len)

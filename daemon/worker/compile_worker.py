@@ -20,7 +20,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torchloop_worker import MIN_TORCH, PROTOCOL  # noqa: E402
 from torchloop_worker.errors import JobError, classify  # noqa: E402
-from torchloop_worker.frames import log, read_frame, write_frame  # noqa: E402
+from torchloop_worker.frames import BadText, log, read_frame, write_frame  # noqa: E402
 from torchloop_worker.isa import target, torch_build  # noqa: E402
 
 
@@ -66,6 +66,8 @@ def handle_op(req: dict[str, Any]) -> dict[str, Any]:
         from torchloop_worker.compile import check_body, compile_job
         from torchloop_worker.job import Job
 
+        keep_headers_shared()
+
         if op == "compile":
             return {"id": rid, "result": compile_job(Job.parse(req))}
         if op == "check":
@@ -76,6 +78,19 @@ def handle_op(req: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - every failure becomes a reply
         log(traceback.format_exc())
         return classify(exc, "inductor").reply(rid)
+
+
+def keep_headers_shared() -> None:
+    """Inductor keeps its precompiled headers (~150 MB, seconds to build)
+    under tempfile.gettempdir(), which the sandbox makes this worker's
+    scratch, removed with it: point them at Inductor's cache directory,
+    which every worker may write and which outlives them."""
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if base and codecache is not None:
+        headers = os.path.join(base, "precompiled_headers")
+        setattr(codecache, "_HEADER_DIR", headers)
+        setattr(codecache, "_HEADER_LOCK_DIR", os.path.join(headers, "locks"))
 
 
 PR_SET_PDEATHSIG = 1
@@ -106,10 +121,18 @@ def main() -> int:
     os.dup2(2, 1)
     stdin = sys.stdin.buffer
 
+    probe = os.environ.get("TORCHLOOP_TEST_SANDBOX_PROBE")
+    if probe:  # a test's hook (torchloop_worker/sandbox_probe.py), before any job
+        from torchloop_worker.sandbox_probe import run as run_probe
+        log(run_probe(probe))
     log(f"ready (torch {torch_build().version})")
     while True:
         try:
             req = read_frame(stdin)
+        except BadText as exc:  # well framed: this job fails, the worker serves on
+            log(str(exc))
+            write_frame(out, JobError("BAD_REQUEST", str(exc), exc.field).reply(exc.rid))
+            continue
         except (EOFError, ValueError) as exc:
             log(f"bad frame from the daemon: {exc}")
             return 2

@@ -217,20 +217,26 @@ json_t *h_call_json(struct tl_client *c, const char *op, const char *name)
 	return j;
 }
 
-long h_rss_kib(pid_t pid)
+long h_status_kib(pid_t pid, const char *field)
 {
-	char path[64], line[256];
+	char path[64], line[256], format[64];
 	long kib = -1;
 	FILE *f;
 
 	snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+	snprintf(format, sizeof format, "%s: %%ld kB", field);
 	f = fopen(path, "r");
 	while (f && fgets(line, sizeof line, f))
-		if (sscanf(line, "VmRSS: %ld kB", &kib) == 1)
+		if (sscanf(line, format, &kib) == 1)
 			break;
 	if (f)
 		fclose(f);
 	return kib;
+}
+
+long h_rss_kib(pid_t pid)
+{
+	return h_status_kib(pid, "VmRSS");
 }
 
 uint64_t h_stat(struct tl_client *c, const char *key)

@@ -53,6 +53,8 @@ json_t *h_call_json(struct tl_client *c, const char *op, const char *name);
 uint64_t h_stat(struct tl_client *c, const char *key);
 /* VmRSS of pid in KiB (-1 if unreadable). */
 long h_rss_kib(pid_t pid);
+/* A "<field>: N kB" line of /proc/PID/status (VmRSS, VmHWM, ...), -1 if unreadable. */
+long h_status_kib(pid_t pid, const char *field);
 /* A counter of the adapter's describe output (e.g. "compiles"). */
 double hd_counter(struct tl_client *c, const char *adapter, const char *counter);
 

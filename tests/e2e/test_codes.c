@@ -36,6 +36,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -76,6 +77,7 @@ static const struct where {
      "malformed_trees_get_their_code_and_the_connection_serves_on"},
     {"BYTE_LENGTH_MISMATCH", "test_shm.c", "bad_references_get_their_codes"},
     {"INVALID_ARGUMENT", "test_ops.c", "register_validation_uses_the_reference_messages"},
+    {"BAD_REQUEST", "test_codes.c", "text_that_is_not_utf8_is_bad_request_and_no_worker_sees_it"},
     {"INVALID_NAME", "test_ops.c", "register_validation_uses_the_reference_messages"},
     {"INVALID_BOUNDS", "test_ops.c", "register_validation_uses_the_reference_messages"},
     {"NOT_FOUND", "test_ops.c", "each_bad_scan_gets_its_code_and_leaf_path"},
@@ -125,6 +127,8 @@ static const struct where {
     {"WORKER_CRASHED", "test_reliability.c",
      "a_body_that_kills_the_worker_twice_is_refused_until_re_registered"},
     {"ARTIFACT_CORRUPT", "test_reliability.c", "tampered_cache_entries_are_refused_and_rebuilt"},
+    {"INDEX_OUT_OF_RANGE", "test_index.c",
+     "an_index_out_of_range_fails_the_request_and_the_daemon_serves_on"},
     {"ENGINE_ERROR", "test_codes.c",
      "a_broken_cache_is_internal_and_an_unloadable_entry_engine_error"},
     {"PERMISSION_DENIED", "test_service.c",
@@ -320,6 +324,111 @@ Test(codes, malformed_trees_get_their_code_and_the_connection_serves_on)
 	}
 	close(fd);
 	scan_ok(&f, f.c);
+	teardown(&f);
+}
+
+/* ---- text that is not UTF-8 ------------------------------------------------------------ */
+
+/* A register whose body_graph (graph) or body_file (source) holds bytes that
+ * are not UTF-8: an invalid lead byte in a graph's string, an overlong "/"
+ * in a path.  Each killed the compile worker once. */
+static uint8_t *bad_text_frame(uint64_t id, bool graph, size_t *len)
+{
+	static const char graph_text[] = "{\"format\": \"torchloop-graph\", \"kw\": \"\xff\xfe\"}";
+	static const char file[] = "/tmp/\xc0\xaf"
+	                           "body.py";
+	struct writer w;
+	struct proto_err err;
+	uint8_t *out;
+
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, id, "register", graph ? 2 : 3);
+	writer_key_str(&w, "name", graph ? "g.0123456789abcdef0123456789abcdef01234567" : "u.src");
+	writer_str(&w, graph ? "body_graph" : "body_source");
+	if (graph) {
+		msgpack_pack_str(&w.pk, sizeof graph_text - 1);
+		msgpack_pack_str_body(&w.pk, graph_text, sizeof graph_text - 1);
+	} else {
+		writer_str(&w, "def body(c, x):\n    return c, c\n");
+		writer_str(&w, "body_file");
+		msgpack_pack_str(&w.pk, sizeof file - 1);
+		msgpack_pack_str_body(&w.pk, file, sizeof file - 1);
+	}
+	out = writer_flatten(&w, len, PROTO_FRAME_MAX, &err);
+	cr_assert_not_null(out, "%s", err.message);
+	writer_destroy(&w);
+	return out;
+}
+
+/* Six bad registers pipelined on one connection, then a health: each
+ * register's code and message (naming its field), then the health's code,
+ * as "CODE|field-named" lines in out.  Returns -1 when the connection failed. */
+static int send_bad_text(const char *sock, char out[7][64])
+{
+	static const char health[] = "\x82\xa2id\x09\xa2op\xa6"
+	                             "health";
+	char code[64], msg[1024];
+	long long id;
+	int fd = raw_connect(sock);
+
+	for (int k = 0; k < 6; k++) {
+		size_t len;
+		uint8_t *frame = bad_text_frame((uint64_t)k + 1, k % 2 == 0, &len);
+		raw_send(fd, frame, len);
+		free(frame);
+	}
+	raw_send_frame(fd, health, sizeof health - 1);
+	for (int k = 0; k < 7; k++) {
+		if (raw_recv(fd, code, sizeof code, &id, msg, sizeof msg) != 0)
+			return -1;
+		snprintf(out[k], 64, "%s|%d", code,
+		         k == 6 || strstr(msg, k % 2 == 0 ? "body_graph" : "body_file") != NULL);
+	}
+	close(fd);
+	return 0;
+}
+
+Test(codes, text_that_is_not_utf8_is_bad_request_and_no_worker_sees_it)
+{
+	struct fixture f;
+	char got[7][64];
+	int fds[2];
+	uint64_t restarts;
+	bool as_nobody = getuid() == 0;
+
+	setup(&f, NULL);
+	chmod(f.d.dir, 0755);
+	restarts = h_stat(f.c, "worker_restarts");
+	if (!as_nobody)
+		fprintf(stderr,
+		        "WARNING: not root: the non-UTF-8 registers are sent as uid %d "
+		        "(an admin), not as a second uid\n",
+		        (int)getuid());
+	cr_assert_eq(pipe(fds), 0);
+	if (fork() == 0) {
+		char out[7][64];
+		if (as_nobody && (setgid(65534) != 0 || setuid(65534) != 0))
+			_exit(2);
+		if (send_bad_text(f.d.sock, out) != 0 ||
+		    write(fds[1], out, sizeof out) != (ssize_t)sizeof out)
+			_exit(3);
+		_exit(0);
+	}
+	close(fds[1]);
+	cr_assert_eq(read(fds[0], got, sizeof got), (ssize_t)sizeof got,
+	             "the uid-65534 child got no answers");
+	close(fds[0]);
+	wait(NULL);
+	for (int k = 0; k < 6; k++)
+		cr_assert_str_eq(got[k], "BAD_REQUEST|1", "register %d (%s)", k + 1,
+		                 k % 2 == 0 ? "body_graph" : "body_file");
+	cr_assert_str_eq(got[6], "|1", "the connection serves on");
+	/* no worker died or was replaced: it never saw the text */
+	cr_assert_eq(h_stat(f.c, "worker_restarts"), restarts);
+	/* a new definition: checked by the worker, which serves on */
+	hd_register(f.c, "t4.after", CUMSUM, "body", 12, 64, 3);
+	scan_ok(&f, f.c);
+	cr_assert_eq(h_stat(f.c, "worker_restarts"), restarts);
 	teardown(&f);
 }
 

@@ -486,3 +486,74 @@ Test(ops, a_compile_request_warms_a_specialization_from_shapes_alone)
 	cr_assert_eq(hd_counter(f.c, "t4.cumsum", "graphs"), 1, "the scan used the warmed graph");
 	teardown(&f);
 }
+
+/* ---- log lines -------------------------------------------------------------------- */
+
+/* The daemon's log: whether a line starts with head, and whether one holds
+ * needle; *raw: whether any byte is a CR or an ESC. */
+static void scan_log(const char *path, const char *head, const char *needle, bool *starts,
+                     bool *holds, bool *raw)
+{
+	char *text = h_slurp(path);
+
+	*starts = *holds = false;
+	*raw = strchr(text, '\r') != NULL || strchr(text, '\x1b') != NULL;
+	for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+		*starts |= strncmp(line, head, strlen(head)) == 0;
+		*holds |= strstr(line, needle) != NULL;
+	}
+	free(text);
+}
+
+Test(ops, request_text_and_worker_output_cannot_forge_a_log_line)
+{
+	/* an op name (echoed by UNKNOWN_OP's message, logged) and a body whose
+	 * import writes to the worker's stderr: each with a line of its own */
+	static const char op[] = "x\ntorchloopd: warn forged\r\x1b[";
+	static const char *const src = "import sys\n"
+	                               "sys.stderr.write('noise\\ntorchloopd: warn forged too"
+	                               "\\r\\x1b[2J\\n')\n"
+	                               "sys.stderr.flush()\n"
+	                               "def body(c, x):\n"
+	                               "    return c + x, c\n";
+	struct tl_adapter_def def = {"t4.noisy", src, NULL, NULL, NULL, 12, 64, 3, NULL};
+	struct fixture f;
+	struct writer w;
+	struct proto_err perr;
+	struct tl_error err;
+	char code[64], msg[1024];
+	uint8_t *frame;
+	size_t len;
+	long long id;
+	bool starts, holds, raw;
+	int fd = setup_raw(&f, NULL);
+
+	cr_assert_eq(writer_init(&w), 0);
+	msg_begin_request(&w, 5, op, 0);
+	frame = writer_flatten(&w, &len, PROTO_FRAME_MAX, &perr);
+	writer_destroy(&w);
+	raw_send(fd, frame, len);
+	free(frame);
+	cr_assert_eq(raw_recv(fd, code, sizeof code, &id, msg, sizeof msg), 0);
+	cr_assert_str_eq(code, "UNKNOWN_OP", "%s", msg);
+	close(fd);
+	cr_assert_eq(tl_register(f.c, &def, &err), 0, "%s %s", err.code, err.message);
+	/* the worker's stderr is read on the loop, beside its reply: wait for it */
+	for (int k = 0; k < 200; k++) {
+		scan_log(f.d.log, "torchloopd: warn forged", "forged too\\x0d\\x1b[2J\"", &starts,
+		         &holds, &raw);
+		if (holds)
+			break;
+		usleep(50000);
+	}
+	cr_assert(holds, "the worker's line is relayed, quoted and escaped; log %s", f.d.log);
+	cr_assert_not(starts, "no line of the log starts with the forged text; log %s", f.d.log);
+	cr_assert_not(raw, "no CR or ESC byte reaches the log; log %s", f.d.log);
+	scan_log(f.d.log, "torchloopd: info compile worker ",
+	         "UNKNOWN_OP: unknown op 'x\\x0atorchloopd: warn forged\\x0d\\x1b['", &starts,
+	         &holds, &raw);
+	cr_assert(starts, "worker lines are relayed under the daemon's prefix; log %s", f.d.log);
+	cr_assert(holds, "the refused op is logged on its line, escaped; log %s", f.d.log);
+	scan_ok(&f, f.c);
+	teardown(&f);
+}

@@ -20,7 +20,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <strings.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -531,6 +535,220 @@ Test(remote, redis_wedged_or_stopped_mid_run_scans_go_on_and_publishing_resumes_
 	cr_assert_geq(remote_stat(a.c, "reconnects"), 1);
 	node_down(&a);
 	redis_down(&r);
+}
+
+/* ---- a Redis that lies about a blob's size --------------------------------- */
+
+static bool log_says(const char *path, const char *needle);
+
+/*
+ * A socket this test serves as "Redis": STRLEN answers small (or 0: a miss,
+ * while `lie` is off), and GET announces a bulk string of LIE_BYTES, then
+ * streams zeros until the daemon hangs up, sampling the daemon's RSS as it
+ * goes.  Everything else: +OK, or :0/:1.  One connection at a time.
+ */
+#define LIE_BYTES (256u << 20)
+
+struct liar {
+	struct redis r; /* its paths, for node_up; no redis-server */
+	int lfd, stop[2];
+	pthread_t th;
+	volatile bool lie;
+	volatile pid_t daemon;
+	size_t streamed;   /* bytes of the lying GET sent before the daemon hung up */
+	long peak_rss_kib; /* the daemon's, sampled while streaming */
+};
+
+/* One command (an array of bulk strings) from buf[0..len): its name in
+ * name, its byte length, or 0 while incomplete. */
+static size_t resp_command(const char *buf, size_t len, char *name, size_t size)
+{
+	const char *p = buf, *end = buf + len, *nl;
+	long n, k;
+
+	if (len < 4 || *p != '*' || (nl = memchr(p, '\n', len)) == NULL)
+		return 0;
+	n = strtol(p + 1, NULL, 10);
+	p = nl + 1;
+	for (long i = 0; i < n; i++) {
+		if (p >= end || *p != '$' || (nl = memchr(p, '\n', (size_t)(end - p))) == NULL)
+			return 0;
+		k = strtol(p + 1, NULL, 10);
+		if (end - (nl + 1) < k + 2)
+			return 0;
+		if (i == 0)
+			snprintf(name, size, "%.*s", (int)(k < (long)size ? k : (long)size - 1),
+			         nl + 1);
+		p = nl + 1 + k + 2;
+	}
+	return (size_t)(p - buf);
+}
+
+static void liar_stream(struct liar *l, int fd)
+{
+	static char zeros[1 << 16];
+	char head[32];
+	int n = snprintf(head, sizeof head, "$%u\r\n", LIE_BYTES);
+
+	l->streamed = 0;
+	if (send(fd, head, (size_t)n, MSG_NOSIGNAL) != n)
+		return;
+	while (l->streamed < LIE_BYTES) {
+		ssize_t w = send(fd, zeros, sizeof zeros, MSG_NOSIGNAL);
+		long rss;
+		if (w <= 0)
+			return; /* the daemon hung up */
+		l->streamed += (size_t)w;
+		rss = h_rss_kib(l->daemon);
+		if (rss > l->peak_rss_kib)
+			l->peak_rss_kib = rss;
+	}
+}
+
+static const char *liar_answer(struct liar *l, const char *cmd)
+{
+	if (strcasecmp(cmd, "STRLEN") == 0)
+		return l->lie ? ":100\r\n" : ":0\r\n";
+	if (strcasecmp(cmd, "EXISTS") == 0)
+		return ":0\r\n";
+	if (strcasecmp(cmd, "EVAL") == 0)
+		return ":1\r\n";
+	return "+OK\r\n"; /* AUTH, SELECT, SET (lease and publish) */
+}
+
+static void liar_serve(struct liar *l, int fd)
+{
+	size_t cap = 1 << 20, len = 0, used;
+	char *buf = malloc(cap), cmd[32];
+	ssize_t n;
+
+	while ((n = read(fd, buf + len, cap - len)) > 0) {
+		len += (size_t)n;
+		while ((used = resp_command(buf, len, cmd, sizeof cmd)) > 0) {
+			memmove(buf, buf + used, len - used);
+			len -= used;
+			if (strcasecmp(cmd, "GET") == 0 && l->lie) {
+				liar_stream(l, fd);
+				free(buf);
+				return;
+			}
+			const char *a = liar_answer(l, cmd);
+			if (send(fd, a, strlen(a), MSG_NOSIGNAL) < 0)
+				break;
+		}
+		if (len == cap)
+			buf = realloc(buf, cap *= 2); /* a published blob */
+	}
+	free(buf);
+}
+
+static void *liar_run(void *arg)
+{
+	struct liar *l = arg;
+
+	for (;;) {
+		struct pollfd p[2] = {{l->lfd, POLLIN, 0}, {l->stop[0], POLLIN, 0}};
+		int fd;
+		if (poll(p, 2, -1) < 0 || p[1].revents)
+			return NULL;
+		fd = accept(l->lfd, NULL, NULL);
+		if (fd >= 0) {
+			liar_serve(l, fd);
+			close(fd);
+		}
+	}
+}
+
+static void liar_start(struct liar *l)
+{
+	struct sockaddr_un a = {.sun_family = AF_UNIX};
+
+	memset(l, 0, sizeof *l);
+	h_tmpdir(l->r.dir, sizeof l->r.dir, "liar");
+	snprintf(l->r.sock, sizeof l->r.sock, "%s/redis.sock", l->r.dir);
+	snprintf(l->r.url, sizeof l->r.url, "unix://%s", l->r.sock);
+	snprintf(l->r.secret, sizeof l->r.secret, "%s/secret", l->r.dir);
+	write_private(l->r.secret, SECRET "\n");
+	snprintf(l->r.auth, sizeof l->r.auth, "%s/auth", l->r.dir);
+	write_private(l->r.auth, PASS "\n");
+	snprintf(a.sun_path, sizeof a.sun_path, "%s", l->r.sock);
+	l->lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+	cr_assert_eq(bind(l->lfd, (struct sockaddr *)&a, sizeof a), 0);
+	cr_assert_eq(listen(l->lfd, 4), 0);
+	cr_assert_eq(pipe(l->stop), 0);
+	pthread_create(&l->th, NULL, liar_run, l);
+}
+
+static void liar_stop(struct liar *l)
+{
+	cr_assert_eq(write(l->stop[1], "x", 1), 1);
+	pthread_join(l->th, NULL);
+	close(l->lfd);
+	close(l->stop[0]);
+	close(l->stop[1]);
+}
+
+/* VmHWM of pid in KiB, after writing "5" to its clear_refs resets it (when
+ * that is allowed): -1 if unreadable. */
+static long hwm_kib(pid_t pid)
+{
+	return h_status_kib(pid, "VmHWM");
+}
+
+static bool reset_hwm(pid_t pid)
+{
+	char path[64];
+	FILE *f;
+	bool ok;
+
+	snprintf(path, sizeof path, "/proc/%d/clear_refs", (int)pid);
+	f = fopen(path, "w");
+	ok = f != NULL && fputs("5", f) >= 0;
+	if (f)
+		ok = fclose(f) == 0 && ok;
+	return ok;
+}
+
+Test(remote, a_get_that_streams_past_the_max_object_is_cut_while_read_and_compiled_locally)
+{
+	/* a 1 MiB cap, and a timeout long enough that only the cap can stop the read */
+	const char *more[] = {"--remote-max-object", "1048576", "--remote-timeout", "30000", NULL};
+	const long bound_kib = 48 << 10; /* the cap, one read, the T=4 graph loaded and run */
+	struct liar l;
+	struct node n;
+	long before_kib, hwm;
+	bool hwm_reset;
+
+	liar_start(&l);
+	node_up(&n, &l.r, more);
+	l.daemon = n.d.pid;
+	cumsum_ok(n.c, 3); /* a miss: compiled here, loaded, run (the daemon warmed up) */
+	cr_assert_eq(remote_stat(n.c, "misses"), 1);
+	l.lie = true;
+	before_kib = h_rss_kib(n.d.pid);
+	hwm_reset = reset_hwm(n.d.pid);
+	l.peak_rss_kib = before_kib;
+	cumsum_ok(n.c, 4); /* STRLEN 100, then GET streams 256 MiB: cut, compiled here */
+	hwm = hwm_reset ? hwm_kib(n.d.pid) : -1;
+	cr_assert_lt(l.streamed, (size_t)32 << 20,
+	             "the daemon hung up early: %zu bytes of the 256 MiB were sent", l.streamed);
+	cr_assert_lt(l.peak_rss_kib - before_kib, bound_kib, "RSS grew %ld KiB while streaming",
+	             l.peak_rss_kib - before_kib);
+	if (hwm_reset)
+		cr_assert_lt(hwm - before_kib, bound_kib, "peak RSS grew %ld KiB",
+		             hwm - before_kib);
+	else
+		fprintf(stderr,
+		        "WARNING: /proc/%d/clear_refs not writable: peak RSS only sampled\n",
+		        (int)n.d.pid);
+	cr_assert_eq(remote_stat(n.c, "reply_too_large"), 1);
+	cr_assert_eq(remote_stat(n.c, "hits"), 0);
+	cr_assert_eq(hd_counter(n.c, "r.cumsum", "compiles"), 2, "compiled locally");
+	cr_assert(log_says(n.d.log, "while being read"), "logged: %s", n.d.log);
+	cumsum_ok(n.c, 4); /* the next request: served from memory */
+	cumsum_ok(n.c, 3);
+	node_down(&n);
+	liar_stop(&l);
 }
 
 static bool log_says(const char *path, const char *needle)

@@ -289,7 +289,7 @@ def test_two_processes_building_the_same_closure_share_one_compile(open_daemon: 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to uid 65534")
 def test_a_non_admin_registers_graphs_but_not_source(open_daemon: str, tmp_path: Path) -> None:
-    from test_graph_loader import FORGERIES, capture, forged
+    from test_graph_loader import FORGERIES, MARKER, capture, forged
 
     valid = [capture(make(0.1 * (i + 1), W0.clone()), torch.rand(N, dtype=torch.float64),
                      torch.rand(N, dtype=torch.float64)) for i in range(4)]
@@ -302,6 +302,7 @@ def test_a_non_admin_registers_graphs_but_not_source(open_daemon: str, tmp_path:
     assert out["err"] < 1e-12, out
     assert out["source"] == "PERMISSION_DENIED" and out["health"] is True
     assert out["forged"] == {h: "BAD_GRAPH" for h in FORGERIES}
+    assert not Path(MARKER).exists(), "a graph's kwarg key ran as code in the worker"
     assert out["not_g"] == "PERMISSION_DENIED"
     assert out["fill"] == ["OK"] * 4
     assert out["squat"] == out["bounds"] == "PERMISSION_DENIED"
@@ -355,6 +356,7 @@ def test_the_daemon_still_serves_after_every_refusal(adapter: Any, open_daemon: 
     (dict(body_graph="x" * ((1 << 20) + 1)), "INVALID_ARGUMENT", "body_graph"),
     (dict(body_graph=7), "INVALID_ARGUMENT", "body_graph"),
     (dict(body_graph="[1, 2]"), "BAD_GRAPH", "graph"),
+    (dict(body_graph="[1, 2]", entry="body"), "INVALID_ARGUMENT", "entry"),  # a graph has none
 ])
 def test_bad_register_fields_get_their_code_and_the_daemon_serves_on(
         open_daemon: str, fields: dict[str, Any], code: str, path: str) -> None:

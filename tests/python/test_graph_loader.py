@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 import random
 import sys
@@ -108,13 +109,36 @@ def forged(doc_text: str, how: str) -> str:
                              "kwargs": {}})
     elif how == "version":
         doc["version"] = 2
+    elif how == "code in a kwarg key":  # issue 53 row 1, as it ran on the old loader
+        doc["nodes"][-1]["kwargs"] = {payload("\r", MARKER): 1}
+    elif how == "unchecked indices":  # row 3: the eager kernel wrote out of bounds
+        doc["nodes"].append({"op": "aten.max_pool2d_with_indices_backward.default",
+                             "args": [{"i": 2}, {"i": 2}, [1, 1], [1, 1], [0, 0], [1, 1],
+                                      False, {"k": 0}], "kwargs": {}})
+    elif how == "intermediates over the total":  # row 5: each under the per-tensor cap
+        doc["nodes"] += [{"op": "aten.full.default", "args": [[1 << 24], 1.0], "kwargs": {}}
+                         for _ in range(5)]
+    elif how == "integer remainder":  # SIGFPE in a compiled kernel when dividing by 0
+        doc["nodes"].append({"op": "aten.remainder.Scalar", "args": [{"k": 0}, 0],
+                             "kwargs": {}})
     return json.dumps(doc)
 
 
 FORGERIES = ["op outside aten", "python callable", "non-core aten op", "denied op",
              "constant lies about its size", "forward reference", "input out of range",
              "unknown value tag", "wrong arity", "outputs miscounted", "huge intermediate",
-             "version"]
+             "version", "code in a kwarg key", "unchecked indices",
+             "intermediates over the total", "integer remainder"]
+# where "code in a kwarg key" would write (test_capture.py checks it through a daemon)
+MARKER = f"/tmp/torchloop-graph-marker-{os.getpid()}"
+
+
+def payload(sep: str, marker: str) -> str:
+    """A kwarg key that, pasted into torch.fx's generated source with sep
+    ending lines, writes marker when the module is exec'd: the line is
+    closed, the statement runs at module level, and the rest of the
+    generated function becomes the body of a new one."""
+    return f"alpha=1){sep}open({marker!r}, 'w').close(){sep}def f():{sep}    dict(y"
 
 
 @pytest.mark.parametrize("how", FORGERIES)
@@ -195,3 +219,159 @@ def test_a_body_returning_a_python_number_cannot_be_shipped() -> None:
 
 def test_capture_error_is_a_type_error() -> None:
     assert issubclass(CaptureError, TypeError) and torchloop.loop_adapter
+
+
+SEPARATORS = ["\r", "\n", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\r\n"]
+
+
+@pytest.mark.parametrize("sep", SEPARATORS, ids=[repr(s) for s in SEPARATORS])
+@pytest.mark.parametrize("where", ["kwarg key", "string value", "tree key"])
+def test_code_in_a_key_or_string_never_runs(doc_text: str, tmp_path: Path, sep: str,
+                                            where: str) -> None:
+    """Issue 53 row 1: the old loader wrote the marker for "\\r" in a kwarg key."""
+    marker = tmp_path / "ran"
+    doc = json.loads(doc_text)
+    code = payload(sep, str(marker))
+    if where == "kwarg key":
+        doc["nodes"][-1]["kwargs"] = {code: 1}
+    elif where == "string value":
+        doc["nodes"].append({"op": "aten.div.Tensor_mode", "args": [{"i": 0}, {"i": 1}],
+                             "kwargs": {"rounding_mode": code}})
+    else:
+        doc["out"][1][1][1][0] = code
+    with pytest.raises(GraphError) as info:
+        graph_loader.load(json.dumps(doc))
+    assert info.value.code == "BAD_GRAPH"
+    assert not marker.exists(), "the loader ran text of the graph"
+
+
+@pytest.mark.parametrize("node, says", [
+    ({"op": "aten.add.Tensor", "args": [{"i": 0}, {"i": 1}], "kwargs": {"beta": 2}},
+     "'beta' is not an argument of aten::add.Tensor"),
+    ({"op": "aten.add.Tensor", "args": [{"i": 0}, {"i": 1}], "kwargs": {"other": {"i": 0}}},
+     "'other' is given twice"),
+    ({"op": "aten.add.Tensor", "args": [{"i": 0}, {"i": 1}, 1, 2], "kwargs": {}},
+     "aten::add.Tensor takes at most 2 positional"),
+    ({"op": "aten.add.Tensor", "args": [{"i": 0}], "kwargs": {}}, "needs argument other"),
+    ({"op": "aten.add.Tensor", "args": [{"i": 0}, {"i": 1}], "kwargs": {"alpha": "1"}},
+     "must be a number"),
+    ({"op": "aten.sum.dim_IntList", "args": [{"i": 0}, [0.5]], "kwargs": {}}, "int64"),
+    ({"op": "aten.cat.default", "args": [{"i": 0}], "kwargs": {}}, "list of Tensor"),
+    ({"op": "aten.div.Tensor_mode", "args": [{"i": 0}, {"i": 1}],
+      "kwargs": {"rounding_mode": "ceil"}}, "must be one of ['trunc', 'floor']"),
+    ({"op": "aten.full.default", "args": [[2], 1.0], "kwargs": {"dtype": {"dtype": "os"}}},
+     "must be one of"),
+    ({"op": "aten.add.out", "args": [{"i": 0}, {"i": 1}], "kwargs": {}}, "mutates"),
+    ({"op": "aten.add.str", "args": ["a", "b"], "kwargs": {}}, "mutates its arguments or"),
+    ({"op": "aten.add.Tensor", "args": [{"i": 0}, {"i": 1}], "kwargs": {}, "meta": 1},
+     "nothing else"),
+    ({"op": "getitem", "args": [{"i": 0}, 0], "kwargs": {}}, "getitem takes"),
+    ({"op": "aten.linalg_lu_solve.default", "args": [{"i": 2}, {"k": 0}, {"i": 2}],
+      "kwargs": {}}, "pivots must be output 1 of a linalg_lu_factor_ex node"),
+])
+def test_a_node_is_bound_to_its_schema(doc_text: str, node: dict, says: str) -> None:
+    doc = json.loads(doc_text)
+    doc["nodes"].append(node)
+    with pytest.raises(GraphError) as info:
+        graph_loader.load(json.dumps(doc))
+    assert says in info.value.message, info.value.message
+
+
+def test_a_key_given_twice_in_the_text_is_refused(doc_text: str) -> None:
+    doc = json.loads(doc_text)
+    doc["nodes"].append({"op": "aten.add.Tensor", "args": [{"i": 0}, {"i": 1}],
+                         "kwargs": {"alpha": 1}})
+    text = json.dumps(doc).replace('"alpha": 1', '"alpha": 1, "alpha": 2')
+    with pytest.raises(GraphError, match="'alpha' is given twice"):
+        graph_loader.load(text)
+
+
+@pytest.mark.parametrize("op", [
+    "max_pool2d_with_indices_backward.default", "max_pool3d_with_indices_backward.default",
+    "max_unpool2d.default", "embedding_dense_backward.default", "_embedding_bag.default",
+    "nll_loss_forward.default", "nll_loss2d_forward.default", "empty.memory_format",
+    "as_strided.default", "_local_scalar_dense.default", "linear.default"])
+def test_an_op_outside_the_allow_list_is_refused_by_name(doc_text: str, op: str) -> None:
+    doc = json.loads(doc_text)
+    doc["nodes"].append({"op": f"aten.{op}", "args": [], "kwargs": {}})
+    with pytest.raises(GraphError) as info:
+        graph_loader.load(json.dumps(doc))
+    assert f"aten.{op} is not allowed" in info.value.message
+
+
+@pytest.mark.parametrize("op, args, ok", [
+    ("remainder.Scalar", [{"k": 0}, 3], False),
+    ("fmod.Scalar", [{"k": 0}, 3], False),
+    ("floor_divide.default", [{"k": 0}, {"k": 1}], False),
+    ("div.Tensor_mode", [{"k": 0}, {"k": 1}], False),
+    ("div.Tensor", [{"k": 0}, {"k": 1}], True),  # true division: float64 result
+    ("remainder.Scalar", [{"i": 0}, 3], True),
+])
+def test_integer_division_is_refused_and_floating_division_loads(
+        doc_text: str, op: str, args: list, ok: bool) -> None:
+    doc = json.loads(doc_text)
+    node: dict = {"op": f"aten.{op}", "args": args, "kwargs": {}}
+    if op == "div.Tensor_mode":
+        node["kwargs"] = {"rounding_mode": "floor"}
+    doc["nodes"].append(node)
+    if ok:
+        graph_loader.load(json.dumps(doc))
+        return
+    with pytest.raises(GraphError, match="divides integers"):
+        graph_loader.load(json.dumps(doc))
+
+
+@pytest.mark.parametrize("count", [3, 4])
+def test_the_sum_of_intermediates_is_bounded(doc_text: str, count: int) -> None:
+    """Issue 53 row 5: each 2^24 tensor is under the per-tensor cap; three
+    of them fit MAX_TOTAL_ELEMENTS (2^26) with the graph's own, four do not."""
+    doc = json.loads(doc_text)
+    doc["nodes"] += [{"op": "aten.full.default", "args": [[1 << 24], 1.0], "kwargs": {}}
+                     for _ in range(count)]
+    if count == 3:
+        graph_loader.load(json.dumps(doc))
+        return
+    with pytest.raises(GraphError, match="elements in all"):
+        graph_loader.load(json.dumps(doc))
+
+
+def test_views_do_not_count_against_the_total(doc_text: str) -> None:
+    doc = json.loads(doc_text)
+    doc["nodes"].append({"op": "aten.full.default", "args": [[1 << 24], 1.0], "kwargs": {}})
+    doc["nodes"] += [{"op": "aten.view.default", "args": [{"n": len(doc["nodes"]) - 1},
+                                                          [1 << 12, 1 << 12]], "kwargs": {}}
+                     for _ in range(8)]
+    graph_loader.load(json.dumps(doc))
+
+
+def test_the_generated_code_check_refuses_an_unexpected_line(doc_text: str) -> None:
+    gm = graph_loader.load(doc_text).gm
+    graph_loader.check_code(gm)
+    for n in gm.graph.nodes:  # what a hole in the binder would let through
+        if n.op == "call_function" and n.target is torch.ops.aten.sum.dim_IntList:
+            n.kwargs = {"dtype": "x')\nimport os\n#"}
+    gm.recompile()
+    with pytest.raises(GraphError, match="unexpected"):
+        graph_loader.check_code(gm)
+
+
+def test_a_graphs_dry_run_takes_generated_inputs_not_the_requests(doc_text: str) -> None:
+    """Issue 53 row 3: no request data runs through eager ATen for a graph;
+    a source body's dry run still takes the request's own inputs."""
+    from torchloop_worker.compile import eager_runs
+    from torchloop_worker.job import Job, load_body
+
+    t4 = {"k": "T", "s": [4]}
+    carry = {"k": "tuple", "c": [{"k": "tuple", "c": [t4, None]},
+                                 {"k": "tuple", "c": [{"k": "T", "s": [4, 4]}]}]}
+    inputs = {"k": "T", "s": [3, 4]}
+    sample = [torch.full(s, 7.0, dtype=torch.float64).numpy().tobytes()
+              for s in ([4], [4, 4], [3, 4])]
+    job = Job(body_source="", body_file="", entry="", body_graph=doc_text, steps=3,
+              carry=carry, inputs=inputs, sample=sample)
+    eager = eager_runs(job, load_body(job))
+    assert eager.random and all(bool((a < 1).all()) for a in eager.args)
+    src = Job(body_source="def body(c, x):\n    return c + x, c\n", body_file="<t>",
+              entry="body", steps=3, carry=t4, inputs=inputs, sample=sample[::2])
+    eager = eager_runs(src, load_body(src))
+    assert not eager.random and all(bool((a == 7).all()) for a in eager.args)

@@ -1,7 +1,8 @@
 """The Python client's copies of the protocol's constants agree with
 proto/protocol.h, the one place they are defined (the C daemon, the C client
 and the CLI include it): adapter bounds and defaults, the protocol version,
-the frame limit and the release version."""
+the frame limit and the release version; and the fields a captured graph's
+name hashes, with daemon/graph/graphs.h's ADAPTER_FIELDS."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from torchloop import _wire, adapter, client
+from torchloop import _graph, _wire, adapter, client, errors
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,3 +42,48 @@ def test_protocol_frame_limit_and_version_match_the_header() -> None:
     release = d["TORCHLOOP_VERSION"].strip('"')
     pyproject = tomllib.loads((ROOT / "client" / "python" / "pyproject.toml").read_text())
     assert pyproject["project"]["version"] == release
+
+
+def header_codes() -> set[str]:
+    text = (ROOT / "proto" / "protocol.h").read_text()
+    return {name for _, name in re.findall(r"X\((\w+), \"(\w+)\"", text)}
+
+
+def test_error_codes_the_package_maps_are_the_headers() -> None:
+    codes = header_codes()
+    assert "INDEX_OUT_OF_RANGE" in codes and "ENGINE_ERROR" in codes
+    for mapped in (errors.VALUE_CODES, errors.TYPE_CODES, errors.INDEX_CODES):
+        assert mapped <= codes, sorted(mapped - codes)
+
+
+def test_text_that_is_not_utf8_raises_a_value_error_as_a_unicode_error_would() -> None:
+    assert "BAD_REQUEST" in header_codes()
+    exc = errors.from_reply({"code": "BAD_REQUEST", "message": "name is not UTF-8",
+                             "path": "name"})
+    assert isinstance(exc, ValueError) and exc.code == "BAD_REQUEST" and exc.path == "name"
+
+
+def test_an_index_out_of_range_raises_what_eager_torch_raises() -> None:
+    exc = errors.from_reply({"code": "INDEX_OUT_OF_RANGE", "message": "index 20"})
+    # eager: C[idx] and index_select raise IndexError, gather RuntimeError
+    assert isinstance(exc, IndexError) and isinstance(exc, RuntimeError)
+    assert exc.code == "INDEX_OUT_OF_RANGE"
+    assert not isinstance(errors.from_reply({"code": "ENGINE_ERROR"}), IndexError)
+
+
+def test_a_graph_name_hashes_the_daemons_adapter_fields_in_their_order() -> None:
+    text = (ROOT / "daemon" / "graph" / "graphs.h").read_text()
+    table = text[text.index("#define ADAPTER_FIELDS(X)"):]
+    table = table[:table.index("\n\n")]
+    keys = re.findall(r'X\(\w+,\s*"(\w+)",\s*\w+\)', table)
+    assert len(keys) == 8 and tuple(keys) == _graph.IDENTITY_FIELDS
+    # the vector tests/unit/test_adapter_def.c checks adapter_graph_name against
+    assert _graph.identity('{"format":"torchloop.graph"}', 8, 4096, 8, "unroll", "none") == \
+        "g.10c4494dda1b98148c596518a20a986642b62c18"
+    # every field moves the name
+    base = dict(max_steps=8, max_elements=4096, recompile_budget=8, strategy="unroll",
+                dynamic="none")
+    names = {_graph.identity("{}", **dict(base, **{k: v})) for k, v in [
+        ("max_steps", 7), ("max_elements", 4095), ("recompile_budget", 2),
+        ("strategy", "scan"), ("dynamic", "batch")]}
+    assert len(names | {_graph.identity("{}", **base)}) == 6

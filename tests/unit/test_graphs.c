@@ -5,7 +5,8 @@
  * t4.cumsum, float64, T=3, carry [4], so it is compiled at most once per run).
  *
  * Single flight (three waiters, one specialization, one compile or cache
- * hit), the budget (a new signature refused at once, by name), a run checked
+ * hit), the budget (a new signature refused at once, by name; each uid's
+ * share its own: T=2 is the one more specialization), a run checked
  * by hand, the warm-start index read past a corrupt record, background
  * compiles (a quick tier's upgrades) queued behind the others, the loop
  * closing with every handle closed (uv_loop_close returns 0), and every
@@ -363,6 +364,74 @@ Test(graphs, a_full_budget_refuses_a_new_signature_at_once_naming_what_it_holds)
 	graphs_unref(again.sp);
 	free_trees(&t3);
 	free_trees(&t2);
+	close_graphs();
+}
+
+/* Acquires t's specialization as uid; no progress events (other T). */
+static void acquire_as(struct waiter *w, struct adapter *a, const struct trees *t, uid_t uid)
+{
+	struct scan_args args = args_of(t);
+
+	args.uid = uid;
+	waiter_init(w);
+	w->w.event = NULL;
+	graphs_acquire(&d.graphs, a, &args, &w->w);
+}
+
+Test(graphs, each_uid_spends_its_own_share_of_the_budget_and_uses_others_for_free)
+{
+	struct waiter mine, mine2, free_use, theirs, theirs2, late;
+	struct trees t3, t2, t4;
+	struct adapter *a;
+
+	open_graphs();
+	a = add_adapter(1); /* owner: uid 0 (adapter_def_defaults) */
+	make_trees(&t3, 3);
+	make_trees(&t2, 2);
+	make_trees(&t4, 4);
+	acquire_as(&mine, a, &t3, 1000);
+	wait_all(&mine, 1);
+	cr_assert_not_null(mine.sp, "%s", mine.err.message);
+	/* uid 1000's share (1) is spent: its T=2 is refused at once, by uid */
+	acquire_as(&mine2, a, &t2, 1000);
+	cr_assert_eq(mine2.done, 1, "refused synchronously, no compile");
+	cr_assert_eq(mine2.err.code, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED);
+	cr_assert(strstr(mine2.err.message, "uid 1000 holds recompile_budget=1") != NULL, "%s",
+	          mine2.err.message);
+	/* uid 2000 uses uid 1000's T=3 for free, then spends its own share on T=2 */
+	acquire_as(&free_use, a, &t3, 2000);
+	cr_assert_eq(free_use.done, 1);
+	cr_assert_eq(free_use.sp, mine.sp);
+	run_and_check(free_use.sp, &t3);
+	acquire_as(&theirs, a, &t2, 2000);
+	wait_all(&theirs, 1);
+	cr_assert_not_null(theirs.sp, "uid 1000 did not spend uid 2000's share: %s",
+	                   theirs.err.message);
+	cr_assert_eq(a->held, 2);
+	cr_assert_eq(adapter_budget_used(a, 1000), 1);
+	cr_assert_eq(adapter_budget_used(a, 2000), 1);
+	cr_assert_eq(a->n_shares, 2);
+	acquire_as(&theirs2, a, &t4, 2000);
+	cr_assert_eq(theirs2.err.code, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED);
+	/* two uids besides the owner hold shares: over --max-uids-per-adapter=2,
+	 * a third one's new signature is refused (no compile), naming the limit */
+	d.cfg.max_uids_per_adapter = 2;
+	acquire_as(&late, a, &t4, 3000);
+	cr_assert_eq(late.done, 1);
+	cr_assert_eq(late.err.code, PROTO_E_RECOMPILE_BUDGET_EXHAUSTED);
+	cr_assert(strstr(late.err.message, "--max-uids-per-adapter=2") != NULL, "%s",
+	          late.err.message);
+	/* re-registered (dropped): every share starts again */
+	graphs_unref(mine.sp);
+	graphs_unref(free_use.sp);
+	graphs_unref(theirs.sp);
+	graphs_drop_all(a);
+	cr_assert_eq(a->held, 0);
+	cr_assert_eq(a->n_shares, 0);
+	cr_assert_eq(adapter_budget_used(a, 1000), 0);
+	free_trees(&t3);
+	free_trees(&t2);
+	free_trees(&t4);
 	close_graphs();
 }
 

@@ -8,6 +8,7 @@
 
 #include <criterion/criterion.h>
 #include "params.h"
+#include "utf8.h"
 #include <string.h>
 
 TestSuite(msg, .timeout = 30);
@@ -56,6 +57,137 @@ TABLE_TEST(msg, malformed_envelopes_get_their_own_code, RAWS)
 	cr_assert_eq(msg_parse(&m, body, c->len, MSG_REQUEST, &err), -1, "%s: accepted", c->name);
 	cr_assert_eq(err.code, c->code, "%s: got %s (%s)", c->name, proto_code_name(err.code),
 	             err.message);
+	msg_destroy(&m);
+	frame_free(body);
+}
+
+/* ---- text: well-formed UTF-8 only (proto/utf8.c) ---------------------------- */
+
+struct utf8_case {
+	const char *name;
+	const char *bytes;
+	size_t len;
+	size_t bad_at; /* len when well-formed */
+};
+
+#define U8(name, lit, at)                                                                          \
+	{                                                                                          \
+		name, lit, sizeof(lit) - 1, at                                                     \
+	}
+#define U8_OK(name, lit) U8(name, lit, sizeof(lit) - 1)
+
+static const struct utf8_case UTF8S[] = {
+    U8_OK("empty", ""),
+    U8_OK("ascii with controls", "a\n\r\x1b\x7f"),
+    U8_OK("two bytes, smallest", "\xc2\x80"),
+    U8_OK("three bytes, after the surrogates", "x\xee\x80\x80"),
+    U8_OK("U+D7FF, the last before the surrogates", "\xed\x9f\xbf"),
+    U8_OK("U+FFFF", "\xef\xbf\xbf"),
+    U8_OK("U+10000, the first four-byte", "\xf0\x90\x80\x80"),
+    U8_OK("U+10FFFF, the last", "\xf4\x8f\xbf\xbf"),
+    U8("lone continuation", "ab\x80", 2),
+    U8("0xff", "\xff", 0),
+    U8("0xfe", "a\xfe", 1),
+    U8("overlong NUL (c0 80)", "\xc0\x80", 0),
+    U8("overlong two-byte (c1 bf)", "\xc1\xbf", 0),
+    U8("overlong three-byte (e0 9f bf)", "\xe0\x9f\xbf", 0),
+    U8("overlong four-byte (f0 8f bf bf)", "\xf0\x8f\xbf\xbf", 0),
+    U8("surrogate U+D800", "ok\xed\xa0\x80", 2),
+    U8("surrogate U+DFFF", "\xed\xbf\xbf", 0),
+    U8("U+110000", "\xf4\x90\x80\x80", 0),
+    U8("five-byte lead", "\xf8\x88\x80\x80\x80", 0),
+    U8("cut two-byte at the end", "abc\xc3", 3),
+    U8("cut three-byte at the end", "\xe2\x82", 0),
+    U8("cut four-byte before ascii",
+       "\xf0\x9f\x98"
+       "A",
+       0),
+    U8("ascii after a bad third byte", "\xe2\x28\xa1", 0),
+    U8("latin-1 text", "caf\xe9!", 3),
+};
+
+TABLE_TEST(msg, utf8_accepts_well_formed_text_and_finds_the_first_bad_byte, UTF8S)
+{
+	const struct utf8_case *c = &UTF8S[*i];
+
+	cr_assert_eq(utf8_check(c->bytes, c->len), c->bad_at, "%s: got %zu", c->name,
+	             utf8_check(c->bytes, c->len));
+}
+
+/* A register whose field `bad` (or a key of its carry tree, "carry") holds
+ * the bytes \xc0\x80 (an overlong NUL): BAD_REQUEST naming the field. */
+static void bad_text_request(const char *bad, struct proto_err *err)
+{
+	static const char *const fields[] = {"name",  "body_graph", "body_file",
+	                                     "entry", "strategy",   "dynamic"};
+	struct tbuf b;
+	struct msg m;
+	uint8_t *body;
+
+	tbuf_init(&b);
+	msgpack_pack_map(&b.pk, 3 + 6);
+	tbuf_str(&b, "id");
+	msgpack_pack_uint64(&b.pk, 9);
+	tbuf_str(&b, "op");
+	tbuf_str(&b, "register");
+	for (size_t k = 0; k < 6; k++) {
+		tbuf_str(&b, fields[k]);
+		if (strcmp(bad, fields[k]) == 0) {
+			msgpack_pack_str(&b.pk, 4);
+			msgpack_pack_str_body(&b.pk, "x\xc0\x80y", 4);
+		} else {
+			tbuf_str(&b, "fine \xc3\xa9");
+		}
+	}
+	tbuf_str(&b, "carry");
+	msgpack_pack_map(&b.pk, 1);
+	if (strcmp(bad, "carry") == 0) {
+		msgpack_pack_str(&b.pk, 2);
+		msgpack_pack_str_body(&b.pk, "\xed\xa0", 2);
+	} else {
+		tbuf_str(&b, "k");
+	}
+	msgpack_pack_nil(&b.pk);
+	body = tbuf_body(&b);
+	cr_assert_eq(msg_parse(&m, body, b.sb.size, MSG_REQUEST, err), strcmp(bad, "") ? -1 : 0,
+	             "%s: %s", bad, err->message);
+	cr_assert(m.has_id, "the id is read first, so the error can answer it");
+	msg_destroy(&m);
+	frame_free(body);
+	tbuf_destroy(&b);
+}
+
+Test(msg, a_request_string_that_is_not_utf8_is_bad_request_naming_its_field)
+{
+	static const char *const bad[] = {"name",     "body_graph", "body_file", "entry",
+	                                  "strategy", "dynamic",    "carry"};
+	struct proto_err err;
+
+	bad_text_request("", &err); /* the same request, well-formed: parsed */
+	for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+		bad_text_request(bad[k], &err);
+		cr_assert_eq(err.code, PROTO_E_BAD_REQUEST, "%s: %s", bad[k],
+		             proto_code_name(err.code));
+		cr_assert_str_eq(err.path, bad[k]);
+		cr_assert_not_null(strstr(err.message, bad[k]), "%s", err.message);
+		cr_assert_eq(utf8_check(err.message, strlen(err.message)), strlen(err.message),
+		             "the message itself is UTF-8");
+	}
+}
+
+Test(msg, an_op_name_that_is_not_utf8_is_bad_request_not_echoed)
+{
+	static const char raw[] = "\x82\xa2id\x0b\xa2op\xa4"
+	                          "ab\xff\n";
+	struct msg m;
+	struct proto_err err;
+	uint8_t *body = frame_alloc(sizeof raw - 1);
+
+	memcpy(body, raw, sizeof raw - 1);
+	cr_assert_eq(msg_parse(&m, body, sizeof raw - 1, MSG_REQUEST, &err), -1);
+	cr_assert_eq(err.code, PROTO_E_BAD_REQUEST);
+	cr_assert_str_eq(err.path, "op");
+	cr_assert_eq(m.id, 11);
 	msg_destroy(&m);
 	frame_free(body);
 }

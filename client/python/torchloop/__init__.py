@@ -9,13 +9,20 @@ docs/python.md has the details; docs/protocol.md the wire format.
 
 from .adapter import LoopAdapter, loop_adapter
 from .client import Client, default_socket
-from .errors import ConnectionLost, TorchloopError, TorchloopTypeError, TorchloopValueError
+from .errors import (
+    ConnectionLost,
+    TorchloopError,
+    TorchloopIndexError,
+    TorchloopTypeError,
+    TorchloopValueError,
+)
 
 __all__ = [
     "Client",
     "ConnectionLost",
     "LoopAdapter",
     "TorchloopError",
+    "TorchloopIndexError",
     "TorchloopTypeError",
     "TorchloopValueError",
     "default_socket",

@@ -170,11 +170,20 @@ def write(ep: torch.export.ExportedProgram, n_carry: int, n_x: int, n_params: in
     return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
+# The wire keys of the fields that define an adapter, in the order its name
+# hashes them: daemon/graph/graphs.h's ADAPTER_FIELDS (tests/python/test_limits.py).
+IDENTITY_FIELDS = ("body", "graph", "entry", "max_steps", "max_elements", "recompile_budget",
+                   "strategy", "dynamic")
+
+
 def identity(text: str, max_steps: int, max_elements: int, recompile_budget: int,
              strategy: str, dynamic: str) -> str:
     """The adapter name of a captured graph: "g." + SHA-256 of its text and
-    definition, as the daemon computes it (op_register.c's graph_name): the
-    only name a non-admin may register it under."""
-    h = hashlib.sha256(text.encode())
-    h.update(f"\n{max_steps}\n{max_elements}\n{recompile_budget}\n{strategy}\n{dynamic}".encode())
-    return "g." + h.hexdigest()[:40]
+    every field of its definition joined by newlines, as the daemon computes
+    it (adapter.c's adapter_graph_name): the only name a non-admin may
+    register it under.  A graph takes no entry: the daemon's default, "body"."""
+    fields = {"body": text, "graph": "1", "entry": "body", "max_steps": max_steps,
+              "max_elements": max_elements, "recompile_budget": recompile_budget,
+              "strategy": strategy, "dynamic": dynamic}
+    joined = "\n".join(str(fields[k]) for k in IDENTITY_FIELDS)
+    return "g." + hashlib.sha256(joined.encode()).hexdigest()[:40]

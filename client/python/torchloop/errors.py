@@ -2,7 +2,10 @@
 
 Codes that describe a bad value (bounds, lengths, shapes) raise a subclass
 of ValueError and codes that describe a bad type (dtype, tree node kinds) a
-subclass of TypeError, as the in-process reference adapter does; everything
+subclass of TypeError, as the in-process reference adapter does; an index
+the graph read from its inputs out of range (INDEX_OUT_OF_RANGE) an
+IndexError that is also a RuntimeError, as eager torch raises one or the
+other (`C[idx]`, index_select: IndexError; gather: RuntimeError); everything
 else is a TorchloopError (a RuntimeError).  docs/protocol.md lists the codes.
 """
 
@@ -28,9 +31,11 @@ VALUE_CODES = frozenset(
         "TOO_MANY_LEAVES",
         "KEY_TOO_LONG",
         "DUPLICATE_KEY",
+        "BAD_REQUEST",  # request text that is not UTF-8 (as UnicodeError, a ValueError)
     }
 )
 TYPE_CODES = frozenset({"DTYPE_MISMATCH", "BAD_DTYPE", "UNKNOWN_TYPE", "NON_STRING_KEY"})
+INDEX_CODES = frozenset({"INDEX_OUT_OF_RANGE"})
 
 
 class TorchloopError(RuntimeError):
@@ -49,6 +54,10 @@ class TorchloopValueError(TorchloopError, ValueError):
 
 class TorchloopTypeError(TorchloopError, TypeError):
     """A bad type: dtype, tree node kind, dict key type."""
+
+
+class TorchloopIndexError(TorchloopError, IndexError):
+    """An index the graph read from its inputs is out of range."""
 
 
 class ConnectionLost(TorchloopError, ConnectionError):
@@ -76,4 +85,6 @@ def from_reply(error: dict) -> TorchloopError:
         return TorchloopValueError(code, message, path)
     if code in TYPE_CODES:
         return TorchloopTypeError(code, message, path)
+    if code in INDEX_CODES:
+        return TorchloopIndexError(code, message, path)
     return TorchloopError(code, message, path)

@@ -10,7 +10,7 @@ from typing import Callable, cast
 
 import torch
 
-from . import aoti_split, codegen_speed, wrapper_pass
+from . import aoti_split, codegen_speed, index_guard, wrapper_pass
 from .elf import clear_exec_stack, set_exec_stack
 from .errors import JobError, classify
 from .frames import log
@@ -45,11 +45,16 @@ def aoti_options(out_path: str, batched: bool = False) -> dict[str, object]:
     of a symbol (torch's 0/1 specialization) and its input checks (on in the
     daemon) would refuse batch size 1; the daemon checks the batch (>= 1)
     itself, and the parity check runs every such graph at batch size 1.
+
+    max_autotune off: its C++ GEMM templates hold checks that throw
+    (index_guard.py covers the kernels Inductor generates otherwise).
     """
     options: dict[str, object] = {
         "aot_inductor.output_path": out_path,
         "aot_inductor.use_consts_asm_build": False,
         "aot_inductor.package_constants_in_so": True,
+        "max_autotune": False,
+        "max_autotune_gemm": False,
     }
     if batched:
         options["aot_inductor.check_lowerbound"] = False
@@ -141,6 +146,7 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
     when given); returns the .so's path."""
     unloadable_artifacts()
     codegen_speed.install()
+    index_guard.install()  # no throw inside an OpenMP region (index_guard.py)
     options = aoti_options(so_path, batched)
     if placer is not None:
         options["post_grad_custom_post_pass"] = placer

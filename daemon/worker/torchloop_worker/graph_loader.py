@@ -5,12 +5,16 @@ ships it as JSON (client/python/torchloop/_graph.py writes it;
 docs/protocol.md, "Captured graphs", has the format).  Any user allowed on
 the socket may register one, so nothing here executes what the text says:
 it is parsed with `json` (no pickle, no `torch.load`, no `torch.export.load`,
-which falls back to unpickling), every field is checked, every op is looked
-up by name among core ATen operators (minus the few that read or alias raw
-memory), every reference must point backwards, constants' declared sizes
-must equal their bytes, and the graph is run over fake tensors at its
-declared shapes before it is handed to the compile path.  Anything else is
-GraphError, which the worker answers with BAD_GRAPH.
+which falls back to unpickling; a key given twice is refused), every field
+is checked, every node is bound to the schema of an allow-listed op
+(graph_schema.py) and the FX graph is built from those bound values only:
+torch.fx turns it into Python source that it exec's, so no key or string
+of the text may reach it.  Every reference must point backwards,
+constants' declared sizes must equal their bytes, tree keys are of a safe
+charset, the generated code is checked line by line, and the graph is run
+over fake tensors at its declared shapes (per-tensor and total element
+bounds, no integral division) before it is handed to the compile path.
+Anything else is GraphError, which the worker answers with BAD_GRAPH.
 
 The loaded body is `GraphBody(carry, x)` with carry = (the user's carry,
 tuple of the live captured tensors): the graph passes the captured tensors
@@ -24,12 +28,13 @@ import json
 import math
 import operator
 import re
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import GraphError  # raised here; defined there (hello imports no torch)
+from .graph_schema import DTYPES, INT_DIVISION, PRODUCED_BY, STRINGS, bind, resolve
 
 FORMAT, VERSION = "torchloop.graph", 1
 MAX_TEXT = 1 << 20  # PROTO_MAX_SOURCE: the daemon refuses larger ones first
@@ -38,21 +43,10 @@ MAX_INPUTS = 4096
 MAX_RANK = 8
 MAX_TREE_DEPTH = 32
 MAX_ELEMENTS = 1 << 24  # any tensor of the graph, intermediates included
-
-DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
-LAYOUTS = {"strided": torch.strided}
-MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format,
-                  "preserve_format": torch.preserve_format,
-                  "channels_last": torch.channels_last}
-FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-# core ATen ops that hand out uninitialised memory or reinterpret storage:
-# Inductor emits them without bounds checks
-DENIED = re.compile(r"^(empty|new_empty|as_strided|_unsafe|resize|set_|_local_scalar_dense)")
-OP_NAME = re.compile(r"^aten\.([a-z_][a-z0-9_]{0,63})\.([A-Za-z_][A-Za-z0-9_]{0,63})$")
+# inputs + constants + every tensor a node allocates (views excluded): what
+# the fake run lets a graph make the worker hold, 512 MiB of float64
+MAX_TOTAL_ELEMENTS = 1 << 26
+TREE_KEY = re.compile(r"[A-Za-z0-9_.:+\-]{0,64}")  # a dict key of graph.carry/x/out
 
 Json = Union[None, bool, int, float, str, list["Json"], dict[str, "Json"]]
 
@@ -79,6 +73,9 @@ def _tree(node: Json, path: str, depth: int = 0) -> int:
         _need(isinstance(keys, list) and isinstance(kids, list) and len(keys) == len(kids)
               and all(isinstance(k, str) for k in keys) and len(set(keys)) == len(keys),
               f"{path}: a dict node needs distinct string keys, one per child", path)
+        _need(all(TREE_KEY.fullmatch(str(k)) for k in keys),  # type: ignore[union-attr]
+              f"{path}: a dict key must be at most "
+              "64 of A-Z a-z 0-9 _ . : + -", path)
     else:
         _need(node[0] in ("tuple", "list") and len(node) == 2 and isinstance(node[1], list),
               f"{path} is not a tree node", path)
@@ -90,7 +87,8 @@ def _tree(node: Json, path: str, depth: int = 0) -> int:
 def _meta(m: Json, path: str) -> tuple[torch.dtype, list[int]]:
     _need(isinstance(m, dict), f"{path} must be a map with dtype and shape", path)
     assert isinstance(m, dict)
-    dtype = DTYPES.get(m.get("dtype"))  # type: ignore[arg-type]
+    name = m.get("dtype")
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
     _need(dtype is not None, f"{path}.dtype must be one of {sorted(DTYPES)}", path)
     shape = m.get("shape")
     _need(isinstance(shape, list) and len(shape) <= MAX_RANK,
@@ -117,53 +115,58 @@ def _constant(m: Json, path: str) -> torch.Tensor:
     return flat.view(dtype).reshape(dims).clone()
 
 
-def _op(name: Json, path: str) -> Callable[..., Any]:
-    _need(isinstance(name, str), f"{path}.op must be a string", path)
-    if name == "getitem":
-        return operator.getitem
-    m = OP_NAME.match(name)  # type: ignore[arg-type]
-    _need(m is not None, f"{path}.op {name!r} is not an ATen operator (aten.<name>.<overload>)",
-          path)
-    assert m is not None
-    _need(not DENIED.match(m.group(1)), f"{path}.op {name} is not allowed in a captured "
-          "graph (it hands out uninitialised or reinterpreted memory)", path)
-    try:
-        op = getattr(getattr(torch.ops.aten, m.group(1)), m.group(2))
-    except (AttributeError, RuntimeError):
-        raise GraphError(f"{path}.op {name} is not an ATen operator of torch "
-                         f"{torch.__version__}", path) from None
-    _need(isinstance(op, torch._ops.OpOverload) and torch.Tag.core in op.tags,
-          f"{path}.op {name} is not a core ATen operator", path)
-    return op
+def _check_producers(made: torch.fx.Node, path: str) -> None:
+    """PRODUCED_BY: an argument that must come from a given op's output."""
+    op: Any = made.target
+    names = [a.name for a in op._schema.arguments]
+    for (packet, arg), (producer, index) in PRODUCED_BY.items():
+        if op.__name__.split(".")[0] != packet:
+            continue
+        at = names.index(arg)
+        v = made.kwargs.get(arg, made.args[at] if at < len(made.args) else None)
+        ok = bool(isinstance(v, torch.fx.Node) and v.target is operator.getitem
+              and v.args[1] == index and isinstance(v.args[0], torch.fx.Node)
+              and getattr(v.args[0].target, "__name__", "").split(".")[0] == producer)
+        _need(ok, f"{path}: {packet}'s {arg} must be output {index} of a {producer} node",
+              path)
 
 
 class _Reader:
-    """Turns JSON argument values into FX arguments, refs into earlier nodes."""
+    """Resolves tensor references ({"n"|"i"|"k": index}) into earlier nodes."""
 
-    def __init__(self, inputs: list[torch.fx.Node], constants: list[torch.fx.Node]) -> None:
-        self.inputs, self.constants = inputs, constants
+    def __init__(self, graph: torch.fx.Graph, inputs: list[torch.fx.Node],
+                 constants: list[torch.fx.Node]) -> None:
+        self.graph, self.inputs, self.constants = graph, inputs, constants
         self.nodes: list[torch.fx.Node] = []
 
-    def value(self, v: Json, path: str, depth: int = 0) -> Any:
-        _need(depth <= MAX_TREE_DEPTH, f"{path} is nested too deeply", path)
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
-        if isinstance(v, list):
-            return [self.value(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
-        _need(isinstance(v, dict) and len(v) == 1, f"{path}: an object must have one key", path)
-        assert isinstance(v, dict)
-        ((key, arg),) = v.items()
-        pools = {"n": self.nodes, "i": self.inputs, "k": self.constants}
-        if key in pools:
-            pool = pools[key]
-            _need(bool(pool), f"{path} refers to a {key!r} where there is none", path)
-            return pool[_int(arg, 0, len(pool) - 1, f"{path}.{key}")]
-        tables: dict[str, dict[str, Any]] = {
-            "f": FLOATS, "dtype": DTYPES, "layout": LAYOUTS, "memory_format": MEMORY_FORMATS,
-            "device": {"cpu": torch.device("cpu")}}
-        _need(key in tables and isinstance(arg, str) and arg in tables[key],
-              f"{path}: {key!r}: {arg!r} is not a value a graph may hold", path)
-        return tables[key][arg]  # type: ignore[index]
+    def ref(self, key: str, index: Json, path: str) -> torch.fx.Node:
+        pool = {"n": self.nodes, "i": self.inputs, "k": self.constants}[key]
+        _need(bool(pool), f"{path} refers to a {key!r} where there is none", path)
+        return pool[_int(index, 0, len(pool) - 1, f"{path}.{key}")]
+
+    def node(self, node: Json, path: str) -> torch.fx.Node:
+        """One node, bound to its op's schema, appended to the graph."""
+        _need(isinstance(node, dict) and set(node) <= {"op", "args", "kwargs"},
+              f"{path} needs op, args, kwargs (and nothing else)", path)
+        assert isinstance(node, dict)
+        graph = self.graph
+        if node.get("op") == "getitem":
+            return self._getitem(graph, node, path)
+        op = resolve(node.get("op"), path)
+        args, kwargs = bind(op, node.get("args"), node.get("kwargs", {}), self.ref, path)
+        made = graph.call_function(op, args, kwargs)
+        _check_producers(made, path)
+        return made
+
+    def _getitem(self, graph: torch.fx.Graph, node: dict[str, Json], path: str) -> torch.fx.Node:
+        args = node.get("args")
+        _need(isinstance(args, list) and len(args) == 2 and isinstance(args[0], dict)
+              and list(args[0]) == ["n"] and not node.get("kwargs"),
+              f"{path}: getitem takes [{{\"n\": node}}, index] and no kwargs", path)
+        assert isinstance(args, list) and isinstance(args[0], dict)
+        src = self.ref("n", args[0]["n"], f"{path}.args[0]")
+        return graph.call_function(operator.getitem,
+                                   (src, _int(args[1], 0, 63, f"{path}.args[1]")))
 
 
 class GraphBody:
@@ -225,10 +228,21 @@ def build(tdef: Json, flat: list[Any], pos: list[int]) -> Any:
     return tuple(kids) if tdef[0] == "tuple" else kids
 
 
+def _distinct(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are distinct (json keeps the last of a repeated key)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise GraphError(f"the key {key.encode('unicode_escape').decode('ascii')!r} is given "
+                         "twice in one object", "graph")
+    return out
+
+
 def parse(text: str) -> dict[str, Any]:
     _need(len(text) <= MAX_TEXT, f"the graph is over {MAX_TEXT} bytes", "graph")
     try:
-        doc = json.loads(text, parse_constant=lambda c: _need(False, f"{c} is not JSON", "graph"))
+        doc = json.loads(text, parse_constant=lambda c: _need(False, f"{c} is not JSON", "graph"),
+                         object_pairs_hook=_distinct)
     except (ValueError, RecursionError) as exc:
         raise GraphError(f"the graph is not JSON: {exc}") from None
     _need(isinstance(doc, dict) and doc.get("format") == FORMAT,
@@ -265,17 +279,14 @@ def load(text: str) -> GraphBody:
     consts = [_constant(m, f"graph.constants[{i}]") for i, m in enumerate(doc["constants"])]
     graph = torch.fx.Graph()
     inputs = [graph.placeholder(f"in{i}") for i in range(len(metas))]
-    reader = _Reader(inputs, [graph.placeholder(f"k{i}") for i in range(len(consts))])
+    reader = _Reader(graph, inputs, [graph.placeholder(f"k{i}") for i in range(len(consts))])
     for i, node in enumerate(doc["nodes"]):
-        path = f"graph.nodes[{i}]"
-        _need(isinstance(node, dict) and isinstance(node.get("args"), list)
-              and isinstance(node.get("kwargs", {}), dict), f"{path} needs op, args, kwargs", path)
-        op = _op(node.get("op"), path)
-        args = reader.value(node["args"], f"{path}.args")
-        kwargs = {str(k): reader.value(v, f"{path}.kwargs.{k}")
-                  for k, v in node.get("kwargs", {}).items()}
-        reader.nodes.append(graph.call_function(op, tuple(args), kwargs))
-    outs = reader.value(doc["outputs"], "graph.outputs")
+        reader.nodes.append(reader.node(node, f"graph.nodes[{i}]"))
+    outs = doc["outputs"]
+    _need(all(isinstance(o, dict) and len(o) == 1 and next(iter(o)) in ("n", "i", "k")
+              for o in outs), "graph outputs must be tensor references", "graph.outputs")
+    outs = [reader.ref(k, v, f"graph.outputs[{j}]") for j, o in enumerate(outs)
+            for k, v in o.items()]
     _need(all(isinstance(o, torch.fx.Node) for o in outs), "graph outputs must be tensors",
           "graph.outputs")
     graph.output(tuple(outs))
@@ -284,8 +295,49 @@ def load(text: str) -> GraphBody:
     except RuntimeError as exc:
         raise GraphError(f"the graph is malformed: {exc}") from None
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    check_code(gm)
     check_fake(gm, metas, consts)
     return GraphBody(gm, doc, metas, consts)
+
+
+# The lines torch.fx generates for a graph built from bound values: the
+# signature, one call or getitem per node (with FX's "x = None" frees), the
+# return.  A call's arguments hold only the tokens in TOKENS, node names and
+# the schema's argument names; quoted text only STRINGS' values or 'cpu'.
+NAME = r"[a-z_][a-z0-9_]*"
+LINE = re.compile(rf"def forward\(self(, {NAME})*\):|    return \(({NAME}, )*({NAME},?)?\)|"
+                  rf"    {NAME} = (torch\.ops\.aten\.{NAME}\.[A-Za-z0-9_]+\((?P<args>[^;]*)\)|"
+                  rf"{NAME}\[[0-9]+\])(;  ({NAME} = )+None)?")
+TOKENS = frozenset({"device", "type", "nan", "inf", "None", "True", "False",
+                    *(str(d) for d in DTYPES.values()), "torch.strided",
+                    "torch.contiguous_format", "torch.preserve_format", "torch.channels_last"})
+QUOTED = frozenset({"'cpu'", *(f"'{v}'" for vs in STRINGS.values() for v in vs)})
+
+
+def check_code(gm: torch.fx.GraphModule) -> None:
+    """Defence in depth: the Python torch.fx generated (and exec'd) is made
+    of the expected lines only, from names of our own making."""
+    known = set(TOKENS)
+    for n in gm.graph.nodes:
+        _need(re.fullmatch(NAME, n.name) is not None, f"node name {n.name!r}", "graph.nodes")
+        known.add(n.name)
+        if isinstance(n.target, torch._ops.OpOverload):
+            known.update(a.name for a in n.target._schema.arguments)
+    code = gm.code
+    _need(code.isascii(), "the generated code is not ASCII", "graph")
+    for line in code.split("\n"):
+        if not line.strip():
+            continue
+        m = LINE.fullmatch(line)
+        _need(m is not None and all(c >= " " for c in line),
+              f"the generated code has an unexpected line {line[:80]!r}", "graph")
+        assert m is not None
+        args = m.group("args") or ""
+        quoted = re.findall(r"'[^']*'", args)
+        words = re.findall(r"(?<![0-9A-Za-z_.])[A-Za-z_][A-Za-z0-9_.]*",
+                           re.sub(r"'[^']*'", "", args))
+        _need(set(quoted) <= QUOTED and set(words) <= known and '"' not in args,
+              f"the generated code has an unexpected value in {line[:80]!r}", "graph")
 
 
 def check_fake(gm: torch.fx.GraphModule, metas: list[tuple[torch.dtype, list[int]]],
@@ -295,6 +347,9 @@ def check_fake(gm: torch.fx.GraphModule, metas: list[tuple[torch.dtype, list[int
     with mode:
         args = [torch.empty(dims, dtype=dtype) for dtype, dims in metas]
     args += [mode.from_tensor(t) for t in consts]
+    total = [sum(t.numel() for t in args)]
+    _need(total[0] <= MAX_TOTAL_ELEMENTS, f"the graph's inputs and constants hold over "
+          f"{MAX_TOTAL_ELEMENTS} elements in all", "graph.inputs")
 
     class Checked(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
@@ -305,11 +360,31 @@ def check_fake(gm: torch.fx.GraphModule, metas: list[tuple[torch.dtype, list[int
             except Exception as exc:  # the op refused its arguments
                 raise GraphError(f"{n.target} refused its arguments: {exc}",
                                  f"graph.nodes ({n.name})") from None
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.numel() > MAX_ELEMENTS:
+            made = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                    if isinstance(t, torch.Tensor)]
+            for t in made:
+                if t.numel() > MAX_ELEMENTS:
                     raise GraphError(f"{n.target} makes a tensor of {t.numel()} elements "
                                      f"(at most {MAX_ELEMENTS})", f"graph.nodes ({n.name})")
+            if isinstance(n.target, torch._ops.OpOverload):
+                self.account(n, made)
             return out
+
+        def account(self, n: torch.fx.Node, made: list[torch.Tensor]) -> None:
+            """Adds what n allocates to the total; refuses integral division."""
+            schema = n.target._schema  # type: ignore[union-attr]
+            packet = schema.name.split("::")[1]
+            if packet in INT_DIVISION and any(not (t.is_floating_point() or t.is_complex())
+                                              for t in made):
+                raise GraphError(f"{n.target} divides integers (a compiled integer division "
+                                 "by zero is SIGFPE); divide floating-point values",
+                                 f"graph.nodes ({n.name})")
+            if all(r.alias_info is None for r in schema.returns):  # views allocate nothing
+                total[0] += sum(t.numel() for t in made)
+            if total[0] > MAX_TOTAL_ELEMENTS:
+                raise GraphError(f"the graph's inputs, constants and intermediates hold over "
+                                 f"{MAX_TOTAL_ELEMENTS} elements in all (at "
+                                 f"{n.target})", f"graph.nodes ({n.name})")
 
     with mode:
         outs = Checked(gm).run(*args)
