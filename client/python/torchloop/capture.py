@@ -1,7 +1,8 @@
 """Capturing a body in the solver's process, as torch.compile does.
 
 Each body's code gets its own `torch.compile(step, backend=..., fullgraph=True,
-dynamic=False)` of `step(body, carry, x) = body(carry, x)`: dynamo traces ONE
+dynamic=False)` of `step(body, carry, x) = body(carry, x)` (of a code object
+of its own: a shard; more below): dynamo traces ONE
 step where the body lives (closures, `self`, callbacks, imports, Array-API
 calls) and keeps the guards that decide when to trace again (a changed
 Python float, shape, dtype, or a different object; not a new closure over
@@ -18,6 +19,16 @@ the graph as constants, and a change in their values makes a new graph.
 The step is then exported to core ATen over (carry leaves, x leaves, live
 tensors) and written as a `_graph` document, whose content names the
 daemon adapter.  Capture costs one step's trace, whatever T.
+
+Dynamo keeps at most torch._dynamo.config.recompile_limit (8) variants per
+code object, and a ninth raises with fullgraph.  A solver that builds one
+closure per method, RHS or configuration has many variants of one body
+code, so a body code has shards (_Shard): copies of the step's code, each
+taking no more captures than dynamo's limit allows.  A call goes to the shard with
+an entry whose guards accept it (checked as the fast path does, without
+dynamo's wrapper), a capture to the most recently used shard with room or
+to a new shard; past Capturer.max_shards the least recently used shard is
+dropped, and its variants are captured again if they return.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import dis
 import hashlib
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any, Callable, Optional
@@ -38,6 +50,7 @@ from ._graph import CaptureError, TreeDef
 from ._wire import fast
 
 MAX_VARIANTS = 16  # exported graphs kept per capture (one per set of baked values)
+MAX_SHARDS = 8  # code copies kept per body code (Capturer.max_shards): 64 variants
 MAX_ROWS = 64  # row stand-ins kept per adapter (Capturer.rows)
 RowKey = tuple[int, torch.Size, tuple[int, ...], torch.dtype]
 Role = tuple[str, int]  # ("c"|"x"|"p"|"b", index): carry leaf, x leaf, live, baked
@@ -51,6 +64,7 @@ def _step(body: Callable[..., object], carry: object, x: object) -> object:
 
 class _Recorded(threading.local):
     call: Optional[tuple["StepGraph", tuple[torch.Tensor, ...]]] = None
+    shard: Optional["_Shard"] = None  # the shard whose code dynamo is running
 
 
 RECORDED = _Recorded()
@@ -218,24 +232,29 @@ def _graph_call_only(code: object) -> bool:
 class _Fast:
     """Dynamo's guards and transformed bytecode for one compiled step, run
     without dynamo's Python wrapper (about 15 µs a call): the same guard
-    managers, checked in dynamo's order, and the same code, so the same
-    graph is picked and handed the same tensors.  Entries whose bytecode does
-    more than call the graph are left out; an empty list means dynamo's call.
-    Capturer.capture runs the entries."""
+    managers, checked in dynamo's order, so the same entry is picked and its
+    code handed the same tensors.  An entry whose bytecode does more than
+    call the graph has no runner (None): its calls go through dynamo's own
+    wrapper, which picks it again.  ok is False when this torch's internals
+    could not be read: every call is then dynamo's.  Capturer.capture runs
+    the entries."""
 
     def __init__(self, step: Callable[..., object]) -> None:
         self.inner = getattr(step, "_torchdynamo_orig_callable", None)
-        self.entries: list[tuple[Callable[[dict[str, object]], bool], Callable[..., object]]] = []
+        self.entries: list[tuple[Callable[[dict[str, object]], bool],
+                                 Optional[Callable[..., object]]]] = []
+        self.ok = self.inner is not None
 
     def refresh(self) -> None:
         try:
             from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
             entries = _debug_get_cache_entry_list(self.inner.__code__)  # type: ignore[union-attr]
-            self.entries = [(e.guard_manager.check, run) for e in entries
-                            if (run := self._runner(e.code)) is not None]
+            # in place: _Shard.entries is this list
+            self.entries[:] = [(e.guard_manager.check, self._runner(e.code)) for e in entries]
         except (AttributeError, TypeError, ImportError):  # another torch's internals
-            self.entries = []
+            self.entries.clear()
+            self.ok = False
 
     def _runner(self, code: types.CodeType) -> Callable[..., object] | None:
         """The transformed step over globals of its own: the recorder itself
@@ -261,37 +280,127 @@ class _Fast:
         return FunctionType(code, scope)
 
 
+class _Shard:
+    """A code object of the step's own, and dynamo's variants of it: dynamo
+    keeps its compiled entries, and counts them against its recompile limit
+    (torch._dynamo.config.recompile_limit, 8), per code object; a shard takes
+    at most that many captures, so dynamo never refuses one.
+
+    Dynamo's entries live on the code (its co_extra, which the garbage
+    collector does not see) and refer back to it (dynamo's orig_code_map,
+    transformed code -> original code; utils.guard_failures, keyed by the
+    code): a dropped code copy would never be freed.  So when the shard
+    object goes (dropped, and no call still using it) _release empties the
+    code's cache as torch._dynamo.eval_frame.remove_from_cache does; the
+    entries' transformed code then goes, and with it the globals dynamo
+    installed for them (the graphs' `__compiled_fn_*`, by dynamo's cleanup
+    hooks) and so the StepGraphs.  Nothing dynamo keeps refers to the shard
+    (the backend is the Capturer's).  (Measured: every dropped code is freed
+    but the process's first one, which torch's internals hold on to: one
+    code object, its entries emptied, not one per drop.)"""
+
+    __slots__ = ("fn", "fast", "entries", "captures", "__weakref__")
+
+    def __init__(self, backend: Callable[..., object]) -> None:
+        code = _step.__code__.replace()
+        self.fn = torch.compile(FunctionType(code, _step.__globals__), backend=backend,
+                                fullgraph=True, dynamic=False)
+        self.fast = _Fast(self.fn)
+        self.entries = self.fast.entries  # the warm call's (one attribute less)
+        self.captures = 0  # dynamo's traces of this code (its backend's calls)
+        weakref.finalize(self, _release, code).atexit = False
+
+    def has_room(self) -> bool:
+        """Whether dynamo takes one more capture of this code; without a way
+        to route calls between shards (fast.ok False) there is one shard,
+        and dynamo's limit is the capture's."""
+        return not self.fast.ok or self.captures < torch._dynamo.config.recompile_limit
+
+
+def _release(code: types.CodeType) -> None:
+    """Frees dynamo's entries for a dropped shard's code (_Shard)."""
+    try:
+        from torch._dynamo.eval_frame import reset_code
+        from torch._dynamo.utils import guard_failures
+    except ImportError:  # another torch's internals: the code stays
+        return
+    reset_code(code)
+    guard_failures.pop(code, None)
+
+
 @dataclass
 class Capturer:
-    """One adapter's captures: a compiled step per body code object."""
+    """One adapter's captures: per body code object, its shards (most
+    recently used first), each a compiled step with at most dynamo's
+    recompile limit of variants; past max_shards the least recently used
+    shard goes, and its variants are captured again if they return."""
 
-    steps: dict[object, tuple[Callable[..., object], _Fast]] = field(default_factory=dict)
+    steps: dict[object, tuple[_Shard, ...]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    max_shards: int = MAX_SHARDS
     captures: int = 0  # dynamo traces (a guard failed, or a new body code)
     fast_calls: int = 0  # calls the fast path served
+    dropped: int = 0  # shards dropped past max_shards
     # (leaf position, shape, strides, dtype) -> its row's stand-in
     row_of: dict[RowKey, torch.Tensor] = field(default_factory=dict)
     last_rows: list[list[torch.Tensor]] = field(default_factory=lambda: [[]])  # _fast.rows's
 
     def _backend(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> StepGraph:
         self.captures += 1
+        shard = RECORDED.shard  # dynamo traces in the calling thread
+        if shard is not None:
+            shard.captures += 1
         return StepGraph(gm)
 
-    def compiled(self, body: object) -> tuple[Callable[..., object], _Fast]:
+    def compiled(self, body: object) -> tuple[_Shard, ...]:
+        """body's shards, the first one made on its code's first call."""
         key = code_key(body)
-        entry = self.steps.get(key)
-        if entry is None:
+        shards = self.steps.get(key)
+        if shards is None:
             with self.lock:
-                entry = self.steps.get(key)
-                if entry is None:
+                shards = self.steps.get(key)
+                if shards is None:
                     _polyfills.register()  # array_namespace's guards, once
-                    # a code object of its own: dynamo's recompile limit (8
-                    # variants) counts per body code, not per adapter
-                    unique = FunctionType(_step.__code__.replace(), _step.__globals__)
-                    fn = torch.compile(unique, backend=self._backend, fullgraph=True,
-                                       dynamic=False)
-                    entry = self.steps[key] = (fn, _Fast(fn))
-        return entry
+                    shards = self.steps[key] = (_Shard(self._backend),)
+        return shards
+
+    def _with_room(self, key: object) -> _Shard:
+        """The most recently used shard with room for a capture, else a new
+        one in front (the least recently used dropped past max_shards)."""
+        with self.lock:
+            shards = self.steps[key]
+            for shard in shards:
+                if shard.has_room():
+                    return shard
+            shard = _Shard(self._backend)
+            kept = (shard,) + shards
+            self.dropped += max(0, len(kept) - self.max_shards)
+            self.steps[key] = kept[:max(1, self.max_shards)]
+            return shard
+
+    def _to_front(self, key: object, shard: _Shard) -> None:
+        with self.lock:
+            shards = self.steps.get(key, ())
+            if shard in shards and shards[0] is not shard:
+                self.steps[key] = (shard,) + tuple(s for s in shards if s is not shard)
+
+    def _dynamo_call(self, key: object, shard: Optional[_Shard], body: object, carry: object,
+                     xrow: object) -> object:
+        """Dynamo's call of shard (whose entry accepted the call), or a
+        capture into the shard with room."""
+        if shard is None:
+            shard = self._with_room(key)
+        RECORDED.call, RECORDED.shard = None, shard
+        captures = shard.captures
+        try:
+            result = shard.fn(body, carry, xrow)
+        finally:
+            RECORDED.shard = None
+        if shard.captures != captures:  # dynamo has a new entry
+            shard.fast.refresh()
+        if self.steps[key][0] is not shard:
+            self._to_front(key, shard)
+        return result
 
     def rows(self, xs: list[torch.Tensor], max_steps: int) -> list[torch.Tensor] | None:
         """What the step is traced at and its guards are checked against, per
@@ -331,23 +440,33 @@ class Capturer:
 
     def capture(self, body: object, carry: object, xrow: object) -> tuple[StepGraph, tuple[torch.Tensor, ...], object]:
         """Runs the guards (tracing when they fail); the graph and this call's tensors."""
-        fn, fast_step = self.steps.get(code_key(body)) or self.compiled(body)
+        key = code_key(body)
+        shards = self.steps.get(key) or self.compiled(body)
         grad = _grad_enabled()
         if grad:
             _set_grad_enabled(False)  # the capture's grad mode (a guard)
         try:
             frame = {"body": body, "carry": carry, "x": xrow}
-            for check, run in fast_step.entries:  # _Fast: dynamo's guards, in its order
-                if check(frame):
-                    result = run(body, carry, xrow)
-                    self.fast_calls += 1
-                    break
+            # _Fast: dynamo's guards, in its order, the most recently used
+            # shard first; run None: dynamo's call runs the entry
+            shard: Optional[_Shard]
+            run: Optional[Callable[..., object]]
+            for shard in shards:
+                for check, run in shard.entries:
+                    if check(frame):
+                        break
+                else:
+                    continue
+                break
             else:
-                RECORDED.call = None
-                captures = self.captures
-                result = fn(body, carry, xrow)
-                if self.captures != captures:  # dynamo has a new entry
-                    fast_step.refresh()
+                shard = run = None
+            if run is not None:
+                result = run(body, carry, xrow)
+                self.fast_calls += 1
+                if shard is not shards[0]:
+                    self._to_front(key, shard)  # type: ignore[arg-type]
+            else:
+                result = self._dynamo_call(key, shard, body, carry, xrow)
         finally:
             if grad:
                 _set_grad_enabled(True)
