@@ -79,6 +79,13 @@ static int by_age(const void *a, const void *b)
 	return (x->mtime > y->mtime) - (x->mtime < y->mtime);
 }
 
+/* Oldest first (qsort must not see the NULL of an empty list). */
+static void sort_by_age(struct evict_list *l)
+{
+	if (l->n > 1)
+		qsort(l->v, l->n, sizeof *l->v, by_age);
+}
+
 static uint64_t file_bytes(int dfd, const char *name, time_t *mtime)
 {
 	struct stat st;
@@ -188,7 +195,7 @@ unsigned cache_evict(const struct cache *c, time_t now)
 	for (size_t i = 0; i < 3; i++) {
 		if (scan_dir(c, subs[i], &lists[i]) != 0)
 			goto out; /* out of memory or an unreadable directory: next commit */
-		qsort(lists[i].v, lists[i].n, sizeof *lists[i].v, by_age);
+		sort_by_age(&lists[i]);
 		total += lists[i].bytes;
 	}
 	if (total > (uint64_t)c->max_bytes) {
@@ -210,7 +217,7 @@ void cache_prune_quarantine(const struct cache *c)
 
 	if (scan_dir(c, "quarantine", &l) == 0 && l.n > CACHE_QUARANTINE_MAX) {
 		uint64_t total = l.n, cap = CACHE_QUARANTINE_MAX;
-		qsort(l.v, l.n, sizeof *l.v, by_age);
+		sort_by_age(&l);
 		for (size_t i = 0; i < l.n; i++)
 			l.v[i].bytes = 1; /* counted in files here, not bytes */
 		drop_files(c, "quarantine", &l, &total, cap, NEVER_KEPT);

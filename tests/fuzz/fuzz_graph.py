@@ -49,6 +49,13 @@ NUMBERS: list[Any] = [0, 1, -1, 2, 63, 64, 1 << 24, (1 << 24) + 1, 1 << 31, 1 <<
                       {"f": "nan"}, {"f": "inf"}, {"f": "os"}]
 
 
+def number(rng: random.Random, more: list[Any] | None = None) -> Any:
+    """One of NUMBERS (or more), a copy: a mutation may change what it gets,
+    and NUMBERS' own maps must never become part of a document (they would
+    grow from mutant to mutant, and a later one would hold itself)."""
+    return copy.deepcopy(rng.choice(NUMBERS + (more or [])))
+
+
 def code(scratch: Path, rng: random.Random) -> str:
     """Text that creates a file in scratch if it is ever run as Python."""
     sep = rng.choice(SEPARATORS)
@@ -89,16 +96,18 @@ def replace(doc: Any, at: tuple[Any, ...], new: Any) -> Any:
 
 def mutate_value(doc: Any, rng: random.Random, scratch: Path, docs: list[Any]) -> Any:
     at = rng.choice(paths(doc))
-    old = get(doc, at)
+    # a copy: the value put back may hold it twice, never a part of doc itself
+    # (doc's own subtree under a new key of its own would make a cycle)
+    old = copy.deepcopy(get(doc, at))
     other = rng.choice(docs)
     pick: list[Callable[[], Any]] = [
-        lambda: rng.choice(NUMBERS),
+        lambda: number(rng),
         lambda: code(scratch, rng),
         lambda: (old if isinstance(old, str) else "s") + rng.choice(SEPARATORS) + "x",
         lambda: [old, old] if not isinstance(old, list) else old + old[:1],
         lambda: old[:-1] if isinstance(old, list) else {},
         lambda: {rng.choice(["n", "i", "k", "f", "dtype", "device", "layout",
-                             "memory_format", code(scratch, rng)]): rng.choice(NUMBERS + ["cpu"])},
+                             "memory_format", code(scratch, rng)]): number(rng, ["cpu"])},
         lambda: copy.deepcopy(get(other, rng.choice(paths(other)))),
     ]
     return replace(doc, at, rng.choice(pick)())
@@ -111,7 +120,7 @@ def mutate_key(doc: Any, rng: random.Random, scratch: Path) -> Any:
     if isinstance(node, dict) and rng.random() < 0.5:
         kw = node.setdefault("kwargs", {}) if isinstance(node.get("kwargs", {}), dict) else {}
         kw[rng.choice([code(scratch, rng), "alpha", "self", "other", "dtype", "out",
-                       "rounding_mode", "__class__"])] = rng.choice(NUMBERS + ["floor"])
+                       "rounding_mode", "__class__"])] = number(rng, ["floor"])
         return doc
     if not dicts:
         return doc
