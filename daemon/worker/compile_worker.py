@@ -86,8 +86,12 @@ def keep_headers_shared() -> None:
     scratch, removed with it: point them at Inductor's cache directory,
     which every worker may write and which outlives them."""
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    codecache = sys.modules.get("torch._inductor.codecache")
-    if base and codecache is not None:
+    if base:
+        # imported here, not found in sys.modules: the compile path has not
+        # always imported it yet, and then every worker built its own headers
+        # in its scratch (20-30 s more for its first compile)
+        import torch._inductor.codecache as codecache
+
         headers = os.path.join(base, "precompiled_headers")
         setattr(codecache, "_HEADER_DIR", headers)
         setattr(codecache, "_HEADER_LOCK_DIR", os.path.join(headers, "locks"))
