@@ -672,13 +672,14 @@ make build build/bench_c
 .venv/bin/python tests/bench/eagerfirst.py build build/bench/eagerfirst.json
 .venv/bin/python tests/bench/pypath.py build build/bench/pypath.json
 .venv/bin/python tests/bench/checkpoint.py build build/bench/checkpoint.json
+.venv/bin/python tests/bench/stiff.py build build/bench/stiff.json
 .venv/bin/python tests/bench/remote.py build build/bench/remote.json
 .venv/bin/python tests/bench/bench.py build build/bench
 .venv/bin/python tests/bench/report.py build/bench docs/performance.md
 cp build/bench/*.png docs/
 ```
 
-Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/eagerfirst.json`, `build/bench/pypath.json`, `build/bench/checkpoint.json`, `build/bench/remote.json`, `build/bench/bench.json`. Timings
+Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/eagerfirst.json`, `build/bench/pypath.json`, `build/bench/checkpoint.json`, `build/bench/stiff.json`, `build/bench/remote.json`, `build/bench/bench.json`. Timings
 are never asserted in tests; they live here.
 """
 
@@ -873,6 +874,36 @@ the plain one (target: at most 1.6x), forward + backward {c['time_ratio']:.2f}x.
 """
 
 
+STIFF_METHODS = (("a", "eager loop"), ("b", "reference adapter (torch.compile in process)"),
+                 ("g", "torchloop"), ("g_quick", "torchloop, --quick-tier-steps 32"))
+
+
+def stiff_section(st: dict) -> str:
+    if not st:
+        return "## A stiff solver's implicit step\n\n(stiff.json missing: run `make bench`.)\n"
+
+    rows = [[name, f"{r['first_s']:.1f}", us(r["p50_us"]) if "p50_us" in r else "-",
+             f"{r['max_diff_vs_eager']:.1e}" if "max_diff_vs_eager" in r else "-",
+             r["error"].splitlines()[0][:160].replace("|", "/") if "error" in r else ""]
+            for key, name in STIFF_METHODS if (r := st["rows"].get(key)) is not None]
+    load = st.get("loadavg", {})
+    return f"""## A stiff solver's implicit step
+
+`tests/bench/stiff.py` (issue 54): a solver's per-run closure over a user RHS and
+Jacobian callback, linearly implicit Euler on 1-D diffusion with a cubic
+reaction ({st['N']}-point grid, float64, h = {st['h']}, T = {st['T']}): `A = I - h J(y);
+y1 = torch.linalg.solve(A, y + h (f(t, y) - J(y) y))`, carry (y, None), inputs
+(times, step sizes). First call: a fresh process's first `solver.run` (capture
+and the daemon's compile; the reference: dynamo and Inductor in process; FX
+graph caches off). Warm: p50 of {st['rounds']} interleaved rounds, after the
+results were checked against the eager loop. Load average
+{' '.join(f'{v:.2f}' for v in load.get('start', []))} at the start.
+
+{table(["method", "first call (s)", "warm p50 (µs)", "max diff vs eager", "failure"], rows,
+       "lrrrl")}
+"""
+
+
 def eagerfirst_section(e: dict) -> str:
     if not e:
         return "## Eager first calls\n\n(eagerfirst.json missing: run `make bench`.)\n"
@@ -927,6 +958,7 @@ def main() -> None:
     cap = optional(bench_dir, "capture.json", {})
     ckpt = optional(bench_dir, "checkpoint.json", {})
     remote = optional(bench_dir, "remote.json", {})
+    stiff = optional(bench_dir, "stiff.json", {})
     eagerf = optional(bench_dir, "eagerfirst.json", {})
     pyp = optional(bench_dir, "pypath.json", {})
     doc = "\n".join([header(b, bench_dir), strategy_section(strategy), tier_section(tier),
@@ -934,7 +966,7 @@ def main() -> None:
                      latency_section(b), bigruns_section(big), pyclient_section(b),
                      capture_section(cap), eagerfirst_section(eagerf),
                      report_pypath.section(pyp, b.get("floors", {})),
-                     checkpoint_section(ckpt), remote_section(remote),
+                     checkpoint_section(ckpt), stiff_section(stiff), remote_section(remote),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b, report_pypath.targets(pyp)), time_section(b),
                      history_section()])

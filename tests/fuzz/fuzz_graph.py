@@ -243,6 +243,8 @@ def write_corpus() -> None:
                       {"a": torch.rand(3, **f64), "b": torch.rand(2, 2, **f64)},
                       torch.rand(3, **f64)),
     }
+    from test_linalg_ops import Model, initial, inputs
+    bodies["linalg"] = (Model().body(), (initial(), None), tuple(t[0] for t in inputs()))
     CORPUS.mkdir(parents=True, exist_ok=True)
     for name, (body, carry, x) in bodies.items():
         (CORPUS / f"{name}.json").write_text(capture(body, carry, x))

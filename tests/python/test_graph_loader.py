@@ -15,6 +15,7 @@ import os
 import pickle
 import random
 import sys
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,11 @@ def forged(doc_text: str, how: str) -> str:
                              "kwargs": {}})
     elif how == "version":
         doc["version"] = 2
+    elif how == "an effectful op":  # export's linalg check: the package ships its info instead
+        doc["nodes"].append({"op": "aten._linalg_check_errors.default",
+                             "args": [{"n": 0}, "torch.linalg.solve"], "kwargs": {"is_matrix": True}})
+    elif how == "with_effects":
+        doc["nodes"].append({"op": "higher_order.with_effects", "args": [], "kwargs": {}})
     elif how == "code in a kwarg key":  # issue 53 row 1, as it ran on the old loader
         doc["nodes"][-1]["kwargs"] = {payload("\r", MARKER): 1}
     elif how == "unchecked indices":  # row 3: the eager kernel wrote out of bounds
@@ -128,7 +134,8 @@ FORGERIES = ["op outside aten", "python callable", "non-core aten op", "denied o
              "constant lies about its size", "forward reference", "input out of range",
              "unknown value tag", "wrong arity", "outputs miscounted", "huge intermediate",
              "version", "code in a kwarg key", "unchecked indices",
-             "intermediates over the total", "integer remainder"]
+             "intermediates over the total", "integer remainder", "an effectful op",
+             "with_effects"]
 # where "code in a kwarg key" would write (test_capture.py checks it through a daemon)
 MARKER = f"/tmp/torchloop-graph-marker-{os.getpid()}"
 
@@ -300,14 +307,17 @@ def test_an_op_outside_the_allow_list_is_refused_by_name(doc_text: str, op: str)
 
 
 @pytest.mark.parametrize("op, args, ok", [
-    ("remainder.Scalar", [{"k": 0}, 3], False),
-    ("fmod.Scalar", [{"k": 0}, 3], False),
+    ("remainder.Scalar", [{"k": 0}, 0], False),
+    ("fmod.Scalar", [{"k": 0}, -1], False),  # INT_MIN / -1 traps too
+    ("remainder.Scalar", [{"k": 0}, False], False),  # a bool is 0, not an int constant
+    ("remainder.Scalar", [{"k": 0}, 3], True),  # torch.roll's index arithmetic
+    ("fmod.Scalar", [{"k": 0}, -4], True),
     ("floor_divide.default", [{"k": 0}, {"k": 1}], False),
     ("div.Tensor_mode", [{"k": 0}, {"k": 1}], False),
     ("div.Tensor", [{"k": 0}, {"k": 1}], True),  # true division: float64 result
     ("remainder.Scalar", [{"i": 0}, 3], True),
 ])
-def test_integer_division_is_refused_and_floating_division_loads(
+def test_integer_division_by_a_tensor_is_refused_by_a_safe_constant_loads(
         doc_text: str, op: str, args: list, ok: bool) -> None:
     doc = json.loads(doc_text)
     node: dict = {"op": f"aten.{op}", "args": args, "kwargs": {}}
@@ -375,3 +385,38 @@ def test_a_graphs_dry_run_takes_generated_inputs_not_the_requests(doc_text: str)
               entry="body", steps=3, carry=t4, inputs=inputs, sample=sample[::2])
     eager = eager_runs(src, load_body(src))
     assert not eager.random and all(bool((a == 7).all()) for a in eager.args)
+
+
+def solve_step(c: tuple[torch.Tensor, None], x: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    y, _ = c
+    A = torch.eye(4, dtype=y.dtype) * (2.0 + x[0]) + torch.outer(y, y) * 0.1
+    y1 = torch.linalg.solve(A, y)
+    return (y1 + torch.linalg.inv(A) @ x, None), torch.linalg.det(A)
+
+
+def test_a_step_with_linalg_checks_ships_their_infos_as_outputs_and_no_token() -> None:
+    """torch.linalg.solve and inv: export's effect token and with_effects
+    checks are not in the text; each check's info is an extra output (in the
+    scan's dtype) after the body's y, and the document lists the checks;
+    the loaded graph computes what the body computes, infos 0."""
+    from torchloop._graph import Check
+
+    from torchloop.adapter import flatten
+    from torchloop.capture import Capturer
+
+    carry, x = (torch.rand(4, dtype=torch.float64), None), torch.rand(4, dtype=torch.float64)
+    leaves: list[torch.Tensor] = []
+    cdef = flatten(carry, "carry", leaves)
+    xdef = flatten(x, "inputs", leaves)
+    g, args, result = Capturer().capture(solve_step, carry, x)
+    g.bind(args, leaves[:1], leaves[1:], result, torch.float64)
+    doc = g.document(args, leaves, 1, cdef, xdef, DEFINITION)
+    assert doc.checks == (Check("torch.linalg.solve", True), Check("linalg.inv", True))
+    assert "with_effects" not in doc.text and "check_errors" not in doc.text
+    assert "token" not in doc.text
+    body = graph_loader.load(doc.text)
+    ((new, _), _), (y, infos) = body((carry, ()), x)
+    (ref_new, _), ref_y = solve_step(carry, x)
+    torch.testing.assert_close(new, ref_new, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(y, ref_y, rtol=1e-13, atol=1e-13)
+    assert [t.dtype for t in infos] == [torch.float64] * 2 and all(int(t) == 0 for t in infos)

@@ -80,9 +80,11 @@ def good_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(1.0, 5.0, dtype=torch.float64), xs
 
 
-def child(sock: str) -> dict[str, Any]:
+def child(sock: str, script: str = CHILD) -> dict[str, Any]:
+    """Runs script (a CHILD: becomes uid 65534 when root) against sock; its
+    last line of output, as JSON (test_linalg_ops.py's child too)."""
     env = dict(os.environ, HOME="/tmp")
-    proc = subprocess.run([sys.executable, "-c", CHILD, sock, str(HERE)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script, sock, str(HERE)], capture_output=True,
                           text=True, env=env, timeout=600, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

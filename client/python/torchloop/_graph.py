@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 import operator
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 
@@ -47,6 +47,32 @@ TreeDef = object  # adapter.flatten's structure: None, "T", ("tuple"|"list", [..
 
 class CaptureError(TypeError):
     """The captured graph cannot be shipped (an op or value the format lacks)."""
+
+
+class Check(NamedTuple):
+    """An error check export wraps in `with_effects` (torch.linalg.solve's,
+    inv's, cholesky's... `aten._linalg_check_errors(info, api, is_matrix=)`):
+    not shipped.  Its `info` tensor becomes an extra step output instead, and
+    the package runs the check on each step's info after the scan (checks.py),
+    raising eager's LinAlgError with eager's message.  The api name stays in
+    the solver's process: no text of it reaches the daemon."""
+
+    api: str
+    is_matrix: bool
+
+
+class Doc(NamedTuple):
+    """A captured step as shipped: its adapter name, its text, and the checks
+    whose info tensors are its last outputs (a tuple after the body's y)."""
+
+    name: str
+    text: str
+    checks: tuple[Check, ...] = ()
+
+
+Ref = dict[str, int]  # {"n": i}, {"i": j} or {"k": k}: a node, input or constant
+_TOKEN: Ref = {"token": 0}  # stands for export's effect token: never shipped
+_CHECK_ERRORS = "aten._linalg_check_errors.default"
 
 
 def _tree(tdef: TreeDef) -> Json:
@@ -75,14 +101,15 @@ def _constant(t: torch.Tensor) -> dict[str, Json]:
 
 
 class _Writer:
-    def __init__(self, refs: dict[torch.fx.Node, dict[str, int]]) -> None:
+    def __init__(self, refs: dict[torch.fx.Node, Ref]) -> None:
         self.refs = refs
 
     def value(self, v: object, where: str) -> Json:
         if isinstance(v, torch.fx.Node):
-            if v not in self.refs:
+            ref = self.refs.get(v)
+            if ref is None or ref is _TOKEN:
                 raise CaptureError(f"{where}: refers to {v.name}, which is not shipped")
-            return self.refs[v]  # type: ignore[return-value]
+            return ref  # type: ignore[return-value]
         if v is None or isinstance(v, (bool, int, str)):
             return v
         if isinstance(v, float):
@@ -118,56 +145,99 @@ def _op_name(node: torch.fx.Node) -> str:
     )
 
 
-def write(ep: torch.export.ExportedProgram, n_carry: int, n_x: int, n_params: int,
-          carry_def: TreeDef, x_def: TreeDef, out_def: TreeDef) -> str:
-    """The JSON text of an exported step (user inputs: carry, x row, params)."""
-    sig = ep.graph_signature
-    user = 0
-    constants: list[dict[str, Json]] = []
-    inputs: list[dict[str, Json]] = []
-    refs: dict[torch.fx.Node, dict[str, int]] = {}
+def _inputs(ep: torch.export.ExportedProgram, refs: dict[torch.fx.Node, Ref],
+            inputs: list[dict[str, Json]], constants: list[dict[str, Json]]) -> None:
     values = {**ep.state_dict, **ep.constants}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
-    for node, spec in zip(placeholders, sig.input_specs):
+    for node, spec in zip(placeholders, ep.graph_signature.input_specs):
         kind = spec.kind.name
         if kind == "USER_INPUT":
-            refs[node] = {"i": user}
+            refs[node] = {"i": len(inputs)}
             inputs.append(_meta(node.meta["val"]))
-            user += 1
         elif kind in ("BUFFER", "CONSTANT_TENSOR", "PARAMETER"):
             refs[node] = {"k": len(constants)}
             constants.append(_constant(values[spec.target]))
+        elif kind == "TOKEN":
+            refs[node] = _TOKEN
         else:
             raise CaptureError(f"the exported step has an input of kind {kind}")
-    for spec in sig.output_specs:
-        if spec.kind.name != "USER_OUTPUT":
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind.name not in ("USER_OUTPUT", "TOKEN"):
             raise CaptureError(
                 "the body mutates a tensor in place (the carry, an input or a captured "
                 f"tensor: {spec.target or spec.arg}); torchloopd compiles pure steps only"
             )
+
+
+def _effect(node: torch.fx.Node, w: "_Writer", checks: list[Check],
+            infos: list[Json]) -> None:
+    """with_effects(token, op, *args, **kwargs): an error check becomes an
+    info output and a Check; any other effectful op cannot be shipped."""
+    op = node.args[1]
+    if str(op) != _CHECK_ERRORS:
+        raise CaptureError(f"the captured step calls {op}, an op with side effects: only "
+                           "torch.linalg's error checks are shipped (as an info output)")
+    info, api = node.args[2], node.args[3]
+    assert isinstance(api, str)
+    checks.append(Check(api, bool(node.kwargs.get("is_matrix", True))))
+    infos.append(w.value(info, str(op)))
+    w.refs[node] = _TOKEN
+
+
+def _as_floats(infos: list[Json], dtype: Json, nodes: list[dict[str, Json]]) -> list[Json]:
+    """The info tensors (int32) as the scan's dtype: the wire carries the
+    scan's dtype only, and an info (0, or an index below 2^24) is exact in it."""
+    out: list[Json] = []
+    for ref in infos:
+        nodes.append({"op": "aten._to_copy.default", "args": [ref],
+                      "kwargs": {"dtype": {"dtype": dtype}}})
+        out.append({"n": len(nodes) - 1})
+    return out
+
+
+def write(ep: torch.export.ExportedProgram, n_carry: int, n_x: int, n_params: int,
+          carry_def: TreeDef, x_def: TreeDef, out_def: TreeDef) -> tuple[str, tuple[Check, ...]]:
+    """The JSON text of an exported step (user inputs: carry, x row, params)
+    and its error checks (Check: their info tensors are the last outputs)."""
+    constants: list[dict[str, Json]] = []
+    inputs: list[dict[str, Json]] = []
+    refs: dict[torch.fx.Node, Ref] = {}
+    _inputs(ep, refs, inputs, constants)
     w = _Writer(refs)
     nodes: list[dict[str, Json]] = []
     outputs: list[Json] = []
+    checks: list[Check] = []
+    infos: list[Json] = []
     for node in ep.graph.nodes:
         if node.op == "call_function" and not node.users and str(node.target).startswith(
                 "aten._assert"):
             continue  # export's metadata checks: the graph's static shapes fix them
-        if node.op == "call_function":
+        if node.op == "call_function" and node.target is torch.ops.higher_order.with_effects:
+            _effect(node, w, checks, infos)
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                refs.get(node.args[0]) is _TOKEN:
+            refs[node] = _TOKEN  # the effect's new token
+        elif node.op == "call_function":
             name = _op_name(node)
             nodes.append({"op": name, "args": w.value(list(node.args), name),
                           "kwargs": {k: w.value(v, name) for k, v in node.kwargs.items()}})
             refs[node] = {"n": len(nodes) - 1}
         elif node.op == "output":
-            outputs = [w.value(v, "output") for v in node.args[0]]
+            outputs = [w.value(v, "output") for v in node.args[0]
+                       if refs.get(v) is not _TOKEN]
         elif node.op != "placeholder":
             raise CaptureError(f"the exported step has a {node.op} node ({node.name})")
+    if checks:  # y becomes (y, (info, ...))
+        infos = _as_floats(infos, inputs[0]["dtype"], nodes)
+        assert isinstance(out_def, tuple)
+        out_def = ("tuple", [out_def[1][0], ("tuple", [out_def[1][1], ("tuple", ["T"] * len(checks))])])
     doc = {
         "format": FORMAT, "version": VERSION,
         "n_carry": n_carry, "n_x": n_x, "n_params": n_params,
-        "inputs": inputs, "constants": constants, "nodes": nodes, "outputs": outputs,
+        "inputs": inputs, "constants": constants, "nodes": nodes, "outputs": outputs + infos,
         "carry": _tree(carry_def), "x": _tree(x_def), "out": _tree(out_def),
     }
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False), tuple(checks)
 
 
 # The wire keys of the fields that define an adapter, in the order its name

@@ -37,6 +37,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._eagerfirst import EagerFirst, copied, eager_scan
+from ._checks import run_checks
+from ._graph import Doc
 from .capture import Capturer
 from .client import Client
 from .errors import TorchloopError, TorchloopValueError
@@ -249,10 +251,10 @@ class _Driver:
     def send(self, op: str, target: Target, **fields: Any) -> dict:
         """One op; registers again if the daemon forgot the adapter (a restart,
         or a captured graph evicted by the per-user cap)."""
-        if isinstance(target, tuple):
-            name, text = target
+        if isinstance(target, Doc):
+            name = target.name
             if name not in self.graphs:
-                self._register_graph(name, text)
+                self._register_graph(name, target.text)
         else:
             name = self.adapter_for(target)
         try:
@@ -260,8 +262,8 @@ class _Driver:
         except TorchloopError as exc:
             if exc.code != "NOT_FOUND":
                 raise
-            if isinstance(target, tuple):
-                self._register_graph(*target)
+            if isinstance(target, Doc):
+                self._register_graph(target.name, target.text)
                 return self.client.call(op, adapter=name, **fields)
             with self.lock:
                 self.registered = {k: v for k, v in self.registered.items() if v != name}
@@ -270,7 +272,7 @@ class _Driver:
 
     def name_of(self, target: Target) -> str:
         """The adapter name a target runs under."""
-        return target[0] if isinstance(target, tuple) else self.adapter_for(target)
+        return target.name if isinstance(target, Doc) else self.adapter_for(target)
 
     def saving(self, target: Target) -> bool:
         """Whether a scan of target with gradients keeps saved for its backward."""
@@ -336,7 +338,7 @@ class _Driver:
         every = leaves + params
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in every)
         call.save = grad and not checkpointed and self.saving(target)
-        if self.eager is not None and isinstance(target, tuple) and \
+        if self.eager is not None and isinstance(target, Doc) and \
                 self._compiling(target, every, grad, checkpointed, carry, inputs, params,
                                 call.wrt([t.requires_grad for t in every]) if call.save else None):
             return eager_scan(body, carry, inputs_def, leaves[n_carry:])
@@ -348,15 +350,15 @@ class _Driver:
         return res["carry"], res["outputs"]
 
 
-    def _compiling(self, target: tuple[str, str], every: list[torch.Tensor], grad: bool,
+    def _compiling(self, target: Doc, every: list[torch.Tensor], grad: bool,
                    checkpointed: bool, carry: Any, inputs: Any, params: list[torch.Tensor],
                    save: dict[str, str] | None) -> bool:
         """eager_first: whether the daemon is compiling this scan's graph
         (_eagerfirst.py; the graph is registered first)."""
         assert self.eager is not None
-        name, text = target
+        name = target.name
         if name not in self.graphs:
-            self._register_graph(name, text)
+            self._register_graph(name, target.text)
         key = EagerFirst.key(name, every, grad, checkpointed)
         return self.eager.runs_eagerly(
             key, lambda: dict(adapter=name, carry=copied(carry), inputs=copied(inputs),
@@ -364,7 +366,7 @@ class _Driver:
             save)
 
 
-Target = Union[Callable[..., Any], tuple[str, str]]  # a body (source) or (graph name, text)
+Target = Union[Callable[..., Any], Doc]  # a body (source) or a captured graph's document
 
 
 def _frozen(tdef: Any) -> bool:
@@ -416,7 +418,8 @@ class _Call:
         self.n_params = n_params
         self.checkpoint = checkpoint  # its grad asks for the checkpointed VJP graph
         self.save = False  # its scan keeps saved for its grad (_ScanFunction)
-        self.wrapped = isinstance(target, tuple)  # a captured graph: live tensors are params
+        self.wrapped = isinstance(target, Doc)  # a captured graph: live tensors are params
+        self.checks = target.checks if isinstance(target, Doc) else ()  # its info outputs
         self.final_def: Any = None
         self.outputs_def: Any = None
         self.n_final = 0
@@ -445,12 +448,15 @@ class _Call:
         try:
             if not self.wrapped:
                 return self.driver.send(op, self.target, carry=carry, inputs=inputs, **cots)
-            return self.driver.send(op, self.target, carry=carry, inputs=inputs,
-                                    params=tuple(params), **cots)
+            res = self.driver.send(op, self.target, carry=carry, inputs=inputs,
+                                   params=tuple(params), **cots)
         except TorchloopError as exc:
             if not self.wrapped:
                 raise
             raise _said_of_the_body(exc) from None
+        if self.checks and "outputs" in res:  # the body's y, its checks' infos
+            res["outputs"] = run_checks(res["outputs"], self.checks)
+        return res
 
 
 def _said_of_the_body(exc: TorchloopError) -> TorchloopError:
@@ -504,6 +510,8 @@ class _ScanFunction(torch.autograd.Function):
         cots = [g.contiguous() if g is not None else None for g in grads]
         cot_carry = unflatten(call.final_def, cots, [0])
         cot_outputs = unflatten(call.outputs_def, cots[call.n_final:], [0])
+        if call.checks:  # the checks' info outputs have none
+            cot_outputs = (cot_outputs, (None,) * len(call.checks))
         leaves = tuple(ctx.saved_tensors)
         res = None
         if ctx.kept is not None:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _graph, _polyfills
-from ._graph import CaptureError, TreeDef
+from ._graph import CaptureError, Doc, TreeDef
 from ._wire import fast
 
 MAX_VARIANTS = 16  # exported graphs kept per capture (one per set of baked values)
@@ -97,8 +97,8 @@ class StepGraph:
         self.live: list[int] = []
         self.baked: list[int] = []
         self.bound = False
-        self.plain: Optional[tuple[str, str]] = None  # the document, once bound with nothing baked
-        self.docs: dict[bytes, tuple[str, str]] = {}  # baked values' digest -> (name, text)
+        self.plain: Optional[Doc] = None  # the document, once bound with nothing baked
+        self.docs: dict[bytes, Doc] = {}  # baked values' digest -> its document
         self.lock = threading.Lock()
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -146,8 +146,8 @@ class StepGraph:
         self.bound = True
 
     def document(self, args: tuple[torch.Tensor, ...], flat: list[torch.Tensor], n_carry: int,
-                 carry_def: TreeDef, x_def: TreeDef, definition: dict[str, Any]) -> tuple[str, str]:
-        """(adapter name, graph text) for these baked values; exported once each.
+                 carry_def: TreeDef, x_def: TreeDef, definition: dict[str, Any]) -> Doc:
+        """The document (adapter name, graph text, checks) for these baked values; exported once each.
         flat: this call's carry leaves and x rows (the export's examples)."""
         baked = [args[j] for j in self.baked]
         digest = b""
@@ -168,11 +168,11 @@ class StepGraph:
                 example = tuple(t.detach() for t in flat) + tuple(args[j].detach() for j in self.live)
                 with torch.enable_grad():
                     ep = torch.export.export(module, example, strict=False).run_decompositions()
-                text = _graph.write(ep, n_carry, len(flat) - n_carry, len(self.live),
-                                    carry_def, x_def, self.out_def)
+                text, checks = _graph.write(ep, n_carry, len(flat) - n_carry, len(self.live),
+                                            carry_def, x_def, self.out_def)
                 if len(self.docs) >= MAX_VARIANTS:  # the oldest baked values go
                     self.docs.pop(next(iter(self.docs)))
-                doc = self.docs[digest] = (_graph.identity(text, **definition), text)
+                doc = self.docs[digest] = Doc(_graph.identity(text, **definition), text, checks)
                 if not baked:
                     self.plain = doc
             return doc

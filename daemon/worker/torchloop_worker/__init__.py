@@ -26,6 +26,8 @@ Modules, in the order a job meets them:
   build        AOTInductor builds the daemon can unload
   codegen_speed Inductor's C++ codegen without a set-up it repeats per op
   aoti_split   the AOTI runtime interface compiled once, linked into each build
+  index_guard  Inductor's index checks as a flag and a clamp, not a throw
+  dispatch_calls ops without a C shim called through aoti_torch_call_dispatcher
   wrapper_pass less per-call work in the generated wrapper (subgraph buffers, views)
   loop_pass    the scan op's loop without per-iteration allocations and handles
   loop_slots   that loop's tensors, and the run's small buffers, as pointers into one allocation

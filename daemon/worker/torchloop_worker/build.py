@@ -10,7 +10,7 @@ from typing import Callable, cast
 
 import torch
 
-from . import aoti_split, codegen_speed, index_guard, wrapper_pass
+from . import aoti_split, codegen_speed, dispatch_calls, index_guard, wrapper_pass
 from .elf import clear_exec_stack, set_exec_stack
 from .errors import JobError, classify
 from .frames import log
@@ -147,6 +147,8 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
     unloadable_artifacts()
     codegen_speed.install()
     index_guard.install()  # no throw inside an OpenMP region (index_guard.py)
+    dispatch_calls.install()  # ops without a C shim: no proxy executor (dispatch_calls.py)
+    dispatch_calls.drop_checks(module)  # the forward's linalg checks, in a VJP's recompute
     options = aoti_options(so_path, batched)
     if placer is not None:
         options["post_grad_custom_post_pass"] = placer

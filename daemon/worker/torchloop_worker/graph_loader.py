@@ -340,6 +340,13 @@ def check_code(gm: torch.fx.GraphModule) -> None:
               f"the generated code has an unexpected value in {line[:80]!r}", "graph")
 
 
+def _safe_divisor(n: torch.fx.Node) -> bool:
+    """An integer division's divisor is an int constant that cannot trap
+    (not 0, not -1): torch.roll's index arithmetic, `i % 4`."""
+    other = n.args[1] if len(n.args) > 1 else n.kwargs.get("other")
+    return type(other) is int and other not in (0, -1)
+
+
 def check_fake(gm: torch.fx.GraphModule, metas: list[tuple[torch.dtype, list[int]]],
                consts: list[torch.Tensor]) -> None:
     """Runs the graph over fake tensors: schemas, shapes and sizes hold."""
@@ -374,10 +381,11 @@ def check_fake(gm: torch.fx.GraphModule, metas: list[tuple[torch.dtype, list[int
             """Adds what n allocates to the total; refuses integral division."""
             schema = n.target._schema  # type: ignore[union-attr]
             packet = schema.name.split("::")[1]
-            if packet in INT_DIVISION and any(not (t.is_floating_point() or t.is_complex())
-                                              for t in made):
-                raise GraphError(f"{n.target} divides integers (a compiled integer division "
-                                 "by zero is SIGFPE); divide floating-point values",
+            if packet in INT_DIVISION and not _safe_divisor(n) and any(
+                    not (t.is_floating_point() or t.is_complex()) for t in made):
+                raise GraphError(f"{n.target} divides integers by a tensor (a compiled "
+                                 "integer division by zero, or of the least integer by -1, "
+                                 "is SIGFPE); divide floating-point values or by a constant",
                                  f"graph.nodes ({n.name})")
             if all(r.alias_info is None for r in schema.returns):  # views allocate nothing
                 total[0] += sum(t.numel() for t in made)
