@@ -186,6 +186,7 @@ bench: build
 	$(PY) tests/bench/eagerfirst.py $(BUILD) $(BUILD)/bench/eagerfirst.json
 	$(PY) tests/bench/pypath.py $(BUILD) $(BUILD)/bench/pypath.json
 	$(PY) tests/bench/checkpoint.py $(BUILD) $(BUILD)/bench/checkpoint.json
+	$(PY) tests/bench/stiff.py $(BUILD) $(BUILD)/bench/stiff.json
 	$(PY) tests/bench/remote.py $(BUILD) $(BUILD)/bench/remote.json
 	$(PY) tests/bench/bench.py $(BUILD) $(BUILD)/bench $(BENCH_ARGS)
 	$(PY) tests/bench/report.py $(BUILD)/bench docs/performance.md

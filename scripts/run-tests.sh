@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # run-tests.sh BUILD BIN... - runs each Criterion test binary, then the
 # Python package's pytest suite, prints their output, and ends with one
-# summary line "tests: N passed, M failed, K skipped" (a skipped test says why
-# above it: "[SKIP]" or pytest's "SKIPPED"), after the slowest Criterion tests
-# and a recap of what failed.
+# summary line "tests: N passed, M failed, K skipped, J not checked" (a
+# skipped test says why above it: "[SKIP]" or pytest's "SKIPPED"; a check a
+# test could not make on this machine or build, and what it checked instead,
+# is a "NOT CHECKED:" line: tests/e2e/harness.h h_not_checked, a Python
+# test's warning), after the slowest Criterion tests and a recap of what
+# failed.
 # Exits 1 if any test failed or crashed, or if a binary exited non-zero.
 set -uo pipefail
 build=$1; shift
-passed=0 failed=0 skipped=0 status=0
+passed=0 failed=0 skipped=0 unchecked=0 status=0
 times=$(mktemp) failures=$(mktemp)
 export TORCHLOOP_TEST_BUILD="$build"
 # One compile cache per checkout, shared by `make test` and `make sanitize`, so
@@ -40,6 +43,7 @@ for bin in "$@"; do
 	printf '%s\n' "$out" | grep -vE '^\[(RUN |PASS)\] '
 	printf '%s\n' "$out" | sed -n 's/^\[PASS\] \(.*\): (\([0-9.]*\)s)$/\2 \1/p' >>"$times"
 	skipped=$((skipped + $(printf '%s\n' "$out" | grep -c '^\[SKIP\]')))
+	unchecked=$((unchecked + $(printf '%s\n' "$out" | grep -c 'NOT CHECKED:')))
 	echo "(${bin##*/}: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
 	line=$(printf '%s\n' "$out" | grep 'Synthesis:' | tail -1)
 	t=$(sed -n 's/.*Tested: \([0-9]*\).*/\1/p' <<<"$line")
@@ -85,6 +89,9 @@ fi
 out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rfEs -p no:cacheprovider "${xdist[@]}" --durations=15 \
 	--basetemp "$TORCHLOOP_TEST_TMP/pytest" tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
+# pytest prints each warning once per place in its summary
+nc=$(printf '%s\n' "$out" | grep 'NOT CHECKED:' | sort -u)
+[ -z "$nc" ] || { printf '%s\n' "$nc"; unchecked=$((unchecked + $(printf '%s\n' "$nc" | wc -l))); }
 echo "(pytest: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
 count() { grep -oE "[0-9]+ $1" <<<"$line" | grep -oE '[0-9]+' | head -1; }
@@ -109,5 +116,5 @@ fi
 rm -f "$times" "$failures"
 echo "compiles in this run: $(compiles) (cache: $TORCHLOOP_TEST_CACHE)"
 echo "test time: $(( $(date +%s) - start )) s"
-echo "tests: $passed passed, $failed failed, $skipped skipped"
+echo "tests: $passed passed, $failed failed, $skipped skipped, $unchecked not checked"
 exit $status

@@ -37,7 +37,7 @@ skip_loudly() {
 	banner="################################################################################"
 	{
 		echo "$banner"
-		echo "# VALGRIND CHECK NOT RUN: valgrind cannot execute an instruction of this CPU"
+		echo "NOT CHECKED: the valgrind check: valgrind cannot execute an instruction of this CPU"
 		echo "# (even with --target-isa baseline and ATEN_CPU_CAPABILITY=default):"
 		grep -h -E -m3 "unhandled instruction bytes|Illegal opcode|SIGILL" "$tmp"/vg*.log |
 			sed 's/^/#   /'

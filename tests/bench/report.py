@@ -882,9 +882,10 @@ def stiff_section(st: dict) -> str:
     if not st:
         return "## A stiff solver's implicit step\n\n(stiff.json missing: run `make bench`.)\n"
 
-    rows = [[name, f"{r['first_s']:.1f}", us(r["p50_us"]) if "p50_us" in r else "-",
+    rows = [[name, f"{r['first_s']:.{3 if r['first_s'] < 1 else 1}f}",
+             us(r["p50_us"]) if "p50_us" in r else "-",
              f"{r['max_diff_vs_eager']:.1e}" if "max_diff_vs_eager" in r else "-",
-             r["error"].splitlines()[0][:160].replace("|", "/") if "error" in r else ""]
+             r["error"].splitlines()[0][:110].replace("|", "\\|") if "error" in r else ""]
             for key, name in STIFF_METHODS if (r := st["rows"].get(key)) is not None]
     load = st.get("loadavg", {})
     return f"""## A stiff solver's implicit step

@@ -168,6 +168,17 @@ void hs_close(struct h_session *s)
 	cr_assert_eq(hd_stop(&s->d), 0, "clean exit; log %s", s->d.log);
 }
 
+void h_not_checked(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs("NOT CHECKED: ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+}
+
 void h_write_file(const char *path, const char *fmt, ...)
 {
 	FILE *f = fopen(path, "w");

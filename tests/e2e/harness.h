@@ -67,6 +67,14 @@ char *h_slurp(const char *path);
 /* Writes a file (created or truncated) from a printf format; asserts. */
 void h_write_file(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/*
+ * A check this machine or build cannot make, and what the test checks
+ * instead: one line "NOT CHECKED: <what>" on stderr, which
+ * scripts/run-tests.sh counts into the suite's summary (not cr_log_warn:
+ * Criterion exits 1 when a test warns).  Python tests warn the same words.
+ */
+void h_not_checked(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 /* Deterministic pseudo-random fill in [-1, 1). */
 void h_fill(void *data, enum tl_dtype dtype, size_t n, uint64_t seed);
 

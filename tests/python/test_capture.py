@@ -6,7 +6,8 @@ closure over itself and a callback with carry (state, None) and a tuple of
 1-D inputs -- each against the eager loop and an in-process
 torch.compile(fullgraph=True, dynamic=False) of the same loop, forward and
 first-order backward (captured tensors included).  Guards: a new closure
-over the same objects is not captured again, a changed Python float is,
+over the same objects is not captured again, a changed Python float is
+(an attribute the step reads, or a free variable of a closure: a new graph),
 new values of a captured tensor are neither captured nor compiled again.
 Identity: two processes that build the same closure share one compile.
 Who may register: uid 65534 registers and runs a graph and is refused
@@ -14,7 +15,8 @@ source; forged graphs get BAD_GRAPH and the daemon serves the next request.
 
 Compiles: the six forms share one step graph (same math, same bounds), so
 one forward and one VJP graph; the solver two; the changed float two more
-plus their VJPs; the two processes one.  T = 3 everywhere.
+plus their VJPs; the closure's changed float two forward graphs; the two
+processes one.  T = 3 everywhere.
 """
 
 from __future__ import annotations
@@ -154,6 +156,58 @@ def test_a_solver_closure_per_run_is_captured_once_and_a_changed_float_again(ada
     solver.decay = 0.25
     check_solver(adapter, ref, solver, 4)
     assert capturer.captures == seen + 1 and capturer.fast_calls > fast
+
+
+def test_a_closure_over_a_changed_python_float_is_a_new_graph(
+        adapter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One adapter, bodyforms.make(k, W) for k = 0.3, 0.45, 0.3, 0.6: k is a
+    free variable of the closure (a cell, not an attribute), a constant of
+    the captured graph.  Each result against the eager loop; each new k runs
+    a graph of its own, 0.3 again its first graph (no capture), and the
+    three k give three results, so a reused graph cannot match eager.  Then
+    one closure's cell is set to another k: the same function object runs
+    that k's graph.  Compiles: two forward graphs (0.45, 0.6; 0.3 is the
+    forms' graph, compiled here when this test runs alone), no VJP."""
+    driver = adapter.scan.__self__
+    capturer = driver.capturer
+    sent: list[str] = []
+    send = driver.send
+
+    def recording(op: str, target: Any, **fields: Any) -> dict:
+        sent.append(driver.name_of(target))  # the graph each request runs
+        return send(op, target, **fields)
+
+    monkeypatch.setattr(driver, "send", recording)
+    W = W0.clone()
+    carry, xs = (t.detach() for t in inputs(51))
+
+    def run(body: Callable[..., Any]) -> tuple[torch.Tensor, str]:
+        sent.clear()
+        final, ys = adapter.scan(body, carry, xs)
+        want_final, want_ys = eager.scan(body, carry, xs)
+        torch.testing.assert_close(final, want_final, **TOL)
+        torch.testing.assert_close(ys, want_ys, **TOL)
+        assert len(set(sent)) == 1, sent
+        return final, sent[0]
+
+    results: dict[float, tuple[torch.Tensor, str]] = {}
+    for k in (0.3, 0.45, 0.3, 0.6):
+        seen = capturer.captures
+        final, name = run(make(k, W))
+        if k in results:  # a new closure over the same k and W: dynamo's guards pick it
+            assert capturer.captures == seen and name == results[k][1]
+            torch.testing.assert_close(final, results[k][0], rtol=0, atol=0)
+        results[k] = final, name
+    assert len({name for _, name in results.values()}) == 3, results
+    finals = [final for final, _ in results.values()]
+    for i, a in enumerate(finals):
+        for b in finals[i + 1:]:
+            assert (a - b).abs().max() > 1e-3, "two floats, one result: the test proves nothing"
+    body = make(0.3, W)
+    body.__closure__[body.__code__.co_freevars.index("k")].cell_contents = 0.45
+    final, name = run(body)
+    assert name == results[0.45][1]
+    torch.testing.assert_close(final, results[0.45][0], rtol=0, atol=0)
 
 
 def test_new_values_of_a_captured_tensor_neither_capture_nor_compile(adapter: Any,

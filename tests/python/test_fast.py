@@ -572,7 +572,7 @@ def test_conn_polls_only_for_the_replies_of_requests_under_the_limit(pair) -> No
     join()
     assert conn.polled == small, "a 300 KiB request's reply was polled for"
     if len(os.sched_getaffinity(0)) < 2:
-        warnings.warn("ONE CPU: not checking that small requests are polled for")
+        warnings.warn("NOT CHECKED: ONE CPU: that small requests are polled for")
     else:
         assert small > 0, "no reply of a 180 KiB request was found by polling"
 

@@ -80,6 +80,63 @@ def eager_loop(c: torch.Tensor, xs: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return c, torch.stack(ys)
 
 
+def logistic(x: torch.Tensor, r: float, steps: int) -> torch.Tensor:
+    """A chaotic map (r = 3.99) or a stable one (r = 2.5), every step kept."""
+    out = []
+    for _ in range(steps):
+        x = r * x * (1 - x)
+        out.append(x)
+    return torch.stack(out)
+
+
+class FakeRunner:
+    """Stands for the artifact: returns the given results."""
+
+    results: list[torch.Tensor] = []
+
+    def __init__(self, so_path: str, threads: int) -> None:
+        pass
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.results
+
+
+@pytest.mark.parametrize("r, wrong, passes", [
+    (3.99, False, True),  # rounding grown to O(1) by chaos: inconclusive, not refused
+    (2.5, False, True),  # stable: rounding stays rounding
+    (2.5, True, False),  # stable and wrong: refused
+    (3.99, True, False),  # wrong from the first step, where the map is still stable
+])
+def test_on_random_inputs_a_disagreement_within_the_eager_scans_own_sensitivity_passes(
+        monkeypatch: pytest.MonkeyPatch, r: float, wrong: bool, passes: bool) -> None:
+    """128 steps of the logistic map on random inputs: the "compiled"
+    results are eager's at inputs one ulp away (what a reordered sum does),
+    or eager's scaled by 1.01 (a miscompile)."""
+    x = torch.rand(8, dtype=F64, generator=torch.Generator().manual_seed(3))
+    want = [logistic(x, r, 128)]
+    got = logistic(x * (1 + torch.finfo(F64).eps), r, 128)
+    if wrong:
+        got = got * 1.01
+    FakeRunner.results = [got]
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelContainerRunnerCpu", FakeRunner)
+    notes: list[str] = []
+    def reference(args: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [logistic(args[0], r, 128)]
+    run = lambda: parity.parity_check("fake.so", [(0, (x,), want)], "float64", ["outputs"],
+                                      True, reference, 1, notes)
+    if passes:
+        run()
+        assert bool(notes) == (r > 3), notes  # the chaotic case says it was inconclusive
+    else:
+        with pytest.raises(parity.JobError) as info:
+            run()
+        assert info.value.code == "MISCOMPILE"
+    # without the reference (the user's own inputs) the chaotic case is refused
+    if r > 3 and not wrong:
+        with pytest.raises(parity.JobError):
+            parity.parity_check("fake.so", [(0, (x,), want)], "float64", ["outputs"], False)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_a_body_that_overflows_on_random_inputs_compiles_and_matches_eager(daemon, dtype, tol):
     adapter = torchloop.loop_adapter(max_steps=16, max_elements=64, socket=daemon)

@@ -6,10 +6,14 @@ registers its graph again as it does for any daemon that forgot it.
 
 A solver loop of 1 000 scans (a closure over a captured tensor, carry fed
 back) while another thread stops the daemon with SIGTERM and starts a new
-one mid-loop: nothing raises and every result matches the eager loop.  Then
-the daemon stops for good: a scan waits `reconnect` seconds and raises
-ConnectionLost.  Requests that must not run twice (unregister) are not sent
-again.  Compiles: one (T = 3; the restarted daemon loads it from the cache).
+one mid-loop: nothing raises and every result matches the eager loop.  The
+loop scans on while the daemon stops and, from scan WAIT_AT, waits until it
+has stopped, so the scans after it must reach the new daemon: the
+adapter's client counts at least one request sent again (Client.resends),
+and the new daemon counts those scans.  Then the daemon stops for good: a
+scan waits `reconnect` seconds and raises ConnectionLost, nothing sent
+again.  Requests that must not run twice (unregister) are not sent again.
+Compiles: one (T = 3; the restarted daemon loads it from the cache).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torchloop
 from conftest import _wait_ready, start_daemon, stop_daemon
 from torchloop.errors import ConnectionLost
 
-N, T, SCANS, RESTART_AT = 4, 3, 1000, 300
+N, T, SCANS, RESTART_AT, WAIT_AT = 4, 3, 1000, 300, 600
 
 
 def make_body(w: torch.Tensor):
@@ -64,14 +68,17 @@ def tmp() -> Path:
 
 def test_a_solver_loop_goes_on_across_a_daemon_restart(tmp: Path) -> None:
     proc = up(tmp)
-    halfway, restarted = threading.Event(), threading.Event()
+    halfway, down, restarted = threading.Event(), threading.Event(), threading.Event()
     procs = [proc]
 
     def restart() -> None:
         halfway.wait()
-        stop_daemon(procs[0], tmp)  # in-flight requests are answered, then it closes
-        procs.append(start_daemon(tmp))  # listening again after its start-up
-        restarted.set()
+        try:
+            stop_daemon(procs[0], tmp)  # in-flight requests are answered, then it closes
+            procs.append(start_daemon(tmp))  # listening again after its start-up
+            restarted.set()
+        finally:
+            down.set()  # the old daemon is gone (or this thread failed: the loop goes on)
 
     th = threading.Thread(target=restart)
     th.start()
@@ -83,6 +90,8 @@ def test_a_solver_loop_goes_on_across_a_daemon_restart(tmp: Path) -> None:
         for i in range(SCANS):
             if i == RESTART_AT:
                 halfway.set()
+            if i == WAIT_AT:
+                down.wait()  # the scans from here cannot reach the old daemon
             xs = torch.rand(T, N, dtype=torch.float64, generator=gen)
             want_c, want_ys = eager(body, c, xs)
             c, ys = adapter.scan(body, c, xs)  # carry fed back, as a solver does
@@ -90,10 +99,13 @@ def test_a_solver_loop_goes_on_across_a_daemon_restart(tmp: Path) -> None:
             torch.testing.assert_close(ys, want_ys, rtol=1e-12, atol=1e-12)
         th.join()
         assert restarted.is_set() and len(procs) == 2
-        # the last scans ran on the new daemon
+        # a request was sent again, and the last scans ran on the new daemon
+        assert adapter.scan.__self__.client.resends >= 1
         with torchloop.Client(str(tmp / "sock")) as client:
-            assert client.stats()["requests"] > 0
+            assert client.stats()["requests"] >= SCANS - WAIT_AT
+            assert client.resends == 0
     finally:
+        halfway.set()  # a loop that failed early: the thread still ends
         th.join()
         stop_daemon(procs[-1], tmp)
 
@@ -107,6 +119,7 @@ def test_a_daemon_that_stays_down_is_reported_after_the_reconnect_wait(tmp: Path
     with pytest.raises(ConnectionLost, match="cannot connect"):
         client.health()
     assert 1.0 <= time.monotonic() - t0 < 10
+    assert client.resends == 0  # no daemon came back: nothing was sent again
 
 
 def test_a_request_that_must_not_run_twice_is_not_sent_again(tmp: Path) -> None:
@@ -119,6 +132,8 @@ def test_a_request_that_must_not_run_twice_is_not_sent_again(tmp: Path) -> None:
         with pytest.raises(ConnectionLost) as lost:
             client.unregister("anything")  # on the old connection: lost, not retried
         assert lost.value.unanswered
+        assert client.resends == 0
         assert client.health()["live"]  # the next call connects again
+        assert client.resends == 0  # on a new connection: sent once
     finally:
         stop_daemon(proc, tmp)

@@ -70,12 +70,23 @@ def test_an_input_sent_again_unchanged_is_not_copied_again(client, monkeypatch) 
     assert client._region.staged.hits == hits + 6
 
 
+def _regrow(xs: torch.Tensor) -> None:
+    """resize_: the storage grows (it moves, the rows kept) and shrinks back
+    to the same shape, then a write torch does not record: only what the
+    resizes recorded (version counter, data pointer) shows the change."""
+    ptr = xs.data_ptr()
+    xs.resize_(2 * T, N).resize_(T, N)
+    assert xs.data_ptr() != ptr and xs.shape == (T, N)
+    xs.numpy()[0, 0] = 42.0
+
+
 @pytest.mark.parametrize("change", [
     lambda xs: xs.add_(0.5),
     lambda xs: xs.__setitem__((1, 7), -3.0),
     lambda xs: xs[0].mul_(2.0),  # through a view: the version counter is shared
     lambda xs: xs.copy_(torch.flip(xs, (1,))),
-], ids=["add_", "setitem", "view", "copy_"])
+    _regrow,
+], ids=["add_", "setitem", "view", "copy_", "resize_"])
 def test_an_input_changed_in_place_is_copied_again(
         client, monkeypatch, change: Callable[[torch.Tensor], object]) -> None:
     carry, xs = data(12)

@@ -84,6 +84,9 @@ class Client:
         self.path = socket or default_socket()
         self.timeout = timeout
         self.reconnect = float(reconnect)
+        # requests sent again after an unanswered loss or SHUTTING_DOWN
+        # (call(); libtorchloop's tl_resent)
+        self.resends: int = 0
         if busy_poll_us is None:
             busy_poll_us = int(os.environ.get("TORCHLOOP_BUSY_POLL_US") or BUSY_POLL_US)
         # one CPU: the poller would hold the daemon off it
@@ -338,7 +341,7 @@ class Client:
         restart: ConnectionLost.unanswered) is sent again, once, on a new
         connection, waiting up to `reconnect` seconds for the daemon to
         listen again; so is one a stopping daemon refused unrun
-        (SHUTTING_DOWN)."""
+        (SHUTTING_DOWN).  `resends` counts the requests sent again."""
         return self._request(op, fields)
 
     def _request(self, op: str, fields: dict[str, Any]) -> dict:
@@ -351,6 +354,8 @@ class Client:
             if not retry or op not in _RETRIED or self.reconnect <= 0:
                 raise
             self._reconnect(exc)
+            with self._lock:
+                self.resends += 1
             return self._call(op, fields)
 
     def _call(self, op: str, fields: dict[str, Any]) -> dict:

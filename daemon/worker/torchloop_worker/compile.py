@@ -19,7 +19,7 @@ from .elf import check_artifact
 from .errors import JobError
 from .job import KINDS, Body, Job, load_body
 from .lowering import BatchDims, Tensors, batch_dims, capture, capture_module, cotangents
-from .parity import Case, example_inputs, parity_check, parity_reference
+from .parity import Case, eager_reference, example_inputs, parity_check, parity_reference
 from . import saved
 from .scan import Scan
 from .specs import Spec, batch_y_spec, probe_batches, spec_bind, spec_has_batch, strip_dtype
@@ -155,7 +155,9 @@ def compile_job(job: Job) -> Reply:
                             eager.dyn is not None, placer)
         check_artifact(so, job_dir)
         phases.end("inductor")
-        parity_check(so, eager.cases, scan.dtype, names, eager.random)
+        reference = None if job.kind in saved.KINDS else eager_reference(scan, job.kind)
+        parity_check(so, eager.cases, scan.dtype, names, eager.random, reference,
+                     len(eager.args), scan.notes)
         phases.end("parity")
         return so
 
