@@ -184,3 +184,25 @@ def test_a_van_der_pol_rk4_step_that_blows_up_on_random_step_sizes_compiles(daem
     for dt in torch.rand(16, dtype=F64, generator=gen):
         c, _ = vdp_rk4(c, dt)
     assert not torch.isfinite(c).all()
+
+
+def test_a_final_carry_no_run_reproduces_is_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stiff bench's case: 128 chaotic steps to a final carry (not
+    stacked) that a one-ulp move takes anywhere on the attractor: the
+    compiled value is not compared (inconclusive, said in the notes); a
+    stable final carry that is wrong is still refused."""
+    x = torch.rand(8, dtype=F64, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelContainerRunnerCpu", FakeRunner)
+    for r, passes in ((3.99, True), (2.5, False)):
+        want = [logistic(x, r, 128)[-1]]
+        FakeRunner.results = [logistic(x * (1 + 4 * torch.finfo(F64).eps), r, 128)[-1] * 1.01]
+        notes: list[str] = []
+        run = lambda: parity.parity_check(
+            "fake.so", [(0, (x,), want)], "float64", ["carry"], True,
+            lambda args: [logistic(args[0], r, 128)[-1]], 1, notes)
+        if passes:
+            run()
+            assert notes and "inconclusive" in notes[0]
+        else:
+            with pytest.raises(parity.JobError):
+                run()

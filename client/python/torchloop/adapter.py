@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torch.autograd.function import once_differentiable
 from ._eagerfirst import EagerFirst, copied, eager_scan
 from ._checks import run_checks
 from ._graph import Doc
+from ._local import LocalRuns
 from .capture import Capturer
 from .client import Client
 from .errors import TorchloopError, TorchloopValueError
@@ -184,8 +186,11 @@ class _Driver:
 
     def __init__(self, max_steps: int, max_elements: int, socket: str | None,
                  name: str | None, dynamic: str | None = None, capture: bool = True,
-                 eager_first: bool = False, save: bool = True) -> None:
+                 eager_first: bool = False, save: bool = True, run: str = "daemon") -> None:
         self.max_steps, self.max_elements = max_steps, max_elements
+        self.run = run
+        # run="local": captured graphs' forward scans run here (_local.py)
+        self.local = LocalRuns() if run == "local" and capture else None
         # a graph's backward from what its forward kept (dynamic = batch: never)
         self.save = save and dynamic != "batch"
         self.unsaved: set[str] = set()  # adapters whose saved pair failed (SAVE_FALLBACK)
@@ -213,7 +218,8 @@ class _Driver:
     def __reduce__(self) -> tuple[Any, ...]:
         """A driver pickles as its settings: the unpickled one connects anew."""
         return (_Driver, (self.max_steps, self.max_elements, self.socket, self.name,
-                          self.dynamic, self.capture, self.eager is not None, self.save))
+                          self.dynamic, self.capture, self.eager is not None, self.save,
+                          self.run))
 
     def adapter_for(self, body: Callable[..., Any]) -> str:
         try:  # a body seen before: its module's source is not read again
@@ -342,6 +348,11 @@ class _Driver:
                 self._compiling(target, every, grad, checkpointed, carry, inputs, params,
                                 call.wrt([t.requires_grad for t in every]) if call.save else None):
             return eager_scan(body, carry, inputs_def, leaves[n_carry:])
+        if self.local is not None and not grad and isinstance(target, Doc):
+            done = self.local.scan(self, target, carry, inputs, leaves, n_carry, params,
+                                   carry_def)
+            if done is not None:
+                return done
         if grad:
             flat = _ScanFunction.apply(call, *every)
             pos = [0]
@@ -561,7 +572,7 @@ def checkpoint(body: Callable[..., Any]) -> Checkpointed:
 def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_ELEMENTS,
                  socket: str | None = None, name: str | None = None,
                  dynamic: str | None = None, capture: bool | None = None,
-                 eager_first: bool = False, save: bool = True) -> Any:
+                 eager_first: bool = False, save: bool = True, run: str | None = None) -> Any:
     """A LoopAdapter whose scan runs in torchloopd (see the module docstring).
 
     dynamic="batch" compiles one graph per (structure, T, dtype) that serves
@@ -578,9 +589,15 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
     uses it (two compiles, no forward run again); save=False: the backward
     runs the VJP graph, which computes the forward again (one compile).
 
+    run="local" (default: $TORCHLOOP_RUN, else "daemon"): a captured body's
+    scans without gradients run the daemon's compiled graph in this process
+    (the daemon compiles and caches it; _local.py, docs/python.md "Local
+    runs"); "daemon": every scan runs in the daemon.
+
     Raises ValueError with the reference adapter's messages for bad bounds or
-    a torch older than 2.14, and for a dynamic other than None, "none" or
-    "batch".  Nothing connects until the first scan.
+    a torch older than 2.14, for a dynamic other than None, "none" or
+    "batch", and for a run other than "local" or "daemon".  Nothing connects
+    until the first scan.
     """
     check_bounds(max_steps, max_elements)
     if dynamic not in (None, "none", "batch"):
@@ -592,6 +609,9 @@ def loop_adapter(*, max_steps: int = DEFAULT_STEPS, max_elements: int = DEFAULT_
                          "static shapes it was captured at")
     if eager_first and not capture:
         raise ValueError("eager_first=True needs capture: a source body is not traced here")
+    run = run if run is not None else os.environ.get("TORCHLOOP_RUN", "daemon")
+    if run not in ("local", "daemon"):
+        raise ValueError('run must be "local" or "daemon"')
     driver = _Driver(max_steps, max_elements, socket, name, dynamic, capture, bool(eager_first),
-                     bool(save))
+                     bool(save), run)
     return _adapter_class()(scan=driver.scan, checkpoint=checkpoint)

@@ -146,6 +146,8 @@ class Client:
         reply = self._roundtrip("hello", {"protocol": PROTOCOL})
         if reply.get("protocol") != PROTOCOL:
             raise TorchloopError("VERSION_MISMATCH", f"daemon speaks protocol {reply.get('protocol')}")
+        torch_version = reply.get("torch")  # what its graphs are built by (local runs)
+        self.daemon_torch = torch_version if isinstance(torch_version, str) else None
 
     def close(self) -> None:
         if self._sock is not None and self._pid == os.getpid():

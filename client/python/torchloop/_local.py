@@ -1,0 +1,189 @@
+"""Local runs (loop_adapter(run="local")): the daemon's compiled graph, run in
+the solver's own process.
+
+The daemon stays the compile service, the cache and the registry: a
+specialization is asked for with the `artifact` op (the scan's request,
+compiled there if new, with the same budget and identity), whose reply holds
+the artifact's bytes and its calling convention (docs/protocol.md).  Here it
+is written to a private file, loaded with torch's AOTI runner (the C entry
+points the daemon drives, through libtorch), and run on this process's
+threads: data inputs (carry leaves, then the captured tensors the graph
+carries as params, then the input leaves), then one result buffer per output;
+the outputs are the final carry's leaves (params included, dropped here) and
+the stacked outputs'.  An artifact whose kernels index with data exports the
+index-fault flag (worker index_guard.py): it is cleared before each run and
+read after, as the daemon's engine does, so an index out of range raises the
+daemon's INDEX_OUT_OF_RANGE here too.
+
+Whatever stops a local run before it starts (torch differs from the
+daemon's, the artifact does not load here, an adapter the daemon runs only)
+is said once per adapter, as a warning with the reason, and that adapter's
+scans go through the daemon: a fallback, never a failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import threading
+import warnings
+from typing import TYPE_CHECKING, Optional, Protocol, Union
+
+import torch
+
+from ._checks import run_checks
+from .errors import TorchloopError, TorchloopIndexError
+
+if TYPE_CHECKING:
+    from ._graph import Doc
+    from .client import Client
+
+
+class _Sender(Protocol):
+    """What a LocalRuns needs of its driver (adapter._Driver)."""
+
+    client: "Client"
+
+    def send(self, op: str, target: "Doc", **fields: object) -> dict: ...
+
+INDEX_MESSAGE = ("an index the graph read from its inputs is out of range (as eager torch's "
+                 "'index out of bounds'); no result was returned")  # engine.c's
+
+Spec = Union[None, dict[str, object]]
+
+
+def unflatten(tdef: object, leaves: list[torch.Tensor], pos: list[int]) -> object:
+    from .adapter import unflatten as tree  # the package's own tree walk
+
+    return tree(tdef, leaves, pos)
+
+
+def from_spec(spec: Spec, leaves: list[torch.Tensor], pos: list[int]) -> object:
+    """The tree of a spec (the worker's form: {"k": "T"|"tuple"|"list"|"dict",
+    "c": [...], "keys": [...]}, None) over leaves, from pos[0] on."""
+    if spec is None:
+        return None
+    kind = spec["k"]
+    if kind == "T":
+        pos[0] += 1
+        return leaves[pos[0] - 1]
+    children = [from_spec(c, leaves, pos) for c in spec["c"]]  # type: ignore[attr-defined]
+    if kind == "tuple":
+        return tuple(children)
+    if kind == "list":
+        return children
+    return dict(zip(spec["keys"], children))  # type: ignore[call-overload]
+
+
+class LocalGraph:
+    """One specialization's artifact, loaded in this process."""
+
+    def __init__(self, reply: dict, dtype: torch.dtype) -> None:
+        so = reply["so"]
+        folder = tempfile.mkdtemp(prefix="torchloop-local-")  # 0700, this process's
+        path = os.path.join(folder, "graph.so")
+        try:
+            with open(path, "wb") as f:
+                f.write(so)
+            self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(path, 1)
+            # the same object (dlopen finds it loaded): its exported flag, if any
+            lib = ctypes.CDLL(path)
+            try:
+                self.fault: Optional[ctypes.c_int] = ctypes.c_int.in_dll(lib, "torchloop_index_fault")
+            except ValueError:
+                self.fault = None
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+            os.rmdir(folder)
+        self.key: str = reply["key"]
+        self.n_inputs: int = reply["n_inputs"]
+        self.n_carry_out: int = reply["n_carry_out"]
+        self.shapes = [tuple(s) for s in reply["outputs"]]
+        self.y_spec: Spec = reply["y"]
+        self.dtype = dtype
+        self.lock = threading.Lock()  # the flag is the artifact's, one per process
+        self.runs = 0
+
+    def run(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(final carry leaves with params, stacked output leaves)."""
+        if len(inputs) != self.n_inputs:
+            raise RuntimeError(f"the local graph takes {self.n_inputs} inputs, not {len(inputs)}")
+        bufs = [torch.empty(s, dtype=self.dtype) for s in self.shapes]
+        args = [t.contiguous() for t in inputs] + bufs
+        if self.fault is None:
+            outs = self.runner.run(args)
+        else:
+            with self.lock:
+                self.fault.value = 0
+                outs = self.runner.run(args)
+                faulted = self.fault.value
+            if faulted:
+                raise TorchloopIndexError("INDEX_OUT_OF_RANGE", INDEX_MESSAGE)
+        self.runs += 1
+        return outs[:self.n_carry_out], outs[self.n_carry_out:]
+
+
+TORCH = torch.__version__  # what an artifact must have been built by (the daemon's worker)
+
+
+class LocalRuns:
+    """A driver's local graphs: per (graph adapter, T) its LocalGraph, and the
+    adapters whose scans go through the daemon (why: said once)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple[str, int], LocalGraph] = {}
+        self.off: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def scan(self, driver: "_Sender", target: "Doc", carry: object, inputs: object,
+             leaves: list[torch.Tensor], n_carry: int, params: list[torch.Tensor],
+             carry_def: object) -> Optional[tuple[object, object]]:
+        """(final carry, outputs) run here, or None: run it through the daemon."""
+        key = (target.name, leaves[n_carry].shape[0])
+        g = self.graphs.get(key)
+        if g is None:
+            if target.name in self.off:
+                return None
+            g = self._load(driver, target, key, carry, inputs, params, leaves[0].dtype)
+            if g is None:
+                return None
+        carry_out, ys = g.run(leaves[:n_carry] + list(params) + leaves[n_carry:])
+        y = from_spec(g.y_spec, ys, [0])
+        if target.checks:  # the body's y, then its linalg checks' infos (_checks.py)
+            y = run_checks(y, target.checks)
+        return unflatten(carry_def, carry_out[:n_carry], [0]), y
+
+    def _load(self, driver: "_Sender", target: "Doc", key: tuple[str, int], carry: object,
+              inputs: object, params: list[torch.Tensor],
+              dtype: torch.dtype) -> Optional[LocalGraph]:
+        try:  # compiled now if new, as a scan would be
+            reply = driver.send("artifact", target, carry=carry, inputs=inputs,
+                                params=tuple(params))
+        except TorchloopError as exc:
+            if exc.code in ("INVALID_ARGUMENT", "UNKNOWN_OP", "PERMISSION_DENIED"):
+                # the daemon runs it only (or it is another user's graph)
+                self._fall_back(target.name, exc.message)
+            return None  # a failure the daemon's scan reports the same way
+        built = getattr(driver.client, "daemon_torch", None)
+        if built != TORCH:
+            self._fall_back(target.name, f"its graphs are built by torch {built}, this "
+                                         f"process has torch {TORCH}")
+            return None
+        try:
+            g = LocalGraph(reply, dtype)
+        except (OSError, RuntimeError) as exc:
+            self._fall_back(target.name, f"its artifact does not load here ({exc})")
+            return None
+        with self.lock:
+            self.graphs[key] = g
+        return g
+
+    def _fall_back(self, name: str, why: str) -> None:
+        with self.lock:
+            if name in self.off:
+                return
+            self.off[name] = why
+        warnings.warn(f"torchloop: run='local' for adapter {name} runs through the daemon "
+                      f"instead: {why}", RuntimeWarning, stacklevel=4)
