@@ -53,10 +53,31 @@ static void print_prometheus_remote(json_t *remote)
 	}
 }
 
+/* A per-adapter summary of run times: <prefix>_p50_us and _p99_us. */
+static void print_run_summary(json_t *j, const char *metric, const char *prefix)
+{
+	char p50[48], p99[48];
+	json_t *a;
+	size_t i;
+
+	snprintf(p50, sizeof p50, "%s_p50_us", prefix);
+	snprintf(p99, sizeof p99, "%s_p99_us", prefix);
+	printf("# TYPE torchloopd_adapter_%s_microseconds summary\n", metric);
+	json_array_foreach(json_object_get(j, "adapters"), i, a)
+	{
+		const char *n = json_string_value(json_object_get(a, "name"));
+		printf("torchloopd_adapter_%s_microseconds{adapter=\"%s\",quantile=\"0.5\"} %.1f\n",
+		       metric, n, json_number_value(json_object_get(a, p50)));
+		printf(
+		    "torchloopd_adapter_%s_microseconds{adapter=\"%s\",quantile=\"0.99\"} %.1f\n",
+		    metric, n, json_number_value(json_object_get(a, p99)));
+	}
+}
+
 void cli_print_prometheus(json_t *j)
 {
-	static const char *const counters[] = {"requests",   "errors",       "compiles",
-	                                       "cache_hits", "cache_misses", "runs"};
+	static const char *const counters[] = {"requests",     "errors", "compiles",  "cache_hits",
+	                                       "cache_misses", "runs",   "local_runs"};
 	json_t *a;
 	size_t i;
 
@@ -77,15 +98,7 @@ void cli_print_prometheus(json_t *j)
 	    printf("torchloopd_adapter_compile_seconds_total{adapter=\"%s\"} %.3f\n",
 	           json_string_value(json_object_get(a, "name")),
 	           json_number_value(json_object_get(a, "compile_seconds")));
-	printf("# TYPE torchloopd_adapter_run_microseconds summary\n");
-	json_array_foreach(json_object_get(j, "adapters"), i, a)
-	{
-		const char *n = json_string_value(json_object_get(a, "name"));
-		printf(
-		    "torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.5\"} %.1f\n",
-		    n, json_number_value(json_object_get(a, "run_p50_us")));
-		printf(
-		    "torchloopd_adapter_run_microseconds{adapter=\"%s\",quantile=\"0.99\"} %.1f\n",
-		    n, json_number_value(json_object_get(a, "run_p99_us")));
-	}
+	print_run_summary(j, "run", "run");
+	/* runs clients made in their own processes (run="local"), as they report them */
+	print_run_summary(j, "local_run", "local_run");
 }

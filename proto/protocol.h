@@ -87,7 +87,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(STATS, stats)                                                                            \
 	X(SHUTDOWN, shutdown)                                                                      \
 	X(ATTACH, attach)                                                                          \
-	X(ARTIFACT, artifact)
+	X(ARTIFACT, artifact)                                                                      \
+	X(REPORT, report)
 
 /*
  * Error codes: enum name, wire string, one-line meaning.  The wire string

@@ -142,7 +142,8 @@ static int send_job(struct slot *s, struct compile_job *j)
 
 /*
  * The background lane runs only while no check or foreground job does: it
- * is stopped (its tree SIGSTOPped, its job's timeout frozen) and continued.
+ * is stopped (its tree SIGSTOPped, its timeout frozen: a job's, or the
+ * start timeout of a worker not yet started) and continued.
  */
 static void preempt(struct compiler *c)
 {
@@ -161,10 +162,12 @@ static void preempt(struct compiler *c)
 		wproc_pause(s->p, stop);
 		if (stop) {
 			bg->preempted++;
-			s->left_ms = s->current ? uv_timer_get_due_in(&s->timer) : 0;
+			s->left_ms = uv_is_active((uv_handle_t *)&s->timer)
+			                 ? uv_timer_get_due_in(&s->timer)
+			                 : s->left_ms;
 			uv_timer_stop(&s->timer);
-		} else if (s->current) {
-			pool_start_timer(s, s->left_ms);
+		} else if (!s->hello || s->current) {
+			pool_arm(s, s->left_ms);
 		}
 	}
 }
@@ -215,6 +218,10 @@ static void stage(struct slot *s, struct compile_job *j)
 		snprintf(j->staged, sizeof j->staged, "%s", j->output);
 }
 
+/*
+ * The job goes to its worker at once; its compile timeout runs from when the
+ * worker is ready (read_event), the start timeout until then.
+ */
 static void dispatch(struct slot *s, struct compile_job *j)
 {
 	s->current = j;
@@ -224,7 +231,7 @@ static void dispatch(struct slot *s, struct compile_job *j)
 		                  "cannot send the job to the compile worker");
 		return;
 	}
-	pool_start_timer(s, (uint64_t)(s->c->timeout * 1000));
+	pool_arm(s, s->ready ? pool_compile_ms(s->c) : pool_start_ms(s->c));
 }
 
 static void pump(struct compiler *c)
@@ -333,7 +340,7 @@ static void read_hello(struct slot *s, const struct msg *m)
 	struct worker_info *wi = &c->info;
 	const char *str;
 	uint32_t n;
-	bool ok = false;
+	bool ok = false, announces = false;
 	struct proto_err err;
 
 	if (msg_get_str(r, "torch", &str, &n, NULL) == 0)
@@ -344,6 +351,9 @@ static void read_hello(struct slot *s, const struct msg *m)
 		snprintf(wi->isa, sizeof wi->isa, "%.*s", (int)n, str);
 	msg_get_bool(r, "cxx11_abi", &wi->cxx11_abi, NULL);
 	msg_get_bool(r, "torch_ok", &ok, NULL);
+	msg_get_bool(r, "ready_event", &announces, NULL);
+	s->ready = !announces; /* else its "ready" event follows (read_event) */
+	pool_disarm(s);        /* its start timeout: a job's runs again until it is ready */
 	wi->torch_ok = ok;
 	wi->protocol = 0;
 	msg_get_i64(r, "protocol", &wi->protocol, NULL);
@@ -472,6 +482,25 @@ static void finish(struct slot *s, struct compile_job *job, const struct msg *m)
 	(void)s;
 }
 
+/*
+ * An event from a worker: "ready" once it has imported the compile path
+ * (after its hello, or at its first job), so its job's compile timeout
+ * starts now; until then the start timeout ran (dispatch).
+ */
+static void read_event(struct slot *s, const struct msg *m)
+{
+	const char *name;
+	uint32_t n;
+
+	if (msg_get_str(&m->up.data, "event", &name, &n, NULL) != 0 || n != 5 ||
+	    memcmp(name, "ready", 5) != 0 || s->ready)
+		return;
+	s->ready = true;
+	log_debug("compile worker %d: ready", wproc_pid(s->p));
+	if (s->current)
+		pool_arm(s, pool_compile_ms(s->c));
+}
+
 static void on_reply(struct wproc *p, const struct msg *m)
 {
 	struct slot *s = wproc_data(p);
@@ -479,6 +508,11 @@ static void on_reply(struct wproc *p, const struct msg *m)
 
 	if (s->p != p)
 		return; /* detached */
+	if (m->is_event) {
+		if (s->hello)
+			read_event(s, m);
+		return;
+	}
 	if (!s->hello) {
 		read_hello(s, m);
 	} else if (job == NULL || !m->has_id || m->id != job->id) {
@@ -489,7 +523,7 @@ static void on_reply(struct wproc *p, const struct msg *m)
 		s->promoted = false;
 		s->idle_since = uv_now(s->c->loop);
 		s->c->lanes[job->lane].jobs++;
-		uv_timer_stop(&s->timer);
+		pool_disarm(s);
 		finish(s, job, m);
 		if (s->p == p)
 			recycle(s, m);
@@ -519,6 +553,8 @@ struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opt
 		return NULL;
 	c->loop = loop;
 	c->timeout = opts->timeout_seconds;
+	c->start_timeout = opts->start_timeout_seconds > 0 ? opts->start_timeout_seconds
+	                                                   : COMPILER_START_TIMEOUT_S;
 	c->ready = ready;
 	c->data = data;
 	c->hooks = (struct pool_hooks){pump, on_reply, on_broken};

@@ -18,11 +18,15 @@
  * other than the first that stays idle for COMPILER_IDLE_S is retired (one
  * is ~1 GB).  Each job has a timeout that kills its worker's whole process
  * tree (proctree.c); a crash or timeout fails that job (WORKER_CRASHED /
- * COMPILE_TIMEOUT) and a new worker starts for the next one.  A worker that
- * dies before it says hello is restarted with exponential backoff (0.25 s
- * doubling to 30 s); while the first worker cannot start, queued and new jobs
- * fail at once with WORKER_CRASHED and compiler_alive() is false (health: not
- * ready).  Loop thread only.
+ * COMPILE_TIMEOUT) and a new worker starts for the next one.  The timeout
+ * runs from when the job's worker is ready (it has imported the compile
+ * path: its "ready" event, after its hello or at its first job), never
+ * while it imports; until then the start timeout bounds it (a job that came
+ * to a worker not ready fails with WORKER_CRASHED, a worker with no hello is
+ * a start failure).  A worker that dies before it says hello is restarted
+ * with exponential backoff (0.25 s doubling to 30 s); while the first
+ * worker cannot start, queued and new jobs fail at once with WORKER_CRASHED
+ * and compiler_alive() is false (health: not ready).  Loop thread only.
  *
  * Workers get an allow-listed environment (compiler.c: PATH, HOME, locale,
  * TORCH*, OMP* and friends), never a client socket (everything is
@@ -92,7 +96,8 @@ struct compile_job {
 
 enum compiler_lane { LANE_CHECK, LANE_FOREGROUND, LANE_BACKGROUND, COMPILER_LANES };
 extern const char *const COMPILER_LANE_NAMES[COMPILER_LANES];
-#define COMPILER_IDLE_S 60
+#define COMPILER_IDLE_S          60
+#define COMPILER_START_TIMEOUT_S 300
 
 struct lane_stats {
 	unsigned workers;   /* running (started or starting) */
@@ -136,6 +141,9 @@ struct compiler_opts {
 	 * (<cache>/tmp) and Inductor's cache directory (they may write there) */
 	enum sandbox_mode sandbox;
 	const char *scratch_root, *inductor_dir;
+	/* seconds for a worker's hello, and for its readiness once it has a
+	 * job (0: COMPILER_START_TIMEOUT_S) */
+	double start_timeout_seconds;
 };
 
 struct compiler *compiler_start(uv_loop_t *loop, const struct compiler_opts *opts,

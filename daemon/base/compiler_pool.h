@@ -25,9 +25,12 @@ struct slot {
 	unsigned lane, index;
 	struct wproc *p; /* its live worker, or NULL */
 	bool hello, paused;
+	bool ready; /* its worker has imported the compile path ("ready" event) */
 	struct compile_job *current;
-	uv_timer_t timer;    /* the job's timeout */
-	uint64_t left_ms;    /* of the timeout, while paused */
+	/* runs while its worker starts (no hello yet) or has a job: the start
+	 * timeout until the worker is ready, then the job's compile timeout */
+	uv_timer_t timer;
+	uint64_t left_ms;    /* of that timeout, while paused */
 	uint64_t idle_since; /* loop time of its last job's end */
 	pid_t retired;       /* a worker retired for idleness: its exit is no restart */
 	bool promoted;       /* its background job is waited for (compiler_promote) */
@@ -59,7 +62,7 @@ struct compiler {
 	const char *write[2]; /* what workers may write besides their scratch */
 	char sandbox[160];    /* compiler_sandbox */
 	unsigned scratches;   /* scratch directories made so far (their names) */
-	double timeout;
+	double timeout, start_timeout;
 	compiler_ready_cb ready;
 	void *data;
 	struct worker_info info;
@@ -83,7 +86,15 @@ void pool_fail_queues(struct compiler *c, const struct proto_err *err);
 void pool_start_failure_err(const struct compiler *c, struct proto_err *err);
 /* Kills the slot's worker's whole tree and detaches it. */
 void pool_kill_slot(struct slot *s);
-/* The slot's job timeout (it kills the worker and fails the job). */
-void pool_start_timer(struct slot *s, uint64_t ms);
+/*
+ * The slot's timer (struct slot): runs for ms, or, while the slot's worker is
+ * paused, keeps ms for when it is continued.  It kills the worker; a worker
+ * that had said hello fails its job (COMPILE_TIMEOUT once it was ready).
+ */
+void pool_arm(struct slot *s, uint64_t ms);
+void pool_disarm(struct slot *s);
+/* Milliseconds of the start timeout and of the compile timeout. */
+uint64_t pool_start_ms(const struct compiler *c);
+uint64_t pool_compile_ms(const struct compiler *c);
 
 #endif

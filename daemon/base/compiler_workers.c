@@ -47,7 +47,7 @@ void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, con
 	s->current = NULL;
 	s->promoted = false;
 	s->c->lanes[job->lane].jobs++;
-	uv_timer_stop(&s->timer);
+	pool_disarm(s);
 	proto_fail(&err, code, NULL, "%s", why);
 	err.flags = flags;
 	job->done(job, NULL, &err);
@@ -87,7 +87,8 @@ void pool_kill_slot(struct slot *s)
 	if (p == NULL)
 		return;
 	s->p = NULL;
-	s->hello = s->paused = false;
+	s->hello = s->paused = s->ready = false;
+	pool_disarm(s);
 	extra = wproc_kill(p);
 	s->c->orphans_killed += extra;
 	if (extra)
@@ -95,21 +96,72 @@ void pool_kill_slot(struct slot *s)
 		         wproc_pid(p), extra);
 }
 
+/*
+ * The slot's timer ran out.  A worker with no hello yet is killed but not
+ * detached: its exit is a start failure (on_exited).  One that has a job but
+ * is still importing the compile path fails it as a crash; one that was
+ * ready when its job came, or became ready since, exceeded the compile
+ * timeout (it runs from then: an import never counts against a compile).
+ */
 static void on_timeout(uv_timer_t *t)
 {
 	struct slot *s = t->data;
+	struct compiler *c = s->c;
+	char why[200];
 
+	if (s->p == NULL || (!s->hello && wproc_killed(s->p)) || (s->hello && !s->current))
+		return;
+	if (!s->hello) {
+		log_warn(
+		    "compile worker %d (%s lane): no hello within %.0f s (--worker-start-timeout); "
+		    "killing it",
+		    wproc_pid(s->p), COMPILER_LANE_NAMES[s->lane], c->start_timeout);
+		c->orphans_killed += wproc_kill(s->p);
+		return;
+	}
+	if (!s->ready) {
+		log_warn("compile worker %d (%s lane): job %llu came %.0f s ago and the worker has "
+		         "still not imported the compile path (--worker-start-timeout); killing it",
+		         wproc_pid(s->p), COMPILER_LANE_NAMES[s->lane],
+		         (unsigned long long)s->current->id, c->start_timeout);
+		snprintf(why, sizeof why,
+		         "the compile worker did not finish starting (importing the compile path) "
+		         "within --worker-start-timeout=%.0f s; it was restarted",
+		         c->start_timeout);
+		pool_kill_slot(s);
+		pool_fail_current(s, PROTO_E_WORKER_CRASHED, PROTO_ERR_TRANSIENT, why);
+		return;
+	}
 	log_warn("compile worker (%s): job %llu exceeded %.0f s; killing the worker",
-	         COMPILER_LANE_NAMES[s->lane],
-	         (unsigned long long)(s->current ? s->current->id : 0), s->c->timeout);
+	         COMPILER_LANE_NAMES[s->lane], (unsigned long long)s->current->id, c->timeout);
 	pool_kill_slot(s);
 	pool_fail_current(s, PROTO_E_COMPILE_TIMEOUT, PROTO_ERR_TRANSIENT,
 	                  "the compile exceeded its timeout; the worker was restarted");
 }
 
-void pool_start_timer(struct slot *s, uint64_t ms)
+void pool_arm(struct slot *s, uint64_t ms)
 {
-	uv_timer_start(&s->timer, on_timeout, ms, 0);
+	s->left_ms = ms;
+	if (s->paused)
+		uv_timer_stop(&s->timer);
+	else
+		uv_timer_start(&s->timer, on_timeout, ms, 0);
+}
+
+void pool_disarm(struct slot *s)
+{
+	s->left_ms = 0;
+	uv_timer_stop(&s->timer);
+}
+
+uint64_t pool_start_ms(const struct compiler *c)
+{
+	return (uint64_t)(c->start_timeout * 1000);
+}
+
+uint64_t pool_compile_ms(const struct compiler *c)
+{
+	return (uint64_t)(c->timeout * 1000);
 }
 
 void pool_release(struct compiler *c)
@@ -233,7 +285,12 @@ static void on_exited(struct wproc *p, const char *how)
 	struct compiler *c = s->c;
 	bool live = s->p == p, retired = s->retired == wproc_pid(p), starting = c->ready != NULL;
 
-	snprintf(c->last_exit, sizeof c->last_exit, "%s", how);
+	if (live && !s->hello && wproc_killed(p)) /* on_timeout: no hello in time */
+		snprintf(c->last_exit, sizeof c->last_exit,
+		         "was killed after --worker-start-timeout=%.0f s without a hello",
+		         c->start_timeout);
+	else
+		snprintf(c->last_exit, sizeof c->last_exit, "%s", how);
 	forget_pid(c, wproc_pid(p));
 	if (c->stopping || retired)
 		log_info("compile worker %d stopped", wproc_pid(p));
@@ -243,7 +300,8 @@ static void on_exited(struct wproc *p, const char *how)
 	if (live) {
 		bool said_hello = s->hello;
 		s->p = NULL;
-		s->hello = s->paused = false;
+		s->hello = s->paused = s->ready = false;
+		pool_disarm(s);
 		if (!said_hello)
 			start_failed(c, s);
 		else
@@ -288,7 +346,7 @@ void pool_spawn(struct slot *s)
 	int rc;
 
 	o.nice = s->lane == LANE_BACKGROUND ? BACKGROUND_NICE : 0;
-	s->hello = s->paused = false;
+	s->hello = s->paused = s->ready = false;
 	o.scratch = scratch;
 	if (sandbox_scratch_create(c->scratch_root, ++c->scratches, scratch, sizeof scratch) != 0) {
 		log_error("compile worker: cannot create its scratch directory %s: %s", scratch,
@@ -307,6 +365,7 @@ void pool_spawn(struct slot *s)
 			msg_begin_request(w, 0, "hello", 0);
 		if (w == NULL || wproc_send(s->p, w) != 0)
 			log_warn("compile worker: cannot send hello");
+		pool_arm(s, pool_start_ms(c)); /* until its hello */
 		log_info("compile worker started (pid %d, %s lane)", wproc_pid(s->p),
 		         COMPILER_LANE_NAMES[s->lane]);
 		return;

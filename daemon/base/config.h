@@ -33,7 +33,11 @@
 	  "seconds a connection with nothing in flight may stay silent (0: forever)")              \
 	X("frame-timeout", frame_timeout, 1, 30, 3600,                                             \
 	  "seconds a partly received frame may go without a byte before the connection closes")    \
-	X("compile-timeout", compile_timeout, 1, 600, 86400, "seconds one compile may take")       \
+	X("compile-timeout", compile_timeout, 1, 600, 86400,                                       \
+	  "seconds one compile may take, from when its worker is ready")                           \
+	X("worker-start-timeout", worker_start_timeout, 1, 300, 86400,                             \
+	  "seconds a compile worker may take to say hello, and to import the compile path once "   \
+	  "it has a job")                                                                          \
 	X("compile-workers", compile_workers, 0, 0, 16,                                            \
 	  "compile workers for requests that wait (0: one per core, at most one per 1.5 GiB)")     \
 	X("drain-timeout", drain_timeout, 0, 30, 3600,                                             \

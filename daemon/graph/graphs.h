@@ -83,6 +83,10 @@ struct adapter_def {
 struct adapter_stats {
 	uint64_t requests, errors, compiles, cache_hits, cache_misses, runs;
 	uint64_t failed_evictions; /* failed specializations forgotten (LRU) */
+	/* runs clients made in their own processes (op_report.c), and the last
+	 * report's run-time percentiles */
+	uint64_t local_runs;
+	double local_p50_us, local_p99_us;
 	double compile_seconds;
 	double latency_us[LATENCY_RING];
 	uint64_t latency_n;

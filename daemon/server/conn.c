@@ -398,6 +398,7 @@ void conn_frame_error(struct conn *c, const struct proto_err *err, bool close_af
 	c->d->stats.error_codes[err->code]++;
 	log_warn("connection %llu: %s: %s", (unsigned long long)c->serial,
 	         proto_code_name(err->code), err->message);
+	c->doomed |= close_after; /* that line says why it closes: the only one (conn_sweep.c) */
 	if (out == NULL) {
 		conn_close(c);
 		return;

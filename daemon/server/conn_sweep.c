@@ -5,7 +5,9 @@
  * not held), replies that stopped leaving (FRAME_TIMEOUT), and connections
  * idle (nothing in flight, nothing sent) for idle-timeout seconds; and at
  * shutdown, every connection closed once its queued replies have left (a
- * drained request's reply is delivered, not cancelled).  Loop thread only.
+ * drained request's reply is delivered, not cancelled).  A connection is
+ * closed with one log line: one whose error frame is queued (doomed) is not
+ * swept again but closed if that frame does not leave.  Loop thread only.
  */
 #include "daemon.h"
 
@@ -57,8 +59,13 @@ static void sweep_one(struct conn *c, double now)
 	const struct config *cfg = &c->d->cfg;
 	size_t queued = uv_stream_get_write_queue_size((uv_stream_t *)&c->handle);
 
-	if (c->reader.header_have > 0 && !c->paused &&
-	    now - c->last_read > (double)cfg->frame_timeout) {
+	if (c->doomed) {
+		/* its error frame (logged: one line per connection) closes it once
+		 * written; a client that does not read it is closed all the same */
+		if (queued > 0 && now - c->write_since > (double)cfg->frame_timeout)
+			conn_close(c);
+	} else if (c->reader.header_have > 0 && !c->paused &&
+	           now - c->last_read > (double)cfg->frame_timeout) {
 		close_stalled(c, "the frame being received", c->last_read);
 	} else if (c->reader.header_have > 0 && !c->paused &&
 	           now - c->frame_started > frame_deadline(c)) {

@@ -461,6 +461,7 @@ int daemon_graphs_start_worker(struct daemon *d,
 	snprintf(scratch_root, sizeof scratch_root, "%s/tmp", d->cfg.cache_dir);
 	snprintf(inductor_dir, sizeof inductor_dir, "%s/inductor", d->cfg.cache_dir);
 	o.sandbox = d->cfg.worker_sandbox;
+	o.start_timeout_seconds = (double)d->cfg.worker_start_timeout;
 	o.scratch_root = scratch_root;
 	o.inductor_dir = inductor && *inductor ? inductor : inductor_dir;
 

@@ -42,6 +42,7 @@ struct conn {
 	uint32_t stage_off, stage_len; /* bytes not yet fed (left when reads paused) */
 	int refs;
 	bool closing, reading, paused;
+	bool doomed;        /* an error frame that closes it is on its way (conn_frame_error) */
 	bool pause_pending; /* over a memory limit mid-frame: pause once it is whole */
 	/* memory this connection holds (conn.c), also summed in d->queued_bytes */
 	uint64_t mem_partial, mem_requests, mem_replies;

@@ -77,6 +77,9 @@ void describe_counters(struct writer *w, const struct adapter *a)
 	writer_key_u64(w, "runs", s->runs);
 	writer_key_f64(w, "run_p50_us", adapter_latency_percentile(a, 0.5));
 	writer_key_f64(w, "run_p99_us", adapter_latency_percentile(a, 0.99));
+	writer_key_u64(w, "local_runs", s->local_runs);
+	writer_key_f64(w, "local_run_p50_us", s->local_p50_us);
+	writer_key_f64(w, "local_run_p99_us", s->local_p99_us);
 	writer_key_u64(w, "graphs", graphs_held(a));
 	writer_key_u64(w, "failed_specs", a->failed);
 	writer_key_u64(w, "failed_evictions", s->failed_evictions);

@@ -21,6 +21,7 @@ alone, 4 (the body form, the solver, the index table, the switch).
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -234,3 +235,86 @@ def test_another_users_graph_artifact_is_refused_and_the_daemon_serves_on(
     got = (torch.tensor(out["scan"][0], dtype=torch.float64),
            torch.tensor(out["scan"][1], dtype=torch.float64))
     assert same(got, want)
+
+
+def scan_spec(client: torchloop.Client, name: str) -> dict[str, Any]:
+    return next(s for s in client.describe(name)["specializations"] if s["kind"] == "scan")
+
+
+def test_an_upgrade_taking_over_is_picked_up_and_the_daemon_counts_local_runs(
+        tmp_path: Path) -> None:
+    """--quick-tier-steps 4: the first local scan at T = 8 loads the quick
+    tier's graph (the scan op) while the unrolled one compiles; after it
+    takes over the daemon runs the trial (the package sends scans to it
+    while `report` says trial) and, whatever the verdict, the package then
+    runs the graph the daemon serves; every result equals eager, and the
+    daemon's counters include the local runs reported.  Compiles: the
+    scan op's graph and the unrolled one, T = 8."""
+    from conftest import running_daemon
+
+    steps = 8
+    with running_daemon(tmp_path, "--quick-tier-steps", "4") as sock, torch.no_grad():
+        local = torchloop.loop_adapter(max_steps=steps, max_elements=4096, socket=sock,
+                                       run="local")
+        runs = local.scan.__self__.local
+        runs.report_every = 0.0  # a report before each scan
+        body, _ = bodyforms.form("lambda", tmp_path)
+        carry, xs = (t.detach() for t in bodyforms.inputs(9, steps))
+        want = eager.scan(body, carry, xs)
+
+        def check() -> None:
+            for g, w in zip(eager.leaves(local.scan(body, carry, xs)), eager.leaves(want)):
+                torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+        check()
+        (name, _), g = next(iter(runs.graphs.items()))
+        with torchloop.Client(sock) as c:
+            assert scan_spec(c, name)["tier"] == "quick" and g.key == scan_spec(c, name)["graph_key"]
+            for _ in range(100_000):  # until the trial's verdict (a compile, then 32 runs)
+                check()
+                spec = scan_spec(c, name)
+                if spec["upgrade"].get("verdict") in ("kept", "reverted"):
+                    break
+                time.sleep(0.01)  # the background compile: waited on its state above
+            else:
+                raise AssertionError(f"no verdict: {spec}")
+            check()  # a report: the graph the daemon serves now
+            check()
+            now = runs.graphs[(name, steps)]
+            assert now.key == scan_spec(c, name)["graph_key"] and not now.paused
+            counters = c.describe(name)["counters"]
+            assert counters["local_runs"] >= 3 and counters["local_run_p50_us"] > 0
+
+
+def test_the_report_ops_bad_requests_get_their_codes_and_the_daemon_serves_on(
+        daemon: str, pair: tuple[Any, Any], tmp_path: Path) -> None:
+    local, _ = pair
+    body, _ = bodyforms.form("closure", tmp_path)
+    carry, xs = (t.detach() for t in bodyforms.inputs(6, T))
+    with torch.no_grad():
+        local.scan(body, carry, xs)
+    (name, _), g = next(iter(local.scan.__self__.local.graphs.items()))
+    good = {"signature": g.signature, "runs": 5, "p50_us": 10.0, "p99_us": 20.0}
+    with torchloop.Client(daemon) as c:
+        before = c.describe(name)["counters"]["local_runs"]
+        for fields, code in [
+            (dict(adapter="no.such.adapter", specs=[good]), "NOT_FOUND"),
+            (dict(adapter=name, specs=good), "INVALID_ARGUMENT"),
+            (dict(adapter=name, specs=[dict(good, runs=-1)]), "INVALID_ARGUMENT"),
+            (dict(adapter=name, specs=[dict(good, runs=1.5)]), "INVALID_ARGUMENT"),
+            (dict(adapter=name, specs=[dict(good, p50_us="fast")]), "INVALID_ARGUMENT"),
+            (dict(adapter=name, specs=[{"runs": 1}]), "INVALID_ARGUMENT"),
+            (dict(adapter=name, specs=[good] * 65), "INVALID_ARGUMENT"),
+        ]:
+            with pytest.raises(torchloop.TorchloopError) as info:
+                c.call("report", **fields)
+            assert info.value.code == code, (fields, info.value)
+            assert c.health()["ready"]
+        # nothing counted from a refused report, nor from a refused entry
+        assert c.describe(name)["counters"]["local_runs"] == before
+        reply = c.call("report", adapter=name, specs=[good, dict(good, signature="none")])
+        assert reply["specs"] == [{"signature": g.signature, "key": g.key, "trial": False},
+                                  {"signature": "none", "key": "", "trial": False}]
+        counters = c.describe(name)["counters"]
+        assert counters["local_runs"] == before + 10
+        assert (counters["local_run_p50_us"], counters["local_run_p99_us"]) == (10.0, 20.0)

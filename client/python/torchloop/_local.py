@@ -27,6 +27,7 @@ import ctypes
 import os
 import tempfile
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, Optional, Protocol, Union
 
@@ -98,13 +99,16 @@ class LocalGraph:
                 os.unlink(path)
             os.rmdir(folder)
         self.key: str = reply["key"]
+        self.signature: str = reply["signature"]
         self.n_inputs: int = reply["n_inputs"]
         self.n_carry_out: int = reply["n_carry_out"]
         self.shapes = [tuple(s) for s in reply["outputs"]]
         self.y_spec: Spec = reply["y"]
         self.dtype = dtype
         self.lock = threading.Lock()  # the flag is the artifact's, one per process
-        self.runs = 0
+        self.us: list[float] = []  # run times since the last report (at most REPORT_SAMPLES)
+        self.runs = 0  # since the last report
+        self.paused = False  # an upgrade's trial: the daemon runs it (LocalRuns.report)
 
     def run(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(final carry leaves with params, stacked output leaves)."""
@@ -112,6 +116,7 @@ class LocalGraph:
             raise RuntimeError(f"the local graph takes {self.n_inputs} inputs, not {len(inputs)}")
         bufs = [torch.empty(s, dtype=self.dtype) for s in self.shapes]
         args = [t.contiguous() for t in inputs] + bufs
+        start = time.perf_counter()
         if self.fault is None:
             outs = self.runner.run(args)
         else:
@@ -122,10 +127,23 @@ class LocalGraph:
             if faulted:
                 raise TorchloopIndexError("INDEX_OUT_OF_RANGE", INDEX_MESSAGE)
         self.runs += 1
+        if len(self.us) < REPORT_SAMPLES:
+            self.us.append((time.perf_counter() - start) * 1e6)
         return outs[:self.n_carry_out], outs[self.n_carry_out:]
+
+    def taken(self) -> dict[str, object]:
+        """This graph's report since the last one (op `report`), then reset."""
+        us = sorted(self.us) or [0.0]
+        entry: dict[str, object] = {
+            "signature": self.signature, "runs": self.runs,
+            "p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))]}
+        self.us, self.runs = [], 0
+        return entry
 
 
 TORCH = torch.__version__  # what an artifact must have been built by (the daemon's worker)
+REPORT_SAMPLES = 4096  # run times kept between two reports
+REPORT_EVERY = 1.0  # seconds between two reports (at most; tests set 0)
 
 
 class LocalRuns:
@@ -136,13 +154,19 @@ class LocalRuns:
         self.graphs: dict[tuple[str, int], LocalGraph] = {}
         self.off: dict[str, str] = {}
         self.lock = threading.Lock()
+        self.reported = time.monotonic()
+        self.report_every = REPORT_EVERY
 
     def scan(self, driver: "_Sender", target: "Doc", carry: object, inputs: object,
              leaves: list[torch.Tensor], n_carry: int, params: list[torch.Tensor],
              carry_def: object) -> Optional[tuple[object, object]]:
         """(final carry, outputs) run here, or None: run it through the daemon."""
         key = (target.name, leaves[n_carry].shape[0])
+        if time.monotonic() - self.reported >= self.report_every:
+            self.report(driver)
         g = self.graphs.get(key)
+        if g is not None and g.paused:
+            return None
         if g is None:
             if target.name in self.off:
                 return None
@@ -162,8 +186,10 @@ class LocalRuns:
             reply = driver.send("artifact", target, carry=carry, inputs=inputs,
                                 params=tuple(params))
         except TorchloopError as exc:
-            if exc.code in ("INVALID_ARGUMENT", "UNKNOWN_OP", "PERMISSION_DENIED"):
-                # the daemon runs it only (or it is another user's graph)
+            if exc.code in ("INVALID_ARGUMENT", "UNKNOWN_OP", "PERMISSION_DENIED",
+                            "FRAME_TOO_LARGE"):
+                # the daemon runs it only (or it is another user's graph, or
+                # its artifact is over --max-frame)
                 self._fall_back(target.name, exc.message)
             return None  # a failure the daemon's scan reports the same way
         built = getattr(driver.client, "daemon_torch", None)
@@ -179,6 +205,31 @@ class LocalRuns:
         with self.lock:
             self.graphs[key] = g
         return g
+
+    def report(self, driver: "_Sender") -> None:
+        """Tells the daemon what the local runs did (op `report`, per graph
+        adapter) and learns what changed: a graph whose specialization now
+        serves another artifact (an upgrade took over, or was reverted) is
+        dropped and fetched again at its next scan; during an upgrade's
+        trial, which the daemon decides on its own runs, scans go to it."""
+        self.reported = time.monotonic()
+        with self.lock:
+            by_name: dict[str, list[LocalGraph]] = {}
+            for (name, _), g in self.graphs.items():
+                by_name.setdefault(name, []).append(g)
+        for name, graphs in by_name.items():
+            try:
+                reply = driver.client.call("report", adapter=name,
+                                           specs=[g.taken() for g in graphs])
+            except TorchloopError:
+                continue  # a daemon that forgot the adapter: the next scan registers it
+            now = {s["signature"]: s for s in reply["specs"]}
+            for g in graphs:
+                s = now.get(g.signature)
+                g.paused = bool(s and s["trial"])
+                if s is not None and not g.paused and s["key"] != g.key:
+                    with self.lock:  # the next scan fetches the current artifact
+                        self.graphs = {k: v for k, v in self.graphs.items() if v is not g}
 
     def _fall_back(self, name: str, why: str) -> None:
         with self.lock:
