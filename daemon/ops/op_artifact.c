@@ -8,9 +8,13 @@
  *
  *   key        the graph's cache key: its generation (an upgrade that takes
  *              over serves another key; `describe` shows the current one)
+ *   kind       scan, or (request `kind`, with `wrt`) one of the saved pair,
+ *              scan_save or grad_saved: graphs.h spec_kind_info lays their
+ *              inputs and results out; saved_key: the pair's
  *   n_inputs   data inputs: the carry's tensor leaves (with params, the pair
- *              (carry, params)), then the inputs'; one result buffer per
- *              output follows them
+ *              (carry, params)), then the inputs' (then saved and the
+ *              cotangents for grad_saved); one result buffer per output
+ *              follows them; `inputs`: their shapes
  *   outputs    per output, its shape (the request's dtype): the final
  *              carry's leaves (n_carry_out of them, params included), then
  *              the stacked outputs'
@@ -20,9 +24,9 @@
  * Only an admin or the uid that registered a captured graph may fetch it
  * (may_fetch).  The bytes travel in the reply (about 1.6 MB for a small step), read from
  * the cache once per specialization and process: no descriptor passing,
- * so the package's C and Python readers need nothing new.  Only the scan op's
- * static graph: a symbolic batch, strategy chunk (runs of a shorter graph)
- * or a saved pair are INVALID_ARGUMENT (the daemon runs those).
+ * so the package's C and Python readers need nothing new.  A symbolic batch
+ * or strategy chunk (runs of a shorter graph) is INVALID_ARGUMENT (the daemon
+ * runs those).
  */
 #include "op_scan.h"
 
@@ -78,14 +82,14 @@ out:
 	return buf;
 }
 
-static void write_outputs(struct writer *w, const struct specialization *sp)
+/* The shapes of n tensors of a signature. */
+static void write_shapes(struct writer *w, const struct engine_tensor *t, size_t n)
 {
-	msgpack_pack_array(&w->pk, (uint32_t)sp->n_out);
-	for (size_t i = 0; i < sp->n_out; i++) {
-		const struct engine_tensor *t = &sp->expected_out[i];
-		msgpack_pack_array(&w->pk, t->ndim);
-		for (uint32_t k = 0; k < t->ndim; k++)
-			msgpack_pack_int64(&w->pk, t->shape[k]);
+	msgpack_pack_array(&w->pk, (uint32_t)n);
+	for (size_t i = 0; i < n; i++) {
+		msgpack_pack_array(&w->pk, t[i].ndim);
+		for (uint32_t k = 0; k < t[i].ndim; k++)
+			msgpack_pack_int64(&w->pk, t[i].shape[k]);
 	}
 }
 
@@ -100,17 +104,21 @@ static void artifact_ready(struct request *req, struct specialization *sp)
 		request_fail(req, &err);
 		return;
 	}
-	out = request_begin_result(req, 7);
+	out = request_begin_result(req, 10);
 	if (out == NULL) {
 		free(so);
 		return;
 	}
 	writer_key_str(&out->w, "key", sp->graph_key);
 	writer_key_str(&out->w, "signature", sp->signature);
+	writer_key_str(&out->w, "kind", spec_kinds[sp->kind].name);
+	writer_key_str(&out->w, "saved_key", sp->pair_key);
 	writer_key_u64(&out->w, "n_inputs", sp->n_in);
 	writer_key_u64(&out->w, "n_carry_out", tree_count_tensors(&sp->carry));
+	writer_str(&out->w, "inputs");
+	write_shapes(&out->w, sp->expected, sp->n_in);
 	writer_str(&out->w, "outputs");
-	write_outputs(&out->w, sp);
+	write_shapes(&out->w, sp->expected_out, sp->n_out);
 	writer_str(&out->w, "y");
 	shapes_write(&out->w, &sp->y);
 	writer_str(&out->w, "so");
@@ -146,6 +154,22 @@ static int may_fetch(struct request *req, const struct adapter *a, struct proto_
 	                  a->def.graph ? "the uid that registered it or an admin" : "an admin");
 }
 
+/* `kind`: scan (the default), or one of the saved pair: scan_save, grad_saved. */
+static int pair_kind(struct request *req, const struct adapter *a, struct scan_args *args,
+                     struct proto_err *err)
+{
+	const char *s;
+	uint32_t n;
+	int rc = msg_get_str(&req->msg.up.data, "kind", &s, &n, err);
+	int kind = rc == 0 ? spec_kind_parse(s, n) : SPEC_SCAN;
+
+	if (rc < 0 || (kind != SPEC_SCAN && kind != SPEC_SCAN_SAVE && kind != SPEC_GRAD_SAVED))
+		return proto_fail(err, PROTO_E_INVALID_ARGUMENT, "kind",
+		                  "kind must be scan, scan_save or grad_saved");
+	args->kind = (enum spec_kind)kind;
+	return op_scan_saving(a, args->kind, "kind", err);
+}
+
 static void op_artifact(struct request *req)
 {
 	struct adapter *a;
@@ -154,7 +178,9 @@ static void op_artifact(struct request *req)
 
 	if (op_scan_decode(req, &a, &req->carry, &req->inputs, &err) != 0 ||
 	    may_fetch(req, a, &err) != 0 || local_kind(a, &err) != 0 ||
-	    op_scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0) {
+	    pair_kind(req, a, &args, &err) != 0 ||
+	    op_scan_validate(a, &req->carry, req->params, &req->inputs, &args, &err) != 0 ||
+	    op_scan_wrt(req, &args, &err) != 0) {
 		request_fail(req, &err);
 		return;
 	}

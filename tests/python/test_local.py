@@ -4,8 +4,9 @@ graph in the solver's process (torchloop/_local.py, the `artifact` op).
 - every body form of the capture tests and the solver's per-run closure:
   local results bitwise equal to the daemon's for the same graph, and equal
   to the eager loop; the caller's tensors are left as they were;
-- gradients (a scan with requires_grad: through the daemon for now) match
-  eager autograd;
+- gradients: the saved pair's two graphs run here too (the forward keeps
+  saved in this process, the backward takes it), bitwise the daemon's and
+  against eager autograd;
 - what eager raises, a local run raises: an index out of range
   (TorchloopIndexError, the daemon's message), a singular solve
   (LinAlgError, eager's message);
@@ -81,12 +82,15 @@ def test_a_solvers_closure_per_run_runs_locally_and_its_gradients_match_eager(
     with torch.no_grad():
         got = solver.run(local.scan, y0, times, dts, forcing)
         assert same(got, solver.run(daemon.scan, y0, times, dts, forcing))
-    # with gradients (the daemon's saved pair), against eager autograd
-    (final, _), ys = solver.run(local.scan, y0, times, dts, forcing)
-    grads = torch.autograd.grad(final.sum() + ys.sum(), (y0, forcing))
-    (final, _), ys = solver.run(eager.scan, y0, times, dts, forcing)
-    want = torch.autograd.grad(final.sum() + ys.sum(), (y0, forcing))
-    for g, w in zip(grads, want):
+    # with gradients: the saved pair (forward with saves, backward from them)
+    # runs here too; bitwise the daemon's, and against eager autograd
+    found = []
+    for scan in (local.scan, daemon.scan, eager.scan):
+        (final, _), ys = solver.run(scan, y0, times, dts, forcing)
+        found.append(torch.autograd.grad(final.sum() + ys.sum(), (y0, forcing)))
+    assert {k[2] for k in local.scan.__self__.local.pairs} == {"scan_save", "grad_saved"}
+    assert all(torch.equal(g, d) for g, d in zip(found[0], found[1]))
+    for g, w in zip(found[0], found[2]):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
@@ -242,17 +246,21 @@ def scan_spec(client: torchloop.Client, name: str) -> dict[str, Any]:
 
 
 def test_an_upgrade_taking_over_is_picked_up_and_the_daemon_counts_local_runs(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--quick-tier-steps 4: the first local scan at T = 8 loads the quick
     tier's graph (the scan op) while the unrolled one compiles; after it
     takes over the daemon runs the trial (the package sends scans to it
     while `report` says trial) and, whatever the verdict, the package then
     runs the graph the daemon serves; every result equals eager, and the
     daemon's counters include the local runs reported.  Compiles: the
-    scan op's graph and the unrolled one, T = 8."""
+    scan op's graph and the unrolled one, T = 8, in a cache of its own (each
+    run)."""
     from conftest import running_daemon
 
     steps = 8
+    # a cache of its own: with the run's, a second run finds the unrolled graph
+    # there and serves it at once (no quick tier to follow)
+    monkeypatch.setenv("TORCHLOOP_TEST_CACHE", str(tmp_path / "cache"))
     with running_daemon(tmp_path, "--quick-tier-steps", "4") as sock, torch.no_grad():
         local = torchloop.loop_adapter(max_steps=steps, max_elements=4096, socket=sock,
                                        run="local")
@@ -318,3 +326,25 @@ def test_the_report_ops_bad_requests_get_their_codes_and_the_daemon_serves_on(
         counters = c.describe(name)["counters"]
         assert counters["local_runs"] == before + 10
         assert (counters["local_run_p50_us"], counters["local_run_p99_us"]) == (10.0, 20.0)
+
+
+def test_a_stiff_step_with_linear_solves_runs_locally_with_gradients(daemon: str) -> None:
+    """test_stiff.py's implicit Euler (T = 7, float64; its graphs): values
+    and gradients w.r.t. the initial state and the captured diffusion
+    coefficient, run here, against eager autograd."""
+    import test_stiff
+
+    local = torchloop.loop_adapter(max_steps=64, max_elements=1 << 12, socket=daemon,
+                                   run="local")
+    found = []
+    for scan in (local.scan, eager.scan):
+        problem = test_stiff.Problem(torch.float64)
+        problem.D.requires_grad_(True)
+        y0 = initial(torch.float64).requires_grad_(True)
+        body = test_stiff.StiffSolver(problem, "implicit_euler", 0.05).advance()
+        (y, _), ys = scan(body, (y0, None), test_stiff.inputs(7, torch.float64))
+        found.append([y.detach(), ys.detach(),
+                      *torch.autograd.grad(y.square().sum() + ys.sum(), (y0, problem.D))])
+    assert {k[2] for k in local.scan.__self__.local.pairs} == {"scan_save", "grad_saved"}
+    for g, w in zip(*found):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

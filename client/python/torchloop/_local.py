@@ -29,15 +29,15 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
 from ._checks import run_checks
+from ._graph import Doc
 from .errors import TorchloopError, TorchloopIndexError
 
 if TYPE_CHECKING:
-    from ._graph import Doc
     from .client import Client
 
 
@@ -46,7 +46,20 @@ class _Sender(Protocol):
 
     client: "Client"
 
-    def send(self, op: str, target: "Doc", **fields: object) -> dict: ...
+    def send(self, op: str, target: Doc, **fields: object) -> dict: ...
+
+
+class _PairCall(Protocol):
+    """What the saved pair's local runs read of a scan (adapter._Call)."""
+
+    @property
+    def target(self) -> object: ...  # a Doc: _Call.local_save checks it
+
+    carry_def: object
+    inputs_def: object
+    n_carry: int
+    n_params: int
+    n_final: int
 
 INDEX_MESSAGE = ("an index the graph read from its inputs is out of range (as eager torch's "
                  "'index out of bounds'); no result was returned")  # engine.c's
@@ -102,6 +115,8 @@ class LocalGraph:
         self.signature: str = reply["signature"]
         self.n_inputs: int = reply["n_inputs"]
         self.n_carry_out: int = reply["n_carry_out"]
+        self.saved_key: str = reply.get("saved_key", "")
+        self.in_shapes = [tuple(s) for s in reply.get("inputs", [])]
         self.shapes = [tuple(s) for s in reply["outputs"]]
         self.y_spec: Spec = reply["y"]
         self.dtype = dtype
@@ -111,11 +126,11 @@ class LocalGraph:
         self.paused = False  # an upgrade's trial: the daemon runs it (LocalRuns.report)
 
     def run(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(final carry leaves with params, stacked output leaves)."""
+        """(final carry leaves with params, the other results)."""
         if len(inputs) != self.n_inputs:
             raise RuntimeError(f"the local graph takes {self.n_inputs} inputs, not {len(inputs)}")
         bufs = [torch.empty(s, dtype=self.dtype) for s in self.shapes]
-        args = [t.contiguous() for t in inputs] + bufs
+        args = [t.detach().contiguous() for t in inputs] + bufs
         start = time.perf_counter()
         if self.fault is None:
             outs = self.runner.run(args)
@@ -152,12 +167,15 @@ class LocalRuns:
 
     def __init__(self) -> None:
         self.graphs: dict[tuple[str, int], LocalGraph] = {}
+        # the saved pair's graphs, per (adapter, T, kind, wrt): not reported
+        # (a saved pair is the unrolled loop: no quick tier, no upgrade)
+        self.pairs: dict[tuple[str, int, str, str], LocalGraph] = {}
         self.off: dict[str, str] = {}
         self.lock = threading.Lock()
         self.reported = time.monotonic()
         self.report_every = REPORT_EVERY
 
-    def scan(self, driver: "_Sender", target: "Doc", carry: object, inputs: object,
+    def scan(self, driver: "_Sender", target: Doc, carry: object, inputs: object,
              leaves: list[torch.Tensor], n_carry: int, params: list[torch.Tensor],
              carry_def: object) -> Optional[tuple[object, object]]:
         """(final carry, outputs) run here, or None: run it through the daemon."""
@@ -170,21 +188,22 @@ class LocalRuns:
         if g is None:
             if target.name in self.off:
                 return None
-            g = self._load(driver, target, key, carry, inputs, params, leaves[0].dtype)
+            g = self._load(driver, target, dict(carry=carry, inputs=inputs,
+                                                params=tuple(params)), leaves[0].dtype)
             if g is None:
                 return None
+            with self.lock:
+                self.graphs[key] = g
         carry_out, ys = g.run(leaves[:n_carry] + list(params) + leaves[n_carry:])
         y = from_spec(g.y_spec, ys, [0])
         if target.checks:  # the body's y, then its linalg checks' infos (_checks.py)
             y = run_checks(y, target.checks)
         return unflatten(carry_def, carry_out[:n_carry], [0]), y
 
-    def _load(self, driver: "_Sender", target: "Doc", key: tuple[str, int], carry: object,
-              inputs: object, params: list[torch.Tensor],
+    def _load(self, driver: "_Sender", target: Doc, fields: dict[str, object],
               dtype: torch.dtype) -> Optional[LocalGraph]:
         try:  # compiled now if new, as a scan would be
-            reply = driver.send("artifact", target, carry=carry, inputs=inputs,
-                                params=tuple(params))
+            reply = driver.send("artifact", target, **fields)
         except TorchloopError as exc:
             if exc.code in ("INVALID_ARGUMENT", "UNKNOWN_OP", "PERMISSION_DENIED",
                             "FRAME_TOO_LARGE"):
@@ -198,13 +217,65 @@ class LocalRuns:
                                          f"process has torch {TORCH}")
             return None
         try:
-            g = LocalGraph(reply, dtype)
+            return LocalGraph(reply, dtype)
         except (OSError, RuntimeError) as exc:
             self._fall_back(target.name, f"its artifact does not load here ({exc})")
             return None
-        with self.lock:
-            self.graphs[key] = g
+
+    def pair_graph(self, driver: "_Sender", call: "_PairCall", kind: str,
+                   leaves: tuple[torch.Tensor, ...], wrt: dict[str, str]) -> Optional[LocalGraph]:
+        """The saved pair's graph of kind (scan_save, grad_saved) for call's
+        specialization (leaves: carry, inputs, then the captured tensors)."""
+        target = call.target
+        assert isinstance(target, Doc)
+        n_in = len(leaves) - call.n_params
+        key = (target.name, leaves[call.n_carry].shape[0], kind, wrt.get("wrt", ""))
+        g = self.pairs.get(key)
+        if g is None and target.name not in self.off:
+            fields: dict[str, object] = dict(
+                carry=unflatten(call.carry_def, list(leaves), [0]),
+                inputs=unflatten(call.inputs_def, list(leaves[call.n_carry:n_in]), [0]),
+                params=tuple(t.detach() for t in leaves[n_in:]), kind=kind, **wrt)
+            g = self._load(driver, target, fields, leaves[0].dtype)
+            if g is not None:
+                with self.lock:
+                    self.pairs[key] = g
         return g
+
+    def scan_save(self, driver: "_Sender", call: "_PairCall", leaves: tuple[torch.Tensor, ...],
+                  wrt: dict[str, str]) -> Optional[dict[str, object]]:
+        """A scan with save run here: the daemon's reply's fields, or None."""
+        g = self.pair_graph(driver, call, "scan_save", leaves, wrt)
+        if g is None:
+            return None
+        n_in = len(leaves) - call.n_params
+        carry, rest = g.run([*leaves[:call.n_carry], *leaves[n_in:], *leaves[call.n_carry:n_in]])
+        y = from_spec(g.y_spec, rest[:-1], [0])
+        checks = call.target.checks if isinstance(call.target, Doc) else ()
+        if checks:
+            y = run_checks(y, checks)
+        return {"carry": unflatten(call.carry_def, carry[:call.n_carry], [0]), "outputs": y,
+                "saved": rest[-1], "saved_key": g.saved_key}
+
+    def grad_saved(self, driver: "_Sender", call: "_PairCall", leaves: tuple[torch.Tensor, ...],
+                   cots: Sequence[Optional[torch.Tensor]], saved: torch.Tensor,
+                   wrt: dict[str, str]) -> Optional[list[torch.Tensor]]:
+        """The backward of a local scan_save, run here: the gradients in the
+        order _ScanFunction returns them (carry, inputs, captured tensors)."""
+        g = self.pair_graph(driver, call, "grad_saved", leaves, wrt)
+        if g is None:
+            return None
+        nc, n_in = call.n_carry, len(leaves) - call.n_params
+        data = [*leaves[:nc], *leaves[n_in:], *leaves[nc:n_in], saved]
+        # cotangents: the final carry's (the captured tensors': zero), the
+        # outputs' (the linalg checks' infos: zero)
+        given = [*cots[:call.n_final], *[None] * call.n_params, *cots[call.n_final:]]
+        given += [None] * (g.n_inputs - len(data) - len(given))
+        data += [c if c is not None else torch.zeros(s, dtype=g.dtype)
+                 for c, s in zip(given, g.in_shapes[len(data):])]
+        first, rest = g.run(data)  # the carry's (with the captured tensors'), the inputs'
+        grads = [*first, *rest]
+        return [*grads[:nc], *grads[nc + call.n_params:], *grads[nc:nc + call.n_params]]
 
     def report(self, driver: "_Sender") -> None:
         """Tells the daemon what the local runs did (op `report`, per graph

@@ -444,6 +444,22 @@ class _Call:
         mask = "".join("1" if n else "0" for n in order)
         return {} if "0" not in mask else {"wrt": mask}
 
+    def local_save(self, leaves: tuple[torch.Tensor, ...], wrt: dict[str, str]) -> dict | None:
+        """A scan with save run in this process (run="local"), or None."""
+        local = self.driver.local
+        if local is None or not isinstance(self.target, Doc):
+            return None
+        return local.scan_save(self.driver, self, leaves, wrt)
+
+    def local_grad(self, leaves: tuple[torch.Tensor, ...], cots: Sequence[torch.Tensor | None],
+                   saved: torch.Tensor, wrt: dict[str, str]) -> list[torch.Tensor] | None:
+        """The backward of a local scan with save (its saved is a tensor of
+        this process), run here, or None."""
+        local = self.driver.local
+        if local is None or not isinstance(self.target, Doc) or not saved.is_cpu:
+            return None
+        return local.grad_saved(self.driver, self, leaves, cots, saved, wrt)
+
     def run(self, op: str, leaves: tuple[torch.Tensor, ...], **cots: Any) -> dict:
         """The op over flat leaves (carry, inputs, then the captured tensors)."""
         n_in = len(leaves) - self.n_params
@@ -489,7 +505,7 @@ class _ScanFunction(torch.autograd.Function):
         if call.save:
             wrt = call.wrt(ctx.needs_input_grad[1:])
             try:
-                res = call.run("scan", leaves, save=True, **wrt)
+                res = call.local_save(leaves, wrt) or call.run("scan", leaves, save=True, **wrt)
                 ctx.kept = (res["saved"], res["saved_key"], wrt)
             except TorchloopError as exc:
                 call.driver.unsave(call.target, exc)
@@ -529,6 +545,9 @@ class _ScanFunction(torch.autograd.Function):
             saved, key, wrt = ctx.kept
             ctx.kept = None  # freed with this call, not with the graph
             try:
+                local = call.local_grad(leaves, cots, saved, wrt)
+                if local is not None:
+                    return (None, *local)
                 res = call.run("grad", leaves, cot_carry=cot_carry, cot_outputs=cot_outputs,
                                saved=saved, saved_key=key, **wrt)
             except TorchloopError as exc:
