@@ -185,6 +185,7 @@ bench: build
 	$(PY) tests/bench/capture.py $(BUILD) $(BUILD)/bench/capture.json
 	$(PY) tests/bench/eagerfirst.py $(BUILD) $(BUILD)/bench/eagerfirst.json
 	$(PY) tests/bench/pypath.py $(BUILD) $(BUILD)/bench/pypath.json
+	$(PY) tests/bench/loaded.py $(BUILD) $(BUILD)/bench/loaded.json
 	$(PY) tests/bench/checkpoint.py $(BUILD) $(BUILD)/bench/checkpoint.json
 	$(PY) tests/bench/stiff.py $(BUILD) $(BUILD)/bench/stiff.json
 	$(PY) tests/bench/remote.py $(BUILD) $(BUILD)/bench/remote.json

@@ -13,6 +13,11 @@ tensors, `adapter.scan(body, carry, inputs)`):
           with the same carry every call
   (g fb)  the same with the carry fed back from the previous reply, as a
           solver's loop does
+  (g local) loop_adapter(..., run="local").scan: the daemon's compiled graph
+          run in this process (torchloop/_local.py); (g) and (g vjp) are
+          run="daemon" whatever $TORCHLOOP_RUN says.  Forward + backward
+          rows measure it too, but a scan with gradients goes through the
+          daemon today: there it is the daemon path under another adapter
 Bodies: "ema", `c = 0.9 c + 0.1 tanh(x)` float64, carry [N], inputs [T, N];
 "gru", a GRU-like cell over h [64, 32] with x [T, 64, 16], its weights
 closure tensors (the captured path sends them as params).
@@ -23,7 +28,9 @@ p50 is reported, and every round).  Forward + backward: `f, ys = scan(...);
 (g) (the saved pair: the backward starts from what the forward kept) and
 (g vjp) (`save=False`: the backward runs the VJP graph, the forward
 again).  Every row first checks (g) against (b): results (and gradients,
-(g vjp)'s too) within 1e-10.  One child process per row, against one daemon (the bench's
+(g vjp)'s too) within 1e-10, and (g local) against (g): torch.equal results
+(gradients), else the row fails; so does a local adapter that falls back to the
+daemon (its RuntimeWarning is an error here) or runs nothing locally.  One child process per row, against one daemon (the bench's
 defaults: final graphs, no quick tier) on a private cache.
 
 First calls: each example body (examples/bodies: cumsum, ema, lorenz.rk4,
@@ -59,7 +66,7 @@ EXAMPLES = ("cumsum", "ema", "lorenz.rk4", "rnn.tanh")
 
 # Shared by the children: the bodies and their trees.
 COMMON = r"""
-import json, os, statistics, sys, time
+import json, os, statistics, sys, time, warnings
 from types import FunctionType
 import torch, torchloop, eager
 
@@ -98,11 +105,48 @@ sock, kind, n, steps, mode, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]),
 body = ema if kind == "ema" else make_gru(11)
 carry, xs = trees(kind, n, steps)
 ref = reference()
-ad = torchloop.loop_adapter(max_steps=128, max_elements=1 << 20, socket=sock)
-scans = {"a": eager.scan, "b": ref, "g": ad.scan}
+ad = torchloop.loop_adapter(max_steps=128, max_elements=1 << 20, socket=sock, run="daemon")
+# a local adapter that falls back to the daemon would time the daemon: an error here
+warnings.filterwarnings("error", message="torchloop: run='local'")
+local = torchloop.loop_adapter(max_steps=128, max_elements=1 << 20, socket=sock, run="local")
+scans = {"a": eager.scan, "b": ref, "g": ad.scan, "g_local": local.scan}
 if mode == "bwd":  # the backward that runs the VJP graph (the forward again)
     scans["g_vjp"] = torchloop.loop_adapter(max_steps=128, max_elements=1 << 20, socket=sock,
-                                            save=False).scan
+                                            save=False, run="daemon").scan
+
+def ran_locally(calls):
+    # how many of `calls` forward scans of (g local) ran in process: LocalGraph.run
+    # counted for this pass only (the timed calls are not wrapped)
+    from torchloop import _local
+    inner, seen = _local.LocalGraph.run, [0]
+    def counted(self, inputs):
+        seen[0] += 1
+        return inner(self, inputs)
+    _local.LocalGraph.run = counted
+    try:
+        outs = [local.scan(body, carry, xs) for _ in range(calls)]
+    finally:
+        _local.LocalGraph.run = inner
+    return seen[0], outs[-1]
+
+def check_local():
+    # (g local) against the daemon path (g): the same graph, bitwise
+    if mode == "fwd":
+        seen, got = ran_locally(1)
+        want = ad.scan(body, carry, xs)
+        if seen != 1:
+            sys.exit(f"(g local) ran {seen} of 1 scans in process")
+        pairs = zip(eager.leaves(got), eager.leaves(want))
+    else:
+        grads = []
+        for s in (local.scan, ad.scan):
+            c, x = carry.clone().requires_grad_(), xs.clone().requires_grad_()
+            f, ys = s(body, c, x)
+            (f.sum() + ys.sum()).backward()
+            grads += [f.detach(), ys.detach(), c.grad, x.grad]
+        pairs = zip(grads[:4], grads[4:])
+    if not all(torch.equal(p, q) for p, q in pairs):
+        sys.exit("(g local) differs from (g), the daemon path (torch.equal)")
 
 def check():
     worst = 0.0
@@ -135,12 +179,14 @@ def fed_back():
         state[0] = ad.scan(body, state[0], xs)[0]
     return once
 
-fns = {k: call(k) for k in (("a", "b", "g") if mode == "fwd" else ("b", "g", "g_vjp"))}
+fns = {k: call(k) for k in (("a", "b", "g", "g_local") if mode == "fwd"
+                            else ("b", "g", "g_vjp", "g_local"))}
 if mode == "fwd":
     fns["g_fb"] = fed_back()
 from bench import settle  # the compiles' helper processes wound down
 
 diff = check()
+check_local()
 settle()
 per_call = {}
 for k, fn in fns.items():  # warm-up (0.5 s each); its median call sets the count per round
@@ -193,6 +239,9 @@ def breakdown():
     return {"total_us": statistics.median(total), "conn_us": statistics.median(conn),
             "python_us": statistics.median(t - c for t, c in zip(total, conn))}
 
+ran_local = ran_locally(20)[0] if mode == "fwd" else 0
+if mode == "fwd" and ran_local != 20:  # after the timed calls: they ran in process too
+    sys.exit(f"(g local) ran {ran_local} of 20 scans in process after the rounds")
 print(json.dumps({"max_diff": diff, "p50_us": {k: statistics.median(v) for k, v in p50s.items()},
                   "rounds_us": p50s, "run_us": busiest["run_p50_us"] if mode == "fwd" else None,
                   "contended_runs": contended, "ran": ran, "breakdown": breakdown() if mode == "fwd" else None}))

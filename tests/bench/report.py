@@ -671,6 +671,7 @@ make build build/bench_c
 .venv/bin/python tests/bench/capture.py build build/bench/capture.json
 .venv/bin/python tests/bench/eagerfirst.py build build/bench/eagerfirst.json
 .venv/bin/python tests/bench/pypath.py build build/bench/pypath.json
+.venv/bin/python tests/bench/loaded.py build build/bench/loaded.json
 .venv/bin/python tests/bench/checkpoint.py build build/bench/checkpoint.json
 .venv/bin/python tests/bench/stiff.py build build/bench/stiff.json
 .venv/bin/python tests/bench/remote.py build build/bench/remote.json
@@ -679,7 +680,7 @@ make build build/bench_c
 cp build/bench/*.png docs/
 ```
 
-Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/eagerfirst.json`, `build/bench/pypath.json`, `build/bench/checkpoint.json`, `build/bench/stiff.json`, `build/bench/remote.json`, `build/bench/bench.json`. Timings
+Raw results: `build/bench/strategy.json`, `build/bench/tier.json`, `build/bench/batch.json`, `build/bench/bigruns.json`, `build/bench/capture.json`, `build/bench/eagerfirst.json`, `build/bench/pypath.json`, `build/bench/loaded.json`, `build/bench/checkpoint.json`, `build/bench/stiff.json`, `build/bench/remote.json`, `build/bench/bench.json`. Timings
 are never asserted in tests; they live here.
 """
 
@@ -905,6 +906,38 @@ results were checked against the eager loop. Load average
 """
 
 
+def loaded_section(d: dict) -> str:
+    """tests/bench/loaded.py: solver processes at once on the machine's cores."""
+    if not d:
+        return ""
+    what = {"b": "(b) torch.compile in process", "daemon": "daemon runs (`run=\"daemon\"`)",
+            "local": "local runs (`run=\"local\"`)"}
+    rows = [[what[r["method"]], us(r["p50_us"]), us(r["p99_us"]), grp(r["scans_per_s"]),
+             " / ".join(us(p["p50_us"]) for p in r["procs"]),
+             f"{r['load_at_start'][0]:.1f}"] for r in d["rows"]]
+    m = {r["method"]: r for r in d["rows"]}
+    said = ""
+    if {"b", "daemon", "local"} <= set(m):
+        tot = m["local"]["scans_per_s"] / m["b"]["scans_per_s"]
+        p50 = m["local"]["p50_us"] / m["daemon"]["p50_us"]
+        said = (f"\nTarget, local runs' total ≥ (b)'s: {'met' if tot >= 1 else '**missed**'} "
+                f"({ratio(tot)}×). Local p50 / daemon p50: {ratio(p50)}× (the default's rule "
+                f"wants ≤ 1.0).\n")
+    return f"""## Under load: {d['procs']} solver processes at once
+
+`tests/bench/loaded.py`: {d['procs']} solver processes on the {d['cpus']} cores, each
+with a captured body of its own (ema with a coefficient of its own, carry
+[{d['N']}], T = {d['T']}, float64), run warm scans for {d['seconds']:g} s, all
+started together (each compiled, checked and warmed up first, then waits on
+a pipe for the start); the threads a user gets. Per-call p50/p99 over every
+process's calls (µs), total scans/s over the window, each process's own
+p50, and the load average as the window started:
+
+{table(["method", "p50", "p99", "scans/s, total", "each process's p50", "load (1 min)"],
+       rows, "lrrrlr")}
+{said}"""
+
+
 def eagerfirst_section(e: dict) -> str:
     if not e:
         return "## Eager first calls\n\n(eagerfirst.json missing: run `make bench`.)\n"
@@ -962,11 +995,12 @@ def main() -> None:
     stiff = optional(bench_dir, "stiff.json", {})
     eagerf = optional(bench_dir, "eagerfirst.json", {})
     pyp = optional(bench_dir, "pypath.json", {})
+    loaded = optional(bench_dir, "loaded.json", {})
     doc = "\n".join([header(b, bench_dir), strategy_section(strategy), tier_section(tier),
                       batch_section(batch),
                      latency_section(b), bigruns_section(big), pyclient_section(b),
                      capture_section(cap), eagerfirst_section(eagerf),
-                     report_pypath.section(pyp, b.get("floors", {})),
+                     report_pypath.section(pyp, b.get("floors", {})), loaded_section(loaded),
                      checkpoint_section(ckpt), stiff_section(stiff), remote_section(remote),
                      threshold_section(b), outvariant_section(outv), starts_section(b),
                      targets_section(b, report_pypath.targets(pyp)), time_section(b),

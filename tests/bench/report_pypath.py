@@ -22,6 +22,15 @@ def _vjp(p: dict) -> str:
     return _us(p["g_vjp"]) if "g_vjp" in p else "–"
 
 
+def _local(p: dict, mark: str = "") -> str:
+    """(g local)'s p50 (a pypath.json from before local runs has none)."""
+    return _us(p["g_local"]) + mark if "g_local" in p else "–"
+
+
+def _local_x(p: dict, den: str) -> str:
+    return _x(p["g_local"] / p[den]) if "g_local" in p else "–"
+
+
 # bench.json's floors that bound the solver's path (bench_c sockpair: an echo
 # process built as the daemon's loop is), each with what it stands for
 FLOORS = [("sockpair_poll", "the echo, both sides polling, as the daemon's loop and its "
@@ -118,10 +127,12 @@ def section(d: dict, floors: dict) -> str:
     for r in fwd:
         p = r["p50_us"]
         frows.append([r["body"], _shape(r), str(r["T"]), _us(p["a"]), _us(p["b"]), _us(p["g"]),
-                      _us(p["g_fb"]), _us(r["run_us"]) if r.get("run_us") else "–",
-                      _x(p["g"] / p["b"]), _x(p["g_fb"] / p["b"]), f"{r['max_diff']:.1e}"])
+                      _us(p["g_fb"]), _local(p), _us(r["run_us"]) if r.get("run_us") else "–",
+                      _x(p["g"] / p["b"]), _x(p["g_fb"] / p["b"]), _local_x(p, "b"),
+                      _local_x(p, "g"), f"{r['max_diff']:.1e}"])
     brows = [[r["body"], _shape(r), str(r["T"]), _us(r["p50_us"]["b"]), _us(r["p50_us"]["g"]),
-              _vjp(r["p50_us"]), _x(r["p50_us"]["g"] / r["p50_us"]["b"]),
+              _vjp(r["p50_us"]), _local(r["p50_us"], " ¹"),
+              _x(r["p50_us"]["g"] / r["p50_us"]["b"]),
               str(r.get("contended_runs", "–")), f"{r['max_diff']:.1e}"] for r in bwd]
     first = [[r["body"], str(r["T"]), f"{r['b']['first_s']:.2f}", f"{r['g']['first_s']:.2f}",
               f"{r['g_eager']['first_s']:.2f}", _x(r["g"]["first_s"] / r["b"]["first_s"]),
@@ -132,7 +143,10 @@ def section(d: dict, floors: dict) -> str:
 the eager loop; (b) `torch.compile(fullgraph=True, dynamic=False)` of that
 loop in process (the reference adapter's way); (g) `loop_adapter(max_steps=128,
 max_elements=1048576).scan`, the same carry every call; (g fb) the carry fed
-back from the previous reply, as a solver's loop does. Bodies: ema, `c = 0.9 c
+back from the previous reply, as a solver's loop does; (g local) the same
+scan with `run="local"`: the daemon's compiled graph run in the solver's
+process (docs/python.md, "Local runs"), checked equal to (g) (`torch.equal`)
+before it is timed. Bodies: ema, `c = 0.9 c
 + 0.1 tanh(x)` float64; gru, a GRU-like cell whose weights are closure
 tensors (sent as params). p50 per call, the methods in turn for
 {d['rounds']} rounds, median round; "daemon run" is the graph's own run time
@@ -141,8 +155,9 @@ client's tree and codec work, the copy of inputs into the region, the socket
 and the wake-ups. Every row first checked (g) against (b) (max |difference|,
 results and, below, gradients).
 
-{_table(["body", "carry", "T", "(a) eager", "(b) in process", "(g)", "(g fb)", "daemon run",
-         "(g)/(b)", "(g fb)/(b)", "max diff"], frows, "llrrrrrrrrr")}
+{_table(["body", "carry", "T", "(a) eager", "(b) in process", "(g)", "(g fb)", "(g local)",
+         "daemon run", "(g)/(b)", "(g fb)/(b)", "(g local)/(b)", "(g local)/(g)", "max diff"],
+        frows, "llrrrrrrrrrrrr")}
 
 Forward and first-order backward, `f, ys = scan(...); (f.sum() +
 ys.sum()).backward()`, carry and inputs requiring grad (µs). (g): the saved
@@ -152,8 +167,12 @@ weights do not require grad: its backward computes no gradient for them);
 (g vjp): `save=False`, the backward runs the VJP graph, which computes the
 forward again:
 
-{_table(["body", "carry", "T", "(b) in process", "(g)", "(g vjp)", "(g)/(b)", "contended runs",
-         "max grad diff"], brows, "llrrrrrrr")}
+{_table(["body", "carry", "T", "(b) in process", "(g)", "(g vjp)", "(g local)", "(g)/(b)",
+         "contended runs", "max grad diff"], brows, "llrrrrrrrr")}
+
+¹ a `run="local"` adapter's scan with gradients runs in the daemon today
+(forward and backward, the saved pair): this column is the daemon path
+through a second adapter, its gradients checked equal to (g)'s.
 
 "contended runs": the daemon's runs with every core's OpenMP team counted as
 contended during the row (`stats.contended_runs`: the team's runs, averaged,
@@ -199,6 +218,14 @@ def targets(d: dict) -> list[list[str]]:
                     [(key(r), r["p50_us"]["g"] / r["p50_us"]["b"]) for r in fwd], 1.1),
             verdict("(g) ≤ 1.0× (b), forward + backward",
                     [(key(r), r["p50_us"]["g"] / r["p50_us"]["b"]) for r in bwd], 1.0)]
+    local = [r for r in fwd if "g_local" in r["p50_us"]]
+    if local:
+        rows.append(verdict("(g local) ≤ 0.9× (b), forward",
+                            [(key(r), r["p50_us"]["g_local"] / r["p50_us"]["b"]) for r in local],
+                            0.9))
+        rows.append(verdict("run=\"local\" default: (g local) ≤ 1.0× (g), forward (idle)",
+                            [(key(r), r["p50_us"]["g_local"] / r["p50_us"]["g"]) for r in local],
+                            1.0))
     if d["first"]:
         rows.append(verdict("first call ≤ 1.0× the in-process compile (default adapter)",
                             [(f"{r['body']} T = {r['T']}", r["g"]["first_s"] / r["b"]["first_s"])
