@@ -172,6 +172,8 @@ enum proto_dtype { PROTO_DTYPE_F32 = 1, PROTO_DTYPE_F64 = 2 };
 	X(ENGINE_ERROR, "ENGINE_ERROR", "the compiled graph failed to load or run")                \
 	X(INDEX_OUT_OF_RANGE, "INDEX_OUT_OF_RANGE",                                                \
 	  "an index the graph read from its inputs is out of range")                               \
+	X(LINALG_ERROR, "LINALG_ERROR",                                                            \
+	  "a linear-algebra op of the graph met a singular or non-positive-definite matrix")       \
 	/* daemon state */                                                                         \
 	X(PERMISSION_DENIED, "PERMISSION_DENIED", "peer may not perform this op")                  \
 	X(BUSY, "BUSY", "too many requests in flight on this connection")                          \

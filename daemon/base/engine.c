@@ -43,6 +43,7 @@ struct engine_graph {
 #define ENGINE_FAULT_SYMBOL "torchloop_index_fault"
 #define ENGINE_FAULT_INDEX  1
 #define ENGINE_FAULT_ASSERT 2
+#define ENGINE_FAULT_LINALG 4
 
 static int runtime_fail(const struct engine_graph *g, struct proto_err *err, const char *what)
 {
@@ -323,6 +324,11 @@ static int fault_fail(const struct engine_graph *g, int bits, struct proto_err *
 		    err, PROTO_E_INDEX_OUT_OF_RANGE, NULL,
 		    "an index the graph read from its inputs is out of range "
 		    "(as eager torch's 'index out of bounds'); no result was returned");
+	if (bits & ENGINE_FAULT_LINALG)
+		return proto_fail(err, PROTO_E_LINALG_ERROR, NULL,
+		                  "a linear-algebra op of the graph met a singular (or, for a "
+		                  "Cholesky factorization, non-positive-definite) matrix, as eager "
+		                  "torch's torch.linalg.LinAlgError; no result was returned");
 	return proto_fail(err, PROTO_E_ENGINE_ERROR, NULL, "%s: an assertion in the graph failed",
 	                  g->path);
 }

@@ -13,6 +13,7 @@ from .errors import (
     ConnectionLost,
     TorchloopError,
     TorchloopIndexError,
+    TorchloopLinAlgError,
     TorchloopTypeError,
     TorchloopValueError,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "LoopAdapter",
     "TorchloopError",
     "TorchloopIndexError",
+    "TorchloopLinAlgError",
     "TorchloopTypeError",
     "TorchloopValueError",
     "default_socket",

@@ -35,7 +35,7 @@ import torch
 
 from ._checks import run_checks
 from ._graph import Doc
-from .errors import TorchloopError, TorchloopIndexError
+from .errors import TorchloopError, TorchloopIndexError, TorchloopLinAlgError
 
 if TYPE_CHECKING:
     from .client import Client
@@ -61,8 +61,21 @@ class _PairCall(Protocol):
     n_params: int
     n_final: int
 
+# engine.c's fault_fail, bit by bit (worker index_guard.py FAULT_*)
 INDEX_MESSAGE = ("an index the graph read from its inputs is out of range (as eager torch's "
-                 "'index out of bounds'); no result was returned")  # engine.c's
+                 "'index out of bounds'); no result was returned")
+LINALG_MESSAGE = ("a linear-algebra op of the graph met a singular (or, for a Cholesky "
+                  "factorization, non-positive-definite) matrix, as eager torch's "
+                  "torch.linalg.LinAlgError; no result was returned")
+
+
+def fault_error(bits: int) -> TorchloopError:
+    """What the daemon answers for a run whose fault flag is bits."""
+    if bits & 1:
+        return TorchloopIndexError("INDEX_OUT_OF_RANGE", INDEX_MESSAGE)
+    if bits & 4:
+        return TorchloopLinAlgError("LINALG_ERROR", LINALG_MESSAGE)
+    return TorchloopError("ENGINE_ERROR", "an assertion in the graph failed")
 
 Spec = Union[None, dict[str, object]]
 
@@ -140,7 +153,7 @@ class LocalGraph:
                 outs = self.runner.run(args)
                 faulted = self.fault.value
             if faulted:
-                raise TorchloopIndexError("INDEX_OUT_OF_RANGE", INDEX_MESSAGE)
+                raise fault_error(faulted)
         self.runs += 1
         if len(self.us) < REPORT_SAMPLES:
             self.us.append((time.perf_counter() - start) * 1e6)

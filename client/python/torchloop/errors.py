@@ -5,11 +5,15 @@ of ValueError and codes that describe a bad type (dtype, tree node kinds) a
 subclass of TypeError, as the in-process reference adapter does; an index
 the graph read from its inputs out of range (INDEX_OUT_OF_RANGE) an
 IndexError that is also a RuntimeError, as eager torch raises one or the
-other (`C[idx]`, index_select: IndexError; gather: RuntimeError); everything
-else is a TorchloopError (a RuntimeError).  docs/protocol.md lists the codes.
+other (`C[idx]`, index_select: IndexError; gather: RuntimeError); a singular
+matrix a graph's linear solve met (LINALG_ERROR) a torch.linalg.LinAlgError;
+everything else is a TorchloopError (a RuntimeError).  docs/protocol.md lists
+the codes.
 """
 
 from __future__ import annotations
+
+import torch
 
 VALUE_CODES = frozenset(
     {
@@ -36,6 +40,7 @@ VALUE_CODES = frozenset(
 )
 TYPE_CODES = frozenset({"DTYPE_MISMATCH", "BAD_DTYPE", "UNKNOWN_TYPE", "NON_STRING_KEY"})
 INDEX_CODES = frozenset({"INDEX_OUT_OF_RANGE"})
+LINALG_CODES = frozenset({"LINALG_ERROR"})
 
 
 class TorchloopError(RuntimeError):
@@ -58,6 +63,12 @@ class TorchloopTypeError(TorchloopError, TypeError):
 
 class TorchloopIndexError(TorchloopError, IndexError):
     """An index the graph read from its inputs is out of range."""
+
+
+class TorchloopLinAlgError(TorchloopError, torch.linalg.LinAlgError):
+    """A linear solve of the graph met a singular (a Cholesky factorization:
+    non-positive-definite) matrix: what eager torch raises there.  (A captured
+    body's scan raises eager's own error, with eager's message: _checks.py.)"""
 
 
 class ConnectionLost(TorchloopError, ConnectionError):
@@ -87,4 +98,6 @@ def from_reply(error: dict) -> TorchloopError:
         return TorchloopTypeError(code, message, path)
     if code in INDEX_CODES:
         return TorchloopIndexError(code, message, path)
+    if code in LINALG_CODES:
+        return TorchloopLinAlgError(code, message, path)
     return TorchloopError(code, message, path)

@@ -148,7 +148,6 @@ def build_artifact(module: torch.nn.Module, example: tuple[torch.Tensor, ...], s
     codegen_speed.install()
     index_guard.install()  # no throw inside an OpenMP region (index_guard.py)
     dispatch_calls.install()  # ops without a C shim: no proxy executor (dispatch_calls.py)
-    dispatch_calls.drop_checks(module)  # the forward's linalg checks, in a VJP's recompute
     options = aoti_options(so_path, batched)
     if placer is not None:
         options["post_grad_custom_post_pass"] = placer

@@ -21,8 +21,17 @@ them: Inductor's own test); any other op without a C shim still goes to the
 proxy executor, and the artifact is refused naming it.  An error the op
 raises (a shape the kernel refuses) comes back as AOTI_TORCH_FAILURE from
 the wrapper thread -- never from inside an OpenMP region -- and fails the
-run: the engine's ENGINE_ERROR.  No cache key changes with it: before it,
-an artifact calling these ops was refused, never cached.
+run: the engine's ENGINE_ERROR.
+
+`_linalg_check_errors(info, api, is_matrix=)`, the check torch.export and
+make_fx put beside a solve (wrapped in `with_effects`), takes a string: it
+has no dispatcher path, and raising from it would lose what it says.  In an
+AOT wrapper it becomes check_lines: a nonzero info sets FAULT_LINALG of the
+artifact's fault flag (index_guard.py), and the daemon fails the run with
+LINALG_ERROR.  (A captured graph ships no check: the package returns each
+check's info and raises eager's error itself; its VJPs, which solve again,
+keep theirs.)  No cache key changes with this module: before it, an artifact
+calling these ops was refused, never cached.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 
 from .graph_schema import ALLOWED
+from .index_guard import FAULT_LINALG, PRELUDE
 
 # What goes through aoti_torch_call_dispatcher: the linear algebra a captured
 # graph may call (graph_schema.ALLOWED), and what their derivatives call.
@@ -43,26 +53,23 @@ CHECK_ERRORS = torch.ops.aten._linalg_check_errors.default
 _installed: list[bool] = []
 
 
-def drop_checks(module: torch.nn.Module) -> int:
-    """Removes `aten._linalg_check_errors` calls from the graphs the worker
-    derived (a VJP recomputing the forward's torch.linalg.solve: make_fx
-    records the check with the solve); returns how many.  Its schema takes
-    a string, so it has no dispatcher path, and the check is the forward's:
-    a captured graph ships none (not in graph_schema.ALLOWED; the package
-    returns each check's info from the forward scan and raises eager's
-    LinAlgError itself), and the backward solves the matrices the forward
-    solved."""
-    dropped = 0
-    for gm in module.modules():
-        if not isinstance(gm, torch.fx.GraphModule):
-            continue
-        for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target is CHECK_ERRORS and not node.users:
-                gm.graph.erase_node(node)
-                dropped += 1
-        if dropped:
-            gm.recompile()
-    return dropped
+def check_lines(info: str) -> list[str]:
+    """C++ of `_linalg_check_errors(info, ...)` in an AOT wrapper: any
+    nonzero element of the int32 info tensor sets FAULT_LINALG of the
+    artifact's fault flag (index_guard.py's PRELUDE), which the daemon's
+    engine reads after the run: LINALG_ERROR."""
+    return ["{",
+            f"    AtenTensorHandle info_ = {info};",
+            "    int64_t n_ = 0;",
+            "    void *p_ = nullptr;",
+            "    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_numel(info_, &n_));",
+            "    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(info_, &p_));",
+            "    for (int64_t i_ = 0; i_ < n_; i_++)",
+            "        if (static_cast<const int32_t *>(p_)[i_] != 0) {",
+            f"            TORCHLOOP_FAULT({FAULT_LINALG});",
+            "            break;",
+            "        }",
+            "}"]
 
 
 # the argument types a StableIValue carries (Inductor's
@@ -99,6 +106,16 @@ def dispatched(op: object, args: list[str] | None = None) -> bool:
         all(_boxable(r, False) for r in schema.returns)
 
 
+def _drop_extern_node(buf_name: str) -> None:
+    """FallbackKernel.codegen listed the op for the proxy executor (the
+    <key>.wrapper.json elf.py reads) just before the call: not called so."""
+    from torch._inductor.virtualized import V
+
+    nodes = V.extern_kernel_nodes
+    if nodes and nodes[-1].name == buf_name:
+        nodes.pop()
+
+
 def install() -> None:
     """Patches the C++ wrapper's fallback call for AOT builds (once)."""
     if _installed:
@@ -112,14 +129,17 @@ def install() -> None:
                get_args: Callable[[], Sequence[str]], op_overload: object,
                raw_args: Sequence[object], outputs: Sequence[object]) -> None:
         args = list(get_args()) if V.graph.aot_mode else None
+        if V.graph.aot_mode and op_overload is CHECK_ERRORS and args:
+            _drop_extern_node(buf_name)
+            if not getattr(self, "_torchloop_prelude", False):
+                self.header.splice(PRELUDE)  # the fault flag, weak and exported
+                setattr(self, "_torchloop_prelude", True)
+            self.writelines(check_lines(args[0]))
+            return None
         if not (V.graph.aot_mode and dispatched(op_overload, args)):
             return runtime_lookup(self, buf_name, python_kernel_name, get_args, op_overload,
                                   raw_args, outputs)
-        # FallbackKernel.codegen listed it for the proxy executor (the
-        # <key>.wrapper.json elf.py reads) just before this call: not called so
-        nodes = V.extern_kernel_nodes
-        if nodes and nodes[-1].name == buf_name:
-            nodes.pop()
+        _drop_extern_node(buf_name)
         # the JIT wrapper's path (generate_fallback_kernel_with_runtime_lookup_nopython)
         # (which takes an optional given as None whatever its element type:
         # dispatched() checked the rest, so its own check is answered here)

@@ -33,6 +33,7 @@ from typing import Any
 FAULT_SYMBOL = "torchloop_index_fault"
 FAULT_INDEX = 1
 FAULT_ASSERT = 2
+FAULT_LINALG = 4  # a linalg error check's info was nonzero (dispatch_calls.py)
 
 PRELUDE = f"""#ifndef TORCHLOOP_INDEX_GUARD
 #define TORCHLOOP_INDEX_GUARD
