@@ -144,7 +144,39 @@ uint64_t tl_resent(const struct tl_client *c)
 	return c->resent;
 }
 
-/* A new connection in place of the broken one, trying for reconnect_ms. */
+static int send_frame_fd(struct tl_client *c, struct writer *w, int pass_fd, struct tl_error *err);
+static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, struct tl_error *err);
+
+/* A hello on a new connection: any reply says a daemon reads it. */
+static int hello_probe(struct tl_client *c, struct tl_error *err)
+{
+	struct tl_reply *r = calloc(1, sizeof *r);
+	struct writer w;
+	uint64_t id = ++c->next_id;
+	int rc;
+
+	if (r == NULL || writer_init(&w) != 0) {
+		free(r);
+		return tlc_fail(err, "IO", NULL, "out of memory");
+	}
+	r->area = UINT64_MAX;
+	msg_begin_request(&w, id, "hello", 1);
+	writer_key_u64(&w, "protocol", TL_PROTOCOL);
+	rc = send_frame_fd(c, &w, -1, err);
+	writer_destroy(&w);
+	if (rc == 0)
+		rc = read_reply(c, id, r, err);
+	tl_reply_free(r);
+	return rc;
+}
+
+/*
+ * A new connection in place of the broken one, trying for reconnect_ms.
+ * It must answer a hello before the request goes again: a connection made
+ * while a killed daemon's listening socket was still open (into its
+ * backlog, never to be accepted) breaks under the hello, and the next one
+ * is tried, so the one resend goes to a daemon that reads it.
+ */
 static int reconnect(struct tl_client *c, struct tl_error *err)
 {
 	struct timespec ts;
@@ -154,17 +186,22 @@ static int reconnect(struct tl_client *c, struct tl_error *err)
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	end = (double)ts.tv_sec + ts.tv_nsec / 1e9 + c->reconnect_ms / 1e3;
 	for (;;) {
-		if (open_socket(c->path, 1000, &fd, err) == 0)
-			break;
+		if (open_socket(c->path, 1000, &fd, err) == 0) {
+			close(c->fd);
+			c->fd = fd;
+			c->rb_off = c->rb_len = 0;
+			c->broken = false;
+			if (hello_probe(c, err) == 0)
+				break;
+			if (!c->broken)
+				return -1; /* a daemon that answers nothing (tl_set_timeout) */
+		}
 		clock_gettime(CLOCK_MONOTONIC, &ts);
 		if ((double)ts.tv_sec + ts.tv_nsec / 1e9 >= end)
 			return -1;
 		usleep(50 * 1000);
 	}
-	close(c->fd);
-	c->fd = fd;
-	c->rb_off = c->rb_len = 0;
-	c->broken = false;
+	c->got = 0;
 	return 0;
 }
 
@@ -359,8 +396,12 @@ static int read_reply(struct tl_client *c, uint64_t id, struct tl_reply *r, stru
 			                perr.message);
 		if (!r->msg.is_event && (!r->msg.has_id || r->msg.id == id))
 			return 0;
-		if (r->msg.is_event)
+		if (r->msg.is_event) {
 			emit_progress(c, &r->msg);
+			/* a progress event (a compile it waits on) is not its reply:
+			 * only bytes read past it count against tl_set_reconnect */
+			c->got = c->rb_len - c->rb_off;
+		}
 		msg_destroy(&r->msg);
 		frame_free(r->body);
 		r->body = NULL;

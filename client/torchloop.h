@@ -59,10 +59,13 @@ void tl_set_busy_poll(struct tl_client *c, int us);
  * (their graphs may use every core; proto/busypoll.h). */
 uint64_t tl_polled_reads(const struct tl_client *c);
 /* Opt-in: a request whose connection broke before any byte of its reply
- * arrived (the daemon restarted), or that a stopping daemon refused unrun
+ * arrived (the daemon restarted; progress events are not its reply, e.g. a
+ * scan waiting on a compile), or that a stopping daemon refused unrun
  * (SHUTTING_DOWN), is sent again, once, on a new connection made within
  * wait_ms -- hello, health, list, describe, stats, register,
- * compile, scan and grad, which give the same result run twice; never
+ * compile, scan and grad, which give the same result run twice (the new
+ * connection answers a hello first: one made into a killed daemon's
+ * listening socket before it closed is not the one used); never
  * unregister or shutdown, never a request that may have run (part of its
  * reply read, or a timeout), never with shared memory attached (its
  * descriptor went to the old daemon).  Adapters the daemon forgot are the

@@ -45,6 +45,9 @@ static void op_stats(struct request *req)
 	    {"cache_evicted", cache_evicted},
 	    {"cache_evicted_bytes", cache_evicted_bytes},
 	    {"busy", d->stats.busy},
+	    /* requests waiting for the start-up's registrations and worker (ops.c) */
+	    {"start_waiting", d->held_n},
+	    {"start_waited", d->held_total},
 	};
 	size_t n = sizeof counters / sizeof counters[0];
 	struct outmsg *out = request_begin_result(req, (uint32_t)(n + STATS_OTHER_KEYS));

@@ -2,8 +2,11 @@
  * daemon.c - start-up, readiness, signals and shutdown.  Loop thread.
  *
  * Start: open the cache (refusing a noexec mount), listen, spawn the
- * compile worker, then (worker said hello) run the probe, register the
- * adapters directory and declare ready.  SIGHUP reloads the adapters
+ * compile worker and, meanwhile, register what --state-dir and --adapters
+ * hold (files: no worker needed); once the worker said hello, run the
+ * probe, then load the adapters' cached graphs and declare ready.  Requests
+ * that need the adapters wait for them (ops.c), so a client that retried
+ * across a restart never sees NOT_FOUND.  SIGHUP reloads the adapters
  * directory.  SIGTERM/SIGINT (or the shutdown op): stop accepting, let
  * in-flight requests finish for up to drain-timeout seconds, answer what is
  * left with SHUTTING_DOWN, remove the socket and let the loop run dry.
@@ -166,6 +169,7 @@ void daemon_begin_shutdown(struct daemon *d, const char *why)
 	log_info("shutting down (%s); %u requests in flight", why, d->inflight);
 	systemd_notify(d, "STOPPING=1");
 	listen_close(d);
+	ops_release_held(d); /* refused: SHUTTING_DOWN */
 	if (d->inflight == 0)
 		finish_shutdown(d);
 	else
@@ -323,17 +327,33 @@ static void prewarmed(struct graphs *g)
 	one_prewarmed((struct daemon *)((char *)g - offsetof(struct daemon, graphs)));
 }
 
+/* Registrations restored and the worker's target known (cache keys hold it):
+ * the adapters' graphs from before a restart load before we say ready, and
+ * the requests held meanwhile go on (behind those loads). */
+static void open_adapters(struct daemon *d)
+{
+	if (!d->restored || !d->probed || d->adapters_open || d->shutting_down)
+		return;
+	d->pending_loads = 1;
+	for (struct adapter *a = d->graphs.reg.head; a; a = a->next)
+		d->pending_loads += graphs_prewarm(&d->graphs, a, prewarmed);
+	d->adapters_open = true;
+	if (d->held_n)
+		log_info("%u request(s) held during the start-up go on", d->held_n);
+	ops_release_held(d);
+	one_prewarmed(d);
+}
+
 static void adapters_loaded(struct daemon *d, int failed)
 {
 	if (d->shutting_down)
 		return;
 	if (failed)
 		log_warn("%d adapter file(s) failed to load; see above", failed);
-	/* graphs these adapters had before a restart load before we say ready */
-	d->pending_loads = 1;
-	for (struct adapter *a = d->graphs.reg.head; a; a = a->next)
-		d->pending_loads += graphs_prewarm(&d->graphs, a, prewarmed);
-	one_prewarmed(d);
+	d->restored = true;
+	log_info("registrations restored: %u adapters", d->graphs.reg.count);
+	ops_release_held(d); /* list and describe go on now */
+	open_adapters(d);
 }
 
 /* Persisted registrations first, then --adapters: an operator's file wins. */
@@ -356,9 +376,10 @@ static void probe_done(struct daemon *d, const struct proto_err *err)
 		fatal(d, "start-up probe failed", err);
 		return;
 	}
-	log_info("probe: compile, cache and run work");
-	if (persist_restore(d, restored) != 0)
-		restored(d, 1);
+	if (d->cfg.probe)
+		log_info("probe: compile, cache and run work");
+	d->probed = true;
+	open_adapters(d);
 }
 
 static void worker_up(struct daemon *d, const struct proto_err *err)
@@ -502,7 +523,12 @@ int daemon_start(struct daemon *d)
 	}
 	conns_start_sweep(d);
 	log_info("cache %s", d->cfg.cache_dir);
-	return daemon_graphs_start_worker(d, worker_up);
+	if (daemon_graphs_start_worker(d, worker_up) != 0)
+		return -1;
+	/* on the pool while the worker starts; requests for them wait (ops.c) */
+	if (persist_restore(d, restored) != 0)
+		restored(d, 1);
+	return 0;
 }
 
 /* ---- the loop ---------------------------------------------------------------

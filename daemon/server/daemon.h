@@ -100,6 +100,7 @@ struct request {
 	struct shm_out out;
 	void *state; /* op-specific, owned by the op */
 	void (*state_free)(void *state);
+	struct request *held_next; /* waiting for the start-up (ops.c ops_release_held) */
 };
 
 /* An outgoing frame and what must outlive its write. */
@@ -133,6 +134,9 @@ struct op_desc {
 extern const struct op_desc *const OP_TABLE[PROTO_OP__COUNT];
 /* The frame handler of connections (struct daemon's dispatch). */
 void ops_dispatch(struct conn *c, uint8_t *body, uint32_t len);
+/* Hands the requests held for the start-up (d->restored, d->adapters_open)
+ * to their ops, or holds them again; shutting down, they are refused. */
+void ops_release_held(struct daemon *d);
 
 /* ---- the daemon ------------------------------------------------------- */
 
@@ -157,6 +161,15 @@ struct daemon {
 	struct cache cache;
 	struct daemon_stats stats;
 	bool ready, shutting_down, worker_ok;
+	/* start-up (daemon.c): the registrations of --state-dir and --adapters
+	 * are registered (restored), the first worker said hello and the probe
+	 * passed (probed), and adapters take requests (adapters_open: cache keys
+	 * hold the worker's target); until then requests that need them wait in
+	 * held (ops.c), never NOT_FOUND */
+	bool restored, probed, adapters_open;
+	struct request *held, *held_last;
+	unsigned held_n;     /* waiting now */
+	uint64_t held_total; /* requests that waited, since the start */
 	int exit_code;
 	uv_timer_t conn_sweep; /* conn.c: frame/write stalls and idle connections */
 	uv_idle_t resume_idle; /* conn.c: resumes paused connections at a safe point */
