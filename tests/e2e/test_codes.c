@@ -129,6 +129,8 @@ static const struct where {
     {"ARTIFACT_CORRUPT", "test_reliability.c", "tampered_cache_entries_are_refused_and_rebuilt"},
     {"INDEX_OUT_OF_RANGE", "test_index.c",
      "an_index_out_of_range_fails_the_request_and_the_daemon_serves_on"},
+    {"LINALG_ERROR", "test_reliability.c",
+     "a_linear_solve_in_a_step_runs_and_a_singular_one_fails_the_run"},
     {"ENGINE_ERROR", "test_codes.c",
      "a_broken_cache_is_internal_and_an_unloadable_entry_engine_error"},
     {"PERMISSION_DENIED", "test_service.c",

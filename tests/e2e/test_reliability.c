@@ -1216,6 +1216,41 @@ Test(reliability, the_worker_sees_only_an_allow_listed_environment)
 }
 
 /*
+ * torch.linalg.eigvalsh's _linalg_eigh has no C shim in torch 2.14 and takes a
+ * string (UPLO), so the dispatcher path cannot take it either: the artifact
+ * would need AOTI's C++ proxy executor.  Refused at compile time, naming the
+ * aten op, using no budget, remembered.
+ */
+Test(reliability, a_graph_that_needs_the_proxy_executor_is_refused_at_compile_time)
+{
+	static const char src[] = "import torch\n\ndef body(c, x):\n"
+	                          "    a = x + x.transpose(0, 1)\n"
+	                          "    c = c + torch.linalg.eigvalsh(a)\n    return c, c\n";
+	struct hd d;
+	struct tl_client *c;
+	struct tl_error err;
+	struct tl_builder *b = tl_builder_new();
+	double carry[3] = {1, 2, 3}, xs[18];
+	int64_t cs[] = {3}, xsh[] = {2, 3, 3};
+	struct tl_reply *r;
+
+	h_fill(xs, TL_FLOAT64, 18, 9);
+	c = up(&d, NULL, (const char *const[]){"--no-probe", NULL});
+	reg_ok(c, "rel.eigh", src);
+	for (int k = 0; k < 2; k++) {
+		expect_code(tl_scan(c, "rel.eigh", tl_tensor(b, TL_FLOAT64, 1, cs, carry),
+		                    tl_tensor(b, TL_FLOAT64, 3, xsh, xs), &r, &err),
+		            &err, "PROXY_EXECUTOR_REQUIRED");
+		cr_assert_not_null(strstr(err.message, "aten::_linalg_eigh"), "%s", err.message);
+	}
+	cr_assert_eq(hd_counter(c, "rel.eigh", "compiles"), 1, "remembered");
+	cr_assert_eq(hd_counter(c, "rel.eigh", "graphs"), 0, "no budget used");
+	still_serves(&d);
+	tl_builder_free(b);
+	down(&d, c);
+}
+
+/*
  * torch.linalg.solve in a source body: its _linalg_solve_ex has no C shim in
  * torch 2.14, so the artifact calls it through libtorch's dispatcher, not
  * AOTI's C++ proxy executor (worker dispatch_calls.py); export's error check
@@ -1256,7 +1291,7 @@ Test(reliability, a_linear_solve_in_a_step_runs_and_a_singular_one_fails_the_run
 		                    tl_tensor(b, TL_FLOAT64, 3, xsh, bad), &r, &err),
 		            &err, "LINALG_ERROR");
 	}
-	cr_assert_eq(hd_counter(c, "rel.solve", "compiles"), 1, "one graph for both");
+	cr_assert_eq(hd_counter(c, "rel.solve", "graphs"), 1, "one graph for both");
 	still_serves(&d);
 	tl_builder_free(b);
 	down(&d, c);
