@@ -169,7 +169,7 @@ void daemon_begin_shutdown(struct daemon *d, const char *why)
 	log_info("shutting down (%s); %u requests in flight", why, d->inflight);
 	systemd_notify(d, "STOPPING=1");
 	listen_close(d);
-	ops_release_held(d); /* refused: SHUTTING_DOWN */
+	d->release_held(d); /* refused: SHUTTING_DOWN */
 	if (d->inflight == 0)
 		finish_shutdown(d);
 	else
@@ -340,7 +340,7 @@ static void open_adapters(struct daemon *d)
 	d->adapters_open = true;
 	if (d->held_n)
 		log_info("%u request(s) held during the start-up go on", d->held_n);
-	ops_release_held(d);
+	d->release_held(d);
 	one_prewarmed(d);
 }
 
@@ -352,7 +352,7 @@ static void adapters_loaded(struct daemon *d, int failed)
 		log_warn("%d adapter file(s) failed to load; see above", failed);
 	d->restored = true;
 	log_info("registrations restored: %u adapters", d->graphs.reg.count);
-	ops_release_held(d); /* list and describe go on now */
+	d->release_held(d); /* list and describe go on now */
 	open_adapters(d);
 }
 

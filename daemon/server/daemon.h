@@ -202,6 +202,9 @@ struct daemon {
 	void (*on_ready)(struct daemon *d);
 	/* each whole frame a connection reads (ops_dispatch, set by main.c) */
 	void (*dispatch)(struct conn *c, uint8_t *body, uint32_t len);
+	/* hands on the requests held for the start-up (ops_release_held, set by
+	 * main.c; the server layer calls no op) */
+	void (*release_held)(struct daemon *d);
 	/* the compile worker said hello (err NULL) or cannot start (daemon.c) */
 	void (*worker_up)(struct daemon *d, const struct proto_err *err);
 };

@@ -35,6 +35,7 @@ int main(int argc, char **argv)
 	 * into buffers the daemon lays out from the metadata). */
 	setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
 	d.dispatch = ops_dispatch;
+	d.release_held = ops_release_held;
 	if (daemon_start(&d) != 0)
 		d.exit_code = 1;
 	daemon_run(&d);
