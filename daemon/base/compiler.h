@@ -141,6 +141,10 @@ struct compiler_opts {
 	 * (<cache>/tmp) and Inductor's cache directory (they may write there) */
 	enum sandbox_mode sandbox;
 	const char *scratch_root, *inductor_dir;
+	/* what workers may not read (the daemon's cache, state, secrets, home;
+	 * NULL-terminated, borrowed for the compiler's life); beneath them they
+	 * still read the interpreter's prefix and the worker's package */
+	const char *const *hide;
 	/* seconds for a worker's hello, and for its readiness once it has a
 	 * job (0: COMPILER_START_TIMEOUT_S) */
 	double start_timeout_seconds;

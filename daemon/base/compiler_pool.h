@@ -7,6 +7,7 @@
 #define TORCHLOOP_COMPILER_POOL_H
 
 #include "compiler.h"
+#include "sandbox.h"
 #include "wproc.h"
 
 #define BACKOFF_FIRST_MS 250
@@ -60,8 +61,11 @@ struct compiler {
 	char python[1024], script[1024];
 	char launcher[1024], scratch_root[1024], inductor_dir[1024];
 	const char *write[2]; /* what workers may write besides their scratch */
-	char sandbox[160];    /* compiler_sandbox */
-	unsigned scratches;   /* scratch directories made so far (their names) */
+	/* what they may not read, and what beneath it they may (sandbox_paths) */
+	const char *hide[SANDBOX_MAX_PATHS / 2 + 1], *keep[4];
+	char kept[3][1024];
+	char sandbox[160];  /* compiler_sandbox */
+	unsigned scratches; /* scratch directories made so far (their names) */
 	double timeout, start_timeout;
 	compiler_ready_cb ready;
 	void *data;

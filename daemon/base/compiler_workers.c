@@ -12,9 +12,11 @@
 #include "proctree.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 const char *const COMPILER_LANE_NAMES[COMPILER_LANES] = {"check", "foreground", "background"};
 
@@ -414,6 +416,62 @@ static void init_timer(struct compiler *c, uv_timer_t *t, void *data)
 	c->open_handles++;
 }
 
+/* dir's parent into out ("" when it has none) */
+static void parent_of(const char *path, char *out, size_t size)
+{
+	const char *slash = strrchr(path, '/');
+
+	snprintf(out, size, "%.*s", slash && slash != path ? (int)(slash - path) : 0, path);
+}
+
+/* name as the worker's spawn finds it: itself with a '/', else on $PATH */
+static void which(const char *name, char *out, size_t size)
+{
+	const char *path = getenv("PATH");
+
+	snprintf(out, size, "%s", name);
+	while (strchr(name, '/') == NULL && path && *path) {
+		size_t len = strcspn(path, ":");
+		if (snprintf(out, size, "%.*s/%s", (int)len, path, name) < (int)size &&
+		    access(out, X_OK) == 0)
+			return;
+		path += len + (path[len] == ':');
+		snprintf(out, size, "%s", name);
+	}
+}
+
+/*
+ * What workers may not read (the daemon's, as many as the launcher takes),
+ * and what they keep beneath it: the interpreter's prefix (as named: a
+ * virtual environment's; and as resolved) and the worker's package.
+ */
+static void sandbox_paths(struct compiler *c, const struct compiler_opts *opts)
+{
+	char python[1024], bin[1024], real[PATH_MAX];
+	size_t n = 0;
+
+	for (const char *const *h = opts->hide;
+	     h && *h && n + 1 < sizeof c->hide / sizeof c->hide[0]; h++)
+		if (**h)
+			c->hide[n++] = *h;
+	c->hide[n] = NULL;
+	which(opts->python, python, sizeof python);
+	parent_of(python, bin, sizeof bin);
+	parent_of(bin, c->kept[0], sizeof c->kept[0]);
+	if (realpath(python, real) != NULL) {
+		parent_of(real, bin, sizeof bin);
+		parent_of(bin, c->kept[1], sizeof c->kept[1]);
+	}
+	parent_of(opts->script, c->kept[2], sizeof c->kept[2]);
+	n = 0;
+	for (size_t i = 0; i < 3; i++)
+		if (c->kept[i][0])
+			c->keep[n++] = c->kept[i];
+	c->keep[n] = NULL;
+	c->wopts.hide = c->hide;
+	c->wopts.keep = c->keep;
+}
+
 /*
  * Whether workers run in the sandbox (sandbox_plan), said loudly when they
  * do not; -1 when it is required and cannot be had.
@@ -427,6 +485,7 @@ static int sandbox_init(struct compiler *c, const struct compiler_opts *opts)
 	snprintf(c->inductor_dir, sizeof c->inductor_dir, "%s", opts->inductor_dir);
 	c->write[0] = c->inductor_dir;
 	c->wopts.write = c->write;
+	sandbox_paths(c, opts);
 	if (on < 0) {
 		log_error("--worker-sandbox required, but the compile workers' sandbox is %s",
 		          c->sandbox);

@@ -10,6 +10,7 @@
  */
 #include "sandbox.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stddef.h>
@@ -21,6 +22,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -89,6 +91,128 @@ static int allow(int ruleset, const char *path, uint64_t access, bool must_exist
 static const char *const DEVICES[] = {"/dev/null",   "/dev/zero",    "/dev/full",
                                       "/dev/random", "/dev/urandom", "/dev/tty"};
 
+/* ---- what a worker reads ---------------------------------------------------- */
+
+const char *const SANDBOX_HIDDEN[] = {"/root",
+                                      "/home",
+                                      "/tmp",
+                                      "/var/tmp",
+                                      "/var/lib",
+                                      "/var/cache",
+                                      "/var/log",
+                                      "/var/spool",
+                                      "/var/mail",
+                                      "/run",
+                                      "/srv",
+                                      "/mnt",
+                                      "/media",
+                                      "/dev/shm",
+                                      "/etc/shadow",
+                                      "/etc/shadow-",
+                                      "/etc/gshadow",
+                                      "/etc/gshadow-",
+                                      "/etc/sudoers",
+                                      "/etc/sudoers.d",
+                                      "/etc/ssh",
+                                      "/etc/ssl/private",
+                                      NULL};
+
+#define READ_RIGHTS (LL_FS_EXECUTE | LL_FS_READ_FILE | LL_FS_READ_DIR)
+#define MAX_HIDDEN  (SANDBOX_MAX_PATHS + sizeof SANDBOX_HIDDEN / sizeof SANDBOX_HIDDEN[0])
+
+struct hidden {
+	char path[MAX_HIDDEN][PATH_MAX]; /* real paths of those that exist */
+	size_t n;
+	char failed[PATH_MAX]; /* the entry whose rule failed */
+};
+
+/* 1: path is hidden; 2: a hidden path lies beneath it; 0: neither. */
+static int relation(const struct hidden *h, const char *path)
+{
+	size_t len = strlen(path);
+	int r = 0;
+
+	for (size_t i = 0; i < h->n; i++) {
+		if (strcmp(h->path[i], path) == 0)
+			return 1;
+		if (strncmp(h->path[i], path, len) == 0 && h->path[i][len] == '/')
+			r = 2;
+	}
+	return r;
+}
+
+/*
+ * Read and execute beneath each entry of dir (a real path) but the hidden
+ * ones; an entry that leads to a hidden path is opened up the same way one
+ * level down.  Symbolic links get no rule of their own (a link an attacker
+ * left in /tmp must not open its target): what they point to has its own.
+ */
+static int allow_but_hidden(int rs, const char *dir, struct hidden *h, int depth)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	struct stat st;
+	char path[PATH_MAX];
+	int rc = 0;
+
+	if (d == NULL)
+		return 0; /* not even we can list it: nothing beneath it is allowed */
+	while (rc == 0 && (e = readdir(d)) != NULL) {
+		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0 ||
+		    snprintf(path, sizeof path, "%s/%s", strcmp(dir, "/") ? dir : "", e->d_name) >=
+		        (int)sizeof path ||
+		    lstat(path, &st) != 0 || S_ISLNK(st.st_mode))
+			continue;
+		switch (relation(h, path)) {
+		case 0:
+			rc = allow(rs, path, READ_RIGHTS, false);
+			break;
+		case 2:
+			if (S_ISDIR(st.st_mode) && depth < 64)
+				rc = allow_but_hidden(rs, path, h, depth + 1);
+			break;
+		}
+		if (rc != 0) /* the report names it; errno is landlock_add_rule's */
+			snprintf(h->failed, sizeof h->failed, "%s", path);
+	}
+	closedir(d);
+	return rc;
+}
+
+static void add_hidden(struct hidden *h, const char *path)
+{
+	if (h->n < MAX_HIDDEN && realpath(path, h->path[h->n]) != NULL &&
+	    strcmp(h->path[h->n], "/") != 0)
+		h->n++;
+}
+
+/* Read rules: everything but the hidden paths, then the kept ones again. */
+static const char *allow_reads(int rs, const struct sandbox_opts *o)
+{
+	static char failed_at[PATH_MAX];
+	struct hidden *h = calloc(1, sizeof *h);
+	char real[PATH_MAX];
+	const char *failed = NULL;
+
+	if (h == NULL)
+		return "(out of memory)";
+	for (const char *const *p = SANDBOX_HIDDEN; *p; p++)
+		add_hidden(h, *p);
+	for (size_t i = 0; i < o->n_hide; i++)
+		add_hidden(h, o->hide[i]);
+	if (allow_but_hidden(rs, "/", h, 0) != 0) {
+		int e = errno;
+		snprintf(failed_at, sizeof failed_at, "%s", h->failed);
+		failed = failed_at;
+		errno = e;
+	}
+	for (size_t i = 0; failed == NULL && i < o->n_keep; i++)
+		if (realpath(o->keep[i], real) != NULL && allow(rs, real, READ_RIGHTS, true) != 0)
+			failed = o->keep[i];
+	free(h);
+	return failed;
+}
+
 static int landlock(const struct sandbox_opts *o, int abi, char *why, size_t size)
 {
 	uint64_t fs = fs_rights(abi);
@@ -102,8 +226,7 @@ static int landlock(const struct sandbox_opts *o, int abi, char *why, size_t siz
 
 	if (rs < 0)
 		return snprintf(why, size, "landlock_create_ruleset: %s", strerror(errno)), -1;
-	if (allow(rs, "/", LL_FS_EXECUTE | LL_FS_READ_FILE | LL_FS_READ_DIR, true) != 0)
-		failed = "/";
+	failed = allow_reads(rs, o);
 	for (size_t i = 0; failed == NULL && i < o->n_write; i++)
 		if (allow(rs, o->write[i], fs, true) != 0)
 			failed = o->write[i];

@@ -3,9 +3,12 @@
  * model").  A worker handles graphs from any user on the socket, so it runs
  * behind a small launcher (torchloopd-sandbox, sandbox_main.c) that, before
  * it execs the interpreter, closes every inherited descriptor but 0-2, sets
- * no_new_privs, applies a Landlock ruleset (read and execute everywhere;
- * write, create and remove only beneath its scratch directory, Inductor's
- * cache directory and a few device files; no TCP bind/connect; no abstract
+ * no_new_privs, applies a Landlock ruleset (read and execute everywhere but
+ * the hidden paths -- the daemon's cache, state and secrets, homes, /tmp,
+ * SANDBOX_HIDDEN -- except what it keeps: the interpreter's prefix, the
+ * worker's package; write, create and remove only beneath its scratch
+ * directory, Inductor's cache directory and a few device files; no TCP
+ * bind/connect; no abstract
  * unix socket or signal outside its domain) and a seccomp filter (no
  * connect, bind, listen, ptrace, process_vm_*, io_uring, sockets but
  * AF_UNIX streams, signals to the daemon).  Each works with what the kernel
@@ -24,6 +27,7 @@ enum sandbox_mode { SANDBOX_AUTO, SANDBOX_REQUIRED, SANDBOX_OFF };
 
 #define SANDBOX_LAUNCHER  "torchloopd-sandbox"
 #define SANDBOX_MAX_WRITE 8
+#define SANDBOX_MAX_PATHS 16 /* --hide and --keep paths, each */
 /* health's and stats' "sandbox" when workers run in it */
 #define SANDBOX_ON "landlock+seccomp"
 
@@ -32,9 +36,20 @@ int sandbox_landlock_abi(void);
 
 /* ---- the launcher -------------------------------------------------------- */
 
+/* What no worker reads, whoever runs it (besides the launcher's --hide):
+ * homes, shared temporary directories, service state, credentials.
+ * NULL-terminated. */
+extern const char *const SANDBOX_HIDDEN[];
+
 struct sandbox_opts {
 	const char *write[SANDBOX_MAX_WRITE]; /* [0] is the scratch directory */
 	size_t n_write;
+	/* no read beneath these (nor SANDBOX_HIDDEN) ... */
+	const char *hide[SANDBOX_MAX_PATHS];
+	size_t n_hide;
+	/* ... but beneath these (and the write directories) again */
+	const char *keep[SANDBOX_MAX_PATHS];
+	size_t n_keep;
 };
 
 /*

@@ -341,6 +341,17 @@ static void on_exit_cb(uv_process_t *proc, int64_t status, int sig)
 	close_all(p);
 }
 
+/* flag path, for each of paths (as many as fit before the interpreter's 5 slots) */
+static size_t path_args(char **args, size_t n, size_t max, const char *flag,
+                        const char *const *paths)
+{
+	for (; paths && *paths && n + 7 < max; paths++) {
+		args[n++] = (char *)flag;
+		args[n++] = (char *)*paths;
+	}
+	return n;
+}
+
 /* The worker's argv: the interpreter, behind the sandbox's launcher when there is one. */
 static void worker_args(const struct wproc_opts *o, char **args, size_t max)
 {
@@ -350,10 +361,9 @@ static void worker_args(const struct wproc_opts *o, char **args, size_t max)
 		args[n++] = (char *)o->sandbox;
 		args[n++] = "--scratch";
 		args[n++] = (char *)o->scratch;
-		for (const char *const *w = o->write; w && *w && n + 6 < max; w++) {
-			args[n++] = "--write";
-			args[n++] = (char *)*w;
-		}
+		n = path_args(args, n, max, "--write", o->write);
+		n = path_args(args, n, max, "--hide", o->hide);
+		n = path_args(args, n, max, "--keep", o->keep);
 		args[n++] = "--";
 	}
 	args[n++] = (char *)o->python;
@@ -365,7 +375,7 @@ static void worker_args(const struct wproc_opts *o, char **args, size_t max)
 struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const struct wproc_ops *ops,
                           void *data, int *uv_err)
 {
-	char *args[24];
+	char *args[80];
 	uv_stdio_container_t stdio[3];
 	uv_process_options_t po = {0};
 	struct wproc *p = calloc(1, sizeof *p);

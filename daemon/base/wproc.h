@@ -42,6 +42,8 @@ struct wproc_opts {
 	 * write (NULL-terminated) */
 	const char *sandbox, *scratch;
 	const char *const *write;
+	/* paths it may not read, and paths beneath those it may (NULL-terminated) */
+	const char *const *hide, *const *keep;
 };
 
 /* The workers' environment (allow-listed, then extra): calloc'ed, free it. */

@@ -485,6 +485,7 @@ int daemon_graphs_start_worker(struct daemon *d,
 	o.start_timeout_seconds = (double)d->cfg.worker_start_timeout;
 	o.scratch_root = scratch_root;
 	o.inductor_dir = inductor && *inductor ? inductor : inductor_dir;
+	o.hide = worker_target_hidden(d);
 
 	d->worker_up = up;
 	d->compiler = compiler_start(d->loop, &o, worker_ready, d);

@@ -196,6 +196,8 @@ struct daemon {
 	char isa[256];
 	/* what the compile workers' environment adds (daemon.c worker_env) */
 	const char *worker_env[4];
+	/* what the compile workers may not read (worker_target.c worker_target_hidden) */
+	const char *worker_hidden[8];
 	char inductor_dir_env[sizeof(((struct config *)0)->cache_dir) + 40];
 	unsigned pending_loads;       /* preloads not yet READY */
 	bool reloading, reload_again; /* SIGHUP: a directory load in flight, another asked */
@@ -307,5 +309,7 @@ void daemon_request_done(struct daemon *d);
  * workers' environment beyond the allow-list (Inductor's target and cache). */
 int worker_target_open(struct daemon *d);
 const char *const *worker_target_env(struct daemon *d);
+/* What the compile workers' sandbox hides from them (NULL-terminated). */
+const char *const *worker_target_hidden(struct daemon *d);
 
 #endif

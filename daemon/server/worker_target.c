@@ -147,6 +147,26 @@ const char *const *worker_target_env(struct daemon *d)
 	return d->worker_env;
 }
 
+/*
+ * What a sandboxed worker may not read besides the system's (SANDBOX_HIDDEN):
+ * the cache (but its scratch and Inductor's directory, which it writes), the
+ * registrations (state directory, adapter files), the remote tier's secrets
+ * and the daemon's home.
+ */
+const char *const *worker_target_hidden(struct daemon *d)
+{
+	const char *const mine[] = {d->cfg.cache_dir,        d->cfg.state_dir,
+	                            d->cfg.adapters_dir,     d->cfg.remote_secret_file,
+	                            d->cfg.remote_auth_file, getenv("HOME")};
+	size_t n = 0;
+
+	for (size_t i = 0; i < sizeof mine / sizeof mine[0]; i++)
+		if (mine[i] && mine[i][0])
+			d->worker_hidden[n++] = mine[i];
+	d->worker_hidden[n] = NULL;
+	return d->worker_hidden;
+}
+
 int worker_target_open(struct daemon *d)
 {
 	return read_isa(d) != 0 || worker_digest(d) != 0 ? -1 : 0;

@@ -2,12 +2,14 @@
  * test_sandbox.c - the compile worker's sandbox (daemon/base/sandbox.h): a
  * worker, through its test-only hook (TORCHLOOP_TEST_SANDBOX_PROBE,
  * torchloop_worker/sandbox_probe.py), tries each act its sandbox forbids --
- * writing the cache, the load links, the state directory and $HOME,
- * replacing a cache entry, connecting to the daemon's socket, to a unix
- * socket and a TCP port of the test's, signalling, tracing and writing the
- * daemon -- and each fails with its errno while its scratch is writable; a
- * real compile then works inside it and the daemon serves the next request.
- * A kernel without Landlock (ABI 6 for signal scoping) skips, loudly.
+ * writing the cache, the load links, the state directory and $HOME;
+ * reading or listing the cache's entries, a state file, a file in $HOME,
+ * one in /tmp and /etc/shadow; replacing a cache entry; connecting to the
+ * daemon's socket, to a unix socket and a TCP port of the test's;
+ * signalling, tracing and writing the daemon -- and each fails with its
+ * errno while its scratch is writable; a real compile then works inside it
+ * and the daemon serves the next request.  A kernel without Landlock (ABI 6
+ * for signal scoping) skips, loudly.
  */
 #include "fixture.h"
 #include "harness.h"
@@ -103,6 +105,7 @@ static int scratches(const char *cache)
 
 struct targets {
 	char dir[256], cache[320], state[320], sock[320], home[600], entry[600], unix_path[320];
+	char home_file[600], state_file[400], tmp_file[64];
 	int unix_fd, tcp_fd, tcp_port;
 };
 
@@ -110,7 +113,8 @@ struct targets {
  * of everything the worker will try (in the environment the daemon passes on). */
 static void plant(struct targets *t)
 {
-	char json[4096], path[700];
+	char json[8192], path[700];
+	int fd;
 
 	h_tmpdir(t->dir, sizeof t->dir, "sbx");
 	snprintf(t->cache, sizeof t->cache, "%s/cache", t->dir);
@@ -125,15 +129,26 @@ static void plant(struct targets *t)
 	cr_assert_eq(mkdir(path, 0700), 0);
 	snprintf(t->entry, sizeof t->entry, "%s/objects/%064d.so", t->cache, 0);
 	h_write_file(t->entry, "the daemon's entry");
+	/* files the daemon's uid can read that no worker may */
+	snprintf(t->state_file, sizeof t->state_file, "%s/planted.adapter", t->state);
+	h_write_file(t->state_file, "another user's registration");
+	snprintf(t->home_file, sizeof t->home_file, "%s.read", t->home);
+	h_write_file(t->home_file, "the daemon's home");
+	snprintf(t->tmp_file, sizeof t->tmp_file, "/tmp/torchloop-sandbox-read.XXXXXX");
+	fd = mkstemp(t->tmp_file);
+	cr_assert_geq(fd, 0);
+	close(fd);
 	t->unix_fd = listener(t->unix_path, NULL);
 	t->tcp_fd = listener(NULL, &t->tcp_port);
 	snprintf(json, sizeof json,
 	         "{\"files\": {\"objects\": \"%s/objects/planted.so\", \"index\": \"%s/index/x\", "
 	         "\"loadlinks\": \"%s/tmp/planted.so\", \"state\": \"%s/x.adapter\", "
-	         "\"home\": \"%s\"}, \"replace\": \"%s\", \"unix\": {\"daemon_socket\": \"%s\", "
+	         "\"home\": \"%s\"}, \"read\": {\"entry\": \"%s\", \"objects\": \"%s/objects\", "
+	         "\"state\": \"%s\", \"home\": \"%s\", \"tmp\": \"%s\", \"shadow\": "
+	         "\"/etc/shadow\"}, \"replace\": \"%s\", \"unix\": {\"daemon_socket\": \"%s\", "
 	         "\"test_socket\": \"%s\"}, \"tcp\": %d}",
-	         t->cache, t->cache, t->cache, t->state, t->home, t->entry, t->sock, t->unix_path,
-	         t->tcp_port);
+	         t->cache, t->cache, t->cache, t->state, t->home, t->entry, t->cache, t->state_file,
+	         t->home_file, t->tmp_file, t->entry, t->sock, t->unix_path, t->tcp_port);
 	setenv("TORCHLOOP_TEST_SANDBOX_PROBE", json, 1);
 }
 
@@ -177,7 +192,8 @@ Test(sandbox, a_worker_can_write_its_scratch_and_nothing_the_daemon_trusts)
 	line = probe_line(f.d.log);
 	for (const char *const *n =
 	         (const char *const[]){"objects", "index", "loadlinks", "state", "home", "replace",
-	                               "overwrite", "mem", NULL};
+	                               "overwrite", "mem", "read_entry", "read_objects",
+	                               "read_state", "read_home", "read_tmp", "read_shadow", NULL};
 	     *n; n++)
 		assert_outcome(line, *n, "EACCES");
 	for (const char *const *n = (const char *const[]){"daemon_socket", "test_socket", "tcp",
@@ -189,6 +205,8 @@ Test(sandbox, a_worker_can_write_its_scratch_and_nothing_the_daemon_trusts)
 	assert_no_connection(t.unix_fd, "test's unix socket");
 	assert_no_connection(t.tcp_fd, "test's TCP port");
 	cr_assert_eq(access(t.home, F_OK), -1, "a file appeared in $HOME");
+	unlink(t.home_file);
+	unlink(t.tmp_file);
 	entry = h_slurp(t.entry);
 	cr_assert_str_eq(entry, "the daemon's entry");
 	free(entry);

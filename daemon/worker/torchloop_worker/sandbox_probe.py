@@ -2,7 +2,8 @@
 forbids and says how each attempt ended (tests/e2e/test_sandbox.c).
 
 TORCHLOOP_TEST_SANDBOX_PROBE holds a JSON object of targets the test chose:
-``files`` (name -> a path the worker must not create), ``replace`` (an
+``files`` (name -> a path the worker must not create), ``read`` (name ->
+a file it must not read, or a directory it must not list), ``replace`` (an
 existing cache entry it must neither overwrite nor replace), ``unix`` (name
 -> a socket path it must not connect to), ``tcp`` (a loopback port),
 ``pid`` (the daemon's pid: no signal, no ptrace, no write to its memory).
@@ -46,6 +47,14 @@ def _replace(path: str) -> None:
     os.replace(mine, path)
 
 
+def _read(path: str) -> None:
+    if os.path.isdir(path):
+        os.listdir(path)
+        return
+    with open(path, "rb") as f:
+        f.read(1)
+
+
 def _connect(family: int, address: Any) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.connect(address)
@@ -65,6 +74,8 @@ def probe(spec: dict[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, path in spec.get("files", {}).items():
         out[name] = _outcome(functools.partial(_create, path))
+    for name, path in spec.get("read", {}).items():
+        out["read_" + name] = _outcome(functools.partial(_read, path))
     if "replace" in spec:
         out["replace"] = _outcome(lambda: _replace(spec["replace"]))
         out["overwrite"] = _outcome(lambda: os.close(os.open(spec["replace"], os.O_WRONLY)))
