@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static void pump(struct compiler *c);
 
@@ -174,31 +175,48 @@ static void preempt(struct compiler *c)
 
 /* ---- dispatch ------------------------------------------------------------ */
 
-static struct slot *idle_slot(struct lane *l)
+static struct slot *idle_slot(struct lane *l, uint32_t tenant)
 {
 	for (unsigned i = 0; i < l->max; i++)
-		if (l->slots[i].p && l->slots[i].hello && l->slots[i].current == NULL)
+		if (l->slots[i].p && l->slots[i].hello && l->slots[i].current == NULL &&
+		    l->slots[i].tenant == tenant)
 			return &l->slots[i];
 	return NULL;
 }
 
-/* Starts one more worker in l when its queue has more jobs than workers coming. */
-static void grow(struct compiler *c, struct lane *l)
+/*
+ * Starts one more worker in l for tenant when its queue has more of that
+ * tenant's jobs than workers of it are starting: in a free slot, else in
+ * place of an idle worker of another tenant.
+ */
+static void grow(struct compiler *c, struct lane *l, uint32_t tenant)
 {
 	unsigned starting = 0, queued = 0;
-	struct slot *free_slot = NULL;
+	struct slot *free_slot = NULL, *other = NULL;
 
 	if (c->stopping || c->start_failures > 0)
 		return; /* backoff: only the restart timer starts a worker */
 	for (const struct compile_job *j = l->head; j; j = j->next)
-		queued++;
+		queued += j->tenant == tenant;
 	for (unsigned i = 0; i < l->max; i++) {
-		starting += l->slots[i].p && !l->slots[i].hello;
-		if (l->slots[i].p == NULL && free_slot == NULL)
-			free_slot = &l->slots[i];
+		struct slot *s = &l->slots[i];
+		starting += s->p && !s->hello && s->tenant == tenant;
+		if (s->p == NULL && free_slot == NULL)
+			free_slot = s;
+		if (s->p && s->hello && s->current == NULL && s->tenant != tenant && other == NULL)
+			other = s;
 	}
-	if (free_slot && queued > starting)
-		pool_spawn(free_slot);
+	if (queued <= starting || (free_slot == NULL && other == NULL))
+		return;
+	if (free_slot == NULL) {
+		log_info("compile worker %d (%s lane, tenant %u): replaced by one for tenant %u",
+		         wproc_pid(other->p), COMPILER_LANE_NAMES[other->lane], other->tenant,
+		         tenant);
+		pool_retire(other);
+		free_slot = other;
+	}
+	free_slot->tenant = tenant;
+	pool_spawn(free_slot);
 }
 
 /*
@@ -234,24 +252,45 @@ static void dispatch(struct slot *s, struct compile_job *j)
 	pool_arm(s, s->ready ? pool_compile_ms(s->c) : pool_start_ms(s->c));
 }
 
+/* The first job of lane k that has an idle worker of its tenant (*s), or NULL. */
+static struct compile_job *runnable(struct compiler *c, int k, struct slot **s)
+{
+	for (struct compile_job *j = c->lanes[k].head; j; j = j->next) {
+		*s = idle_slot(&c->lanes[k], j->tenant);
+		if (*s == NULL && k == LANE_CHECK) /* an idle compile worker checks too */
+			*s = idle_slot(&c->lanes[LANE_FOREGROUND], j->tenant);
+		if (*s)
+			return j;
+	}
+	return NULL;
+}
+
+static void unlink_job(struct lane *l, struct compile_job *j)
+{
+	struct compile_job **at = &l->head, *prev = NULL;
+
+	while (*at != j) {
+		prev = *at;
+		at = &(*at)->next;
+	}
+	*at = j->next;
+	if (l->tail == j)
+		l->tail = prev;
+}
+
+/* Each lane's jobs in order (FIFO per tenant), then a worker for its head's tenant. */
 static void pump(struct compiler *c)
 {
 	for (int k = 0; k < COMPILER_LANES && !c->stopping; k++) {
 		struct lane *l = &c->lanes[k];
-		while (l->head) {
-			struct slot *s = idle_slot(l);
-			struct compile_job *j = l->head;
-			if (s == NULL && k == LANE_CHECK) /* an idle compile worker checks too */
-				s = idle_slot(&c->lanes[LANE_FOREGROUND]);
-			if (s == NULL) {
-				grow(c, l);
-				break;
-			}
-			l->head = j->next;
-			if (l->head == NULL)
-				l->tail = NULL;
+		struct slot *s;
+		struct compile_job *j;
+		while (!c->stopping && (j = runnable(c, k, &s)) != NULL) {
+			unlink_job(l, j);
 			dispatch(s, j);
 		}
+		if (l->head && !c->stopping)
+			grow(c, l, l->head->tenant);
 	}
 	preempt(c);
 }

@@ -14,7 +14,17 @@
  *               tree, its timeout paused) while any check or foreground job
  *               runs, continued when none does.
  *
- * Each lane is FIFO; a job goes to an idle worker of its lane.  A worker
+ * Tenants: a job compiles one tenant's code -- 0, trusted (source bodies,
+ * adapter files, what root or the daemon's uid registered), or the uid that
+ * registered a captured graph -- and a worker runs the jobs of the one
+ * tenant it was started for: a worker a hostile graph subverted never
+ * touches another user's compile.  Each tenant's workers write an Inductor
+ * cache of its own (<cache>/tenants/<uid>/inductor; the trusted ones the
+ * daemon's) and read none of the others'.  A job whose tenant has no idle
+ * worker takes a free slot, else replaces an idle worker of another tenant.
+ *
+ * Each lane is FIFO per tenant; a job goes to an idle worker of its lane and
+ * tenant.  A worker
  * other than the first that stays idle for COMPILER_IDLE_S is retired (one
  * is ~1 GB).  Each job has a timeout that kills its worker's whole process
  * tree (proctree.c); a crash or timeout fails that job (WORKER_CRASHED /
@@ -42,6 +52,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/types.h>
 #include <uv.h>
 
 #define COMPILE_PHASES 5
@@ -70,6 +81,7 @@ typedef void (*compile_done_cb)(struct compile_job *job, const struct compile_re
 
 struct compile_job {
 	/* set by the submitter; borrowed until done runs */
+	uint32_t tenant; /* whose code it compiles: 0 (trusted) or a uid (compiler_tenant) */
 	bool check_only; /* register-time import check: body_source/file/entry only */
 	bool background; /* queued behind every other job (a quick tier's upgrade) */
 	bool graph;      /* body_source holds a captured graph: sent as body_graph */
@@ -174,6 +186,8 @@ const char *compiler_sandbox(const struct compiler *c);
 /* The first foreground worker's pid (0 when none). */
 pid_t compiler_pid(const struct compiler *c);
 
+/* The tenant of code registered by uid: 0 for root and the daemon's own uid. */
+uint32_t compiler_tenant(uid_t uid);
 /* Queues a job in its lane (check_only, background, else foreground); its
  * done callback always runs exactly once (on the loop). */
 void compiler_submit(struct compiler *c, struct compile_job *job);

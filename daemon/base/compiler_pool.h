@@ -25,6 +25,7 @@ struct slot {
 	struct compiler *c;
 	unsigned lane, index;
 	struct wproc *p; /* its live worker, or NULL */
+	uint32_t tenant; /* whose jobs it runs (compiler.h "Tenants"), set before pool_spawn */
 	bool hello, paused;
 	bool ready; /* its worker has imported the compile path ("ready" event) */
 	struct compile_job *current;
@@ -81,6 +82,19 @@ struct compiler {
 
 #define PRIMARY(c) (&(c)->lanes[LANE_FOREGROUND].slots[0])
 
+/* what a tenant's worker gets instead of the trusted ones' (pool_tenant_opts) */
+struct pool_tenant {
+	char dir[1200], env[1240];
+	const char *write[2], *hide[SANDBOX_MAX_PATHS / 2 + 2];
+};
+
+/* the sandbox and the tenants (compiler_sandbox.c) */
+/* Whether workers run in the sandbox, their paths; -1: required but not to be had. */
+int pool_sandbox_init(struct compiler *c, const struct compiler_opts *opts);
+/* o for a worker of tenant (its Inductor cache made, in t); -1 (errno) if it cannot be. */
+int pool_tenant_opts(struct compiler *c, uint32_t tenant, struct wproc_opts *o,
+                     struct pool_tenant *t);
+
 /* workers and slots (compiler_workers.c); nothing there calls compiler.c */
 int pool_init(struct compiler *c, const struct compiler_opts *opts);
 void pool_spawn(struct slot *s);
@@ -90,6 +104,8 @@ void pool_fail_queues(struct compiler *c, const struct proto_err *err);
 void pool_start_failure_err(const struct compiler *c, struct proto_err *err);
 /* Kills the slot's worker's whole tree and detaches it. */
 void pool_kill_slot(struct slot *s);
+/* The same for an idle worker no longer wanted: its exit is no restart. */
+void pool_retire(struct slot *s);
 /*
  * The slot's timer (struct slot): runs for ms, or, while the slot's worker is
  * paused, keeps ms for when it is continued.  It kills the worker; a worker

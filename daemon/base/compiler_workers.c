@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 const char *const COMPILER_LANE_NAMES[COMPILER_LANES] = {"check", "foreground", "background"};
@@ -81,6 +82,12 @@ void pool_start_failure_err(const struct compiler *c, struct proto_err *err)
 }
 
 /* Kills the slot's worker's whole tree and detaches it: nothing more goes to it. */
+void pool_retire(struct slot *s)
+{
+	s->retired = wproc_pid(s->p);
+	pool_kill_slot(s);
+}
+
 void pool_kill_slot(struct slot *s)
 {
 	struct wproc *p = s->p;
@@ -239,6 +246,7 @@ static void on_restart(uv_timer_t *t)
 {
 	struct compiler *c = t->data;
 
+	PRIMARY(c)->tenant = 0; /* the first worker comes back trusted */
 	if (!c->stopping && PRIMARY(c)->p == NULL)
 		pool_spawn(PRIMARY(c));
 }
@@ -343,6 +351,7 @@ void pool_spawn(struct slot *s)
 {
 	struct compiler *c = s->c;
 	struct wproc_opts o = c->wopts;
+	struct pool_tenant tenant;
 	struct proto_err err;
 	char scratch[1024];
 	int rc;
@@ -350,7 +359,13 @@ void pool_spawn(struct slot *s)
 	o.nice = s->lane == LANE_BACKGROUND ? BACKGROUND_NICE : 0;
 	s->hello = s->paused = s->ready = false;
 	o.scratch = scratch;
-	if (sandbox_scratch_create(c->scratch_root, ++c->scratches, scratch, sizeof scratch) != 0) {
+	if (pool_tenant_opts(c, s->tenant, &o, &tenant) != 0) {
+		log_error("compile worker: cannot create the directory of tenant %u (%s): %s",
+		          s->tenant, tenant.dir, strerror(errno));
+		s->p = NULL;
+		rc = UV_EIO;
+	} else if (sandbox_scratch_create(c->scratch_root, ++c->scratches, scratch,
+	                                  sizeof scratch) != 0) {
 		log_error("compile worker: cannot create its scratch directory %s: %s", scratch,
 		          strerror(errno));
 		s->p = NULL;
@@ -368,8 +383,8 @@ void pool_spawn(struct slot *s)
 		if (w == NULL || wproc_send(s->p, w) != 0)
 			log_warn("compile worker: cannot send hello");
 		pool_arm(s, pool_start_ms(c)); /* until its hello */
-		log_info("compile worker started (pid %d, %s lane)", wproc_pid(s->p),
-		         COMPILER_LANE_NAMES[s->lane]);
+		log_info("compile worker started (pid %d, %s lane, tenant %u)", wproc_pid(s->p),
+		         COMPILER_LANE_NAMES[s->lane], s->tenant);
 		return;
 	}
 	log_error("cannot start the compile worker %s: %s", c->python, uv_strerror(rc));
@@ -390,7 +405,8 @@ void pool_spawn(struct slot *s)
 		schedule_restart(c);
 }
 
-/* Retires workers (not the first) idle for COMPILER_IDLE_S: each is ~1 GB. */
+/* Retires workers idle for COMPILER_IDLE_S (each is ~1 GB); the first one only when it runs a
+ * tenant's jobs, and it comes back trusted. */
 static void on_idle(uv_timer_t *t)
 {
 	struct compiler *c = t->data;
@@ -399,13 +415,16 @@ static void on_idle(uv_timer_t *t)
 	for (int k = 0; k < COMPILER_LANES; k++)
 		for (unsigned i = 0; i < c->lanes[k].max; i++) {
 			struct slot *s = &c->lanes[k].slots[i];
-			if (s == PRIMARY(c) || s->p == NULL || !s->hello || s->current ||
-			    now - s->idle_since < COMPILER_IDLE_S * 1000ULL)
+			if ((s == PRIMARY(c) && s->tenant == 0) || s->p == NULL || !s->hello ||
+			    s->current || now - s->idle_since < COMPILER_IDLE_S * 1000ULL)
 				continue;
 			log_info("compile worker %d (%s lane): idle for %d s, retired",
 			         wproc_pid(s->p), COMPILER_LANE_NAMES[k], COMPILER_IDLE_S);
-			s->retired = wproc_pid(s->p);
-			pool_kill_slot(s);
+			pool_retire(s);
+			if (s == PRIMARY(c)) { /* the first one is always there, trusted */
+				s->tenant = 0;
+				pool_spawn(s);
+			}
 		}
 }
 
@@ -416,103 +435,11 @@ static void init_timer(struct compiler *c, uv_timer_t *t, void *data)
 	c->open_handles++;
 }
 
-/* dir's parent into out ("" when it has none) */
-static void parent_of(const char *path, char *out, size_t size)
-{
-	const char *slash = strrchr(path, '/');
-
-	snprintf(out, size, "%.*s", slash && slash != path ? (int)(slash - path) : 0, path);
-}
-
-/* name as the worker's spawn finds it: itself with a '/', else on $PATH */
-static void which(const char *name, char *out, size_t size)
-{
-	const char *path = getenv("PATH");
-
-	snprintf(out, size, "%s", name);
-	while (strchr(name, '/') == NULL && path && *path) {
-		size_t len = strcspn(path, ":");
-		if (snprintf(out, size, "%.*s/%s", (int)len, path, name) < (int)size &&
-		    access(out, X_OK) == 0)
-			return;
-		path += len + (path[len] == ':');
-		snprintf(out, size, "%s", name);
-	}
-}
-
-/*
- * What workers may not read (the daemon's, as many as the launcher takes),
- * and what they keep beneath it: the interpreter's prefix (as named: a
- * virtual environment's; and as resolved) and the worker's package.
- */
-static void sandbox_paths(struct compiler *c, const struct compiler_opts *opts)
-{
-	char python[1024], bin[1024], real[PATH_MAX];
-	size_t n = 0;
-
-	for (const char *const *h = opts->hide;
-	     h && *h && n + 1 < sizeof c->hide / sizeof c->hide[0]; h++)
-		if (**h)
-			c->hide[n++] = *h;
-	c->hide[n] = NULL;
-	which(opts->python, python, sizeof python);
-	parent_of(python, bin, sizeof bin);
-	parent_of(bin, c->kept[0], sizeof c->kept[0]);
-	if (realpath(python, real) != NULL) {
-		parent_of(real, bin, sizeof bin);
-		parent_of(bin, c->kept[1], sizeof c->kept[1]);
-	}
-	parent_of(opts->script, c->kept[2], sizeof c->kept[2]);
-	n = 0;
-	for (size_t i = 0; i < 3; i++)
-		if (c->kept[i][0])
-			c->keep[n++] = c->kept[i];
-	c->keep[n] = NULL;
-	c->wopts.hide = c->hide;
-	c->wopts.keep = c->keep;
-}
-
-/*
- * Whether workers run in the sandbox (sandbox_plan), said loudly when they
- * do not; -1 when it is required and cannot be had.
- */
-static int sandbox_init(struct compiler *c, const struct compiler_opts *opts)
-{
-	int on = sandbox_plan(opts->sandbox, opts->script, c->launcher, sizeof c->launcher,
-	                      c->sandbox, sizeof c->sandbox);
-
-	snprintf(c->scratch_root, sizeof c->scratch_root, "%s", opts->scratch_root);
-	snprintf(c->inductor_dir, sizeof c->inductor_dir, "%s", opts->inductor_dir);
-	c->write[0] = c->inductor_dir;
-	c->wopts.write = c->write;
-	sandbox_paths(c, opts);
-	if (on < 0) {
-		log_error("--worker-sandbox required, but the compile workers' sandbox is %s",
-		          c->sandbox);
-		return -1;
-	}
-	if (on == 0) {
-		c->launcher[0] = '\0';
-		log_error("compile workers run WITHOUT their sandbox: %s; a hostile graph that "
-		          "subverts one can write the cache and reach other sockets",
-		          c->sandbox);
-	} else {
-		log_info("compile workers run in the sandbox (%s, %s)", SANDBOX_ON, c->launcher);
-		c->wopts.sandbox = c->launcher;
-	}
-	return 0;
-}
-
-const char *compiler_sandbox(const struct compiler *c)
-{
-	return c->sandbox;
-}
-
 int pool_init(struct compiler *c, const struct compiler_opts *opts)
 {
 	unsigned max[COMPILER_LANES] = {1, opts->foreground_workers, 1};
 
-	if (sandbox_init(c, opts) != 0)
+	if (pool_sandbox_init(c, opts) != 0)
 		return -1;
 	c->wopts.env = wproc_env(opts->env_extra);
 	if (c->wopts.env == NULL)

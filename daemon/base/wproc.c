@@ -372,17 +372,39 @@ static void worker_args(const struct wproc_opts *o, char **args, size_t max)
 	args[n] = NULL;
 }
 
+/* env with kv in place of its name's entry (malloc'ed: free it), or NULL */
+static char **env_with(char *const *env, const char *kv)
+{
+	size_t n = 0, k = 0;
+	char **out;
+
+	while (env[n])
+		n++;
+	out = calloc(n + 2, sizeof *out);
+	if (out == NULL)
+		return NULL;
+	for (size_t i = 0; i < n; i++)
+		if (!overridden(env[i], (const char *const[]){kv, NULL}))
+			out[k++] = env[i];
+	out[k] = (char *)kv;
+	return out;
+}
+
 struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const struct wproc_ops *ops,
                           void *data, int *uv_err)
 {
 	char *args[80];
 	uv_stdio_container_t stdio[3];
 	uv_process_options_t po = {0};
-	struct wproc *p = calloc(1, sizeof *p);
+	char **env = o->env_set ? env_with(o->env, o->env_set) : o->env;
+	struct wproc *p = env ? calloc(1, sizeof *p) : NULL;
 
 	*uv_err = UV_ENOMEM;
-	if (p == NULL)
+	if (p == NULL) {
+		if (env != o->env)
+			free(env);
 		return NULL;
+	}
 	p->ops = ops;
 	p->data = data;
 	snprintf(p->scratch, sizeof p->scratch, "%s", o->scratch ? o->scratch : "");
@@ -401,12 +423,14 @@ struct wproc *wproc_spawn(uv_loop_t *loop, const struct wproc_opts *o, const str
 	worker_args(o, args, sizeof args / sizeof args[0]);
 	po.file = args[0];
 	po.args = args;
-	po.env = o->env;
+	po.env = env;
 	po.stdio = stdio;
 	po.stdio_count = 3;
 	po.exit_cb = on_exit_cb;
 	po.flags = UV_PROCESS_DETACHED; /* own session and process group */
 	*uv_err = uv_spawn(loop, &p->proc, &po);
+	if (env != o->env)
+		free(env); /* the child has its copy: uv_spawn returns after its exec */
 	if (*uv_err != 0) {
 		/* nothing runs; the handles still close (and free p), telling nobody */
 		static const struct wproc_ops unspawned = {.closed = nobody};

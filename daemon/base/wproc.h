@@ -44,6 +44,8 @@ struct wproc_opts {
 	const char *const *write;
 	/* paths it may not read, and paths beneath those it may (NULL-terminated) */
 	const char *const *hide, *const *keep;
+	/* "NAME=value" replacing NAME in env for this worker, or NULL */
+	const char *env_set;
 };
 
 /* The workers' environment (allow-listed, then extra): calloc'ed, free it. */

@@ -425,9 +425,11 @@ static int prepare_compile(struct load_job *j, struct proto_err *err)
 	j->job.steps = sp->steps;
 	j->job.max_batch = sp->batch ? spec_max_batch(sp) : 0;
 	j->job.wrt = sp->wrt;
-	j->job.sample = j->sample;
+	j->job.tenant = compiler_tenant(a->def.owner);
+	/* no request data reaches a captured graph's worker (it checks on generated inputs) */
+	j->job.sample = a->def.graph ? NULL : j->sample;
 	j->job.key = j->key;
-	j->job.sample_len = j->sample_len;
+	j->job.sample_len = j->job.sample ? j->sample_len : 0;
 	j->job.done = on_compiled;
 	j->job.data = j;
 	cache_tmp_path(j->g->cache, j->key, j->job.output, sizeof j->job.output);

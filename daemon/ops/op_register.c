@@ -271,6 +271,7 @@ static void op_register(struct request *req)
 	}
 	rc->req = req;
 	rc->job.check_only = true;
+	rc->job.tenant = compiler_tenant(req->conn->uid); /* the text is the requester's */
 	rc->job.graph = rc->def.graph;
 	rc->job.body_source = rc->def.source;
 	rc->job.body_file = rc->def.body_file[0] ? rc->def.body_file : rc->def.name;
