@@ -76,8 +76,10 @@ static void print_run_summary(json_t *j, const char *metric, const char *prefix)
 
 void cli_print_prometheus(json_t *j)
 {
-	static const char *const counters[] = {"requests",     "errors", "compiles",  "cache_hits",
-	                                       "cache_misses", "runs",   "local_runs"};
+	static const char *const counters[] = {
+	    "requests",         "errors",        "compiles",         "cache_hits",
+	    "cache_misses",     "runs",          "local_runs",       "upgrades_started",
+	    "upgrades_skipped", "upgrades_kept", "upgrades_reverted"};
 	json_t *a;
 	size_t i;
 

@@ -56,6 +56,9 @@
 	X("upgrade-budget", upgrade_budget, 0, 40, 86400,                                          \
 	  "estimated seconds unrolling may add to a quick tier's upgrade compile; over it the "    \
 	  "scan op runs blocks of unrolled steps (0: no limit, always the unrolled loop)")         \
+	X("upgrade-keep-percent", upgrade_keep_percent, 1, 90, 100,                                \
+	  "a quick tier's upgrade stays only if its median run is at most this percent of the "    \
+	  "scan op's graph's; an adapter whose upgrade lost builds no more of that kind")          \
 	X("max-graphs-per-uid", max_graphs_per_uid, 1, 64, 65536,                                  \
 	  "captured-graph adapters one uid may hold (its least recently used one goes first)")     \
 	X("max-failed-specs", max_failed_specs, 1, 64, 4096,                                       \

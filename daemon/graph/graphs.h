@@ -88,6 +88,9 @@ struct adapter_stats {
 	uint64_t local_runs;
 	double local_p50_us, local_p99_us;
 	double compile_seconds;
+	/* quick tiers' upgrades: built, skipped (upgrade.c: over the budget, or
+	 * a lost trial of their kind), and their trials' verdicts */
+	uint64_t upgrades_started, upgrades_skipped, upgrades_kept, upgrades_reverted;
 	double latency_us[LATENCY_RING];
 	uint64_t latency_n;
 };
@@ -149,6 +152,7 @@ struct upgrade {
 	uint32_t step_ops; /* the quick graph's ATen calls a step (0: unknown) */
 	double estimate_s; /* the plan's compile seconds, estimated (the unrolled one's if none) */
 	enum upgrade_verdict verdict;
+	double keep_ratio;             /* --upgrade-keep-percent / 100, when planned */
 	char quick_key[CACHE_KEY_HEX]; /* the scan op's graph's cache key */
 	double quick_seconds;          /* and its compile seconds */
 	unsigned n[2];                 /* trial runs: [0] the quick graph's, [1] the upgrade's */
@@ -246,6 +250,9 @@ struct adapter {
 	unsigned worker_crashes;
 	struct proto_err crash_err;
 	struct adapter_stats stats;
+	/* the last lost trial of an upgrade of each kind ([0] unroll, [1] blocks;
+	 * "" none since one was kept): upgrade.c builds no more of that kind */
+	char upgrade_lost[2][128];
 	uint64_t generation;
 	uint64_t last_found; /* registry tick of the last adapter_find (graph eviction) */
 };

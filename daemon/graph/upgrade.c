@@ -22,8 +22,14 @@
  * Trial.  When the upgrade is loaded, the next runs alternate between it
  * and the quick graph (both are kept: runs hold the graph they started
  * with) until each has UPGRADE_TRIAL_RUNS runs with a settled OpenMP team;
- * the upgrade stays when its median run is at most KEEP_RATIO of the quick
- * graph's, else the quick graph serves again.  The trial is measured again
+ * the upgrade stays when its median run is at most --upgrade-keep-percent
+ * (90) of the quick graph's, else the quick graph serves again.
+ *
+ * Upgrades that pay.  A lost trial is remembered by its adapter, per kind
+ * (unrolled, blocks): the body's other specializations build no upgrade of
+ * that kind (what they would cost in background compile is saved; the note
+ * in `describe` says which trial decided it) until one of that kind is kept
+ * or the adapter is registered again.  The trial is measured again
  * after a restart (the upgrade then loads from the cache: no compile),
  * except for an unrolled upgrade, which a restart finds first and serves.
  *
@@ -44,7 +50,6 @@
  * the worker's codegen_speed.py and single export made that 20% less. */
 #define OP_STEP_SECONDS 0.010
 #define MIN_BLOCK       4
-#define KEEP_RATIO      0.9
 
 bool tier_applies(const struct graphs *g, const struct specialization *sp)
 {
@@ -67,11 +72,37 @@ static double unrolled_seconds(const struct specialization *sp, int64_t n)
 	return OP_STEP_SECONDS * sp->upgrade.step_ops * (double)n;
 }
 
+/* 0: an unrolled upgrade, 1: blocks */
+static int plan_kind(const char *plan)
+{
+	return strncmp(plan, "block", 5) == 0;
+}
+
+/* The plan is built (true) unless its kind lost a trial on this adapter. */
+static bool paid(struct specialization *sp)
+{
+	struct adapter *a = sp->adapter;
+	const char *lost = a->upgrade_lost[plan_kind(sp->upgrade.plan)];
+
+	if (lost[0] == '\0') {
+		a->stats.upgrades_started++;
+		return true;
+	}
+	a->stats.upgrades_skipped++;
+	snprintf(sp->note, sizeof sp->note, "quick tier: no upgrade (%s): %s", sp->upgrade.plan,
+	         lost);
+	sp->upgrade.plan[0] = '\0';
+	log_line(LOG_INFO, 0, a->def.name, "%s %s: %s", spec_kinds[sp->kind].name, sp->signature,
+	         sp->note);
+	return false;
+}
+
 /*
  * Fills sp->upgrade's plan (false: none): "unroll" when its unrolled steps fit the budget
  * (or with no budget, or a step of unknown size), else "block<K>" for the
  * largest K whose K + T % K unrolled steps fit, else "" (the quick graph
- * stays; the note says why).  The quick compile's seconds are not part of
+ * stays; the note says why); "" too when an upgrade of the plan's kind lost
+ * its trial on this adapter (paid).  The quick compile's seconds are not part of
  * the test (they say more about the machine's load than about the body),
  * only of the estimate shown.
  */
@@ -84,18 +115,20 @@ bool upgrade_plan(const struct graphs *g, struct specialization *sp)
 
 	u->planned = true;
 	u->estimate_s = sp->compile_seconds + unrolled_seconds(sp, t);
+	u->keep_ratio = (double)g->cfg->upgrade_keep_percent / 100.0;
 	if (budget <= 0 || u->step_ops == 0 || unrolled_seconds(sp, t) <= budget) {
 		snprintf(u->plan, sizeof u->plan, "unroll");
-		return true;
+		return paid(sp);
 	}
 	for (int k = (int)(t / 2); spec_kinds[sp->kind].blocks && k >= MIN_BLOCK; k--) {
 		if (unrolled_seconds(sp, k + t % k) <= budget) {
 			snprintf(u->plan, sizeof u->plan, "block%d", k);
 			u->estimate_s = sp->compile_seconds + unrolled_seconds(sp, k + t % k);
-			return true;
+			return paid(sp);
 		}
 	}
 	u->plan[0] = '\0';
+	sp->adapter->stats.upgrades_skipped++;
 	if (spec_kinds[sp->kind].blocks)
 		snprintf(why, sizeof why, "and so would a block of %d", MIN_BLOCK);
 	else
@@ -192,12 +225,20 @@ static void verdict(struct specialization *sp)
 {
 	struct upgrade *u = &sp->upgrade;
 	struct engine_graph *upgraded = sp->graph;
+	char *lost = sp->adapter->upgrade_lost[plan_kind(u->plan)];
 
 	u->median_us[0] = median(u->us[0], u->n[0]);
 	u->median_us[1] = median(u->us[1], u->n[1]);
-	if (u->median_us[1] <= KEEP_RATIO * u->median_us[0]) {
+	if (u->median_us[1] <= u->keep_ratio * u->median_us[0]) {
 		u->verdict = UPGRADE_KEPT;
+		sp->adapter->stats.upgrades_kept++;
+		lost[0] = '\0';
 	} else {
+		sp->adapter->stats.upgrades_reverted++;
+		snprintf(
+		    lost, sizeof sp->adapter->upgrade_lost[0],
+		    "the upgrade (%s) of %s lost its trial, %.1f us against the scan op's %.1f us",
+		    u->plan, sp->signature, u->median_us[1], u->median_us[0]);
 		u->verdict = UPGRADE_REVERTED;
 		sp->graph = sp->retired; /* the upgrade's runs under way keep theirs */
 		sp->retired = upgraded;
@@ -210,7 +251,7 @@ static void verdict(struct specialization *sp)
 	snprintf(
 	    sp->note, sizeof sp->note,
 	    "quick tier: the upgrade (%s) %s: median run %.1f us against the scan op's %.1f us",
-	    u->plan, u->verdict == UPGRADE_KEPT ? "kept" : "not kept, not faster by 10%",
+	    u->plan, u->verdict == UPGRADE_KEPT ? "kept" : "not kept, not fast enough",
 	    u->median_us[1], u->median_us[0]);
 	log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s: %s", spec_kinds[sp->kind].name,
 	         sp->signature, sp->note);

@@ -84,6 +84,10 @@ void describe_counters(struct writer *w, const struct adapter *a)
 	writer_key_u64(w, "failed_specs", a->failed);
 	writer_key_u64(w, "failed_evictions", s->failed_evictions);
 	writer_key_u64(w, "worker_crashes", a->worker_crashes);
+	writer_key_u64(w, "upgrades_started", s->upgrades_started);
+	writer_key_u64(w, "upgrades_skipped", s->upgrades_skipped);
+	writer_key_u64(w, "upgrades_kept", s->upgrades_kept);
+	writer_key_u64(w, "upgrades_reverted", s->upgrades_reverted);
 }
 
 void describe_specs(struct writer *w, const struct adapter *a)

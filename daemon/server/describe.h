@@ -17,7 +17,7 @@ void describe_lowering(struct writer *w, const struct specialization *sp);
 /* origin ("registered", "file", "restored") and persisted: 2 fields. */
 void describe_origin(struct writer *w, const struct daemon *d, const struct adapter *a);
 #define DESCRIBE_BOUNDS   11 /* map entries describe_bounds writes */
-#define DESCRIBE_COUNTERS 16
+#define DESCRIBE_COUNTERS 20
 /* Counters and run percentiles: DESCRIBE_COUNTERS map entries. */
 void describe_counters(struct writer *w, const struct adapter *a);
 /* The specializations held: one array. */

@@ -328,6 +328,7 @@ Test(cli, no_daemon_exits_3_and_a_daemon_error_exits_1)
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"--json", "list", NULL}), 0);
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"stats", "--prometheus", NULL}), 0);
 	cr_assert(log_has(dir, "torchloopd_connections_total"));
+	cr_assert(log_has(dir, "torchloopd_adapter_upgrades_skipped_total{adapter=\"t5.dyn\"} 0"));
 	cr_assert_eq(cli(d.sock, dir, (const char *[]){"scan", "--help", NULL}), 0);
 	cr_assert(log_has(dir, "usage: torchloop"));
 	cr_assert_eq(hd_stop(&d), 0);

@@ -513,3 +513,97 @@ Test(tier, an_upgrade_over_its_budget_is_built_in_blocks_and_kept_only_when_fast
 	h_bufs_free(&bb);
 	tl_builder_free(b);
 }
+
+/* The specialization of adapter at T steps, as describe shows it (caller decrefs). */
+static json_t *spec_at(struct tl_client *c, const char *adapter, int T)
+{
+	json_t *desc = h_call_json(c, "describe", adapter), *found = NULL;
+	json_t *specs = json_object_get(desc, "specializations");
+	char want[32];
+
+	snprintf(want, sizeof want, "T=%d ", T);
+	for (size_t i = 0; i < json_array_size(specs); i++)
+		if (strstr(str(json_array_get(specs, i), "signature"), want))
+			found = json_incref(json_array_get(specs, i));
+	json_decref(desc);
+	cr_assert_not_null(found, "no specialization at T=%d", T);
+	return found;
+}
+
+/* Waits until the upgrade of adapter's T steps is planned and not under way. */
+static json_t *await_planned(struct tl_client *c, const char *adapter, int T)
+{
+	for (int i = 0; i < 2400; i++) {
+		json_t *sp = spec_at(c, adapter, T);
+		if (json_is_object(json_object_get(sp, "upgrade")) &&
+		    !json_is_true(json_object_get(sp, "upgrading")))
+			return sp;
+		json_decref(sp);
+		usleep(250 * 1000);
+	}
+	cr_assert_fail("the upgrade at T=%d was not over within 600 s", T);
+	return NULL;
+}
+
+/*
+ * Upgrades that pay (upgrade.c): with --upgrade-keep-percent 1 the unrolled
+ * upgrade of ema at T = 8 loses its trial (it would have to run 100 times
+ * faster); the same adapter at T = 12 is then served by its scan op's graph
+ * and builds no upgrade, its note naming the trial that decided it; the
+ * counters say one started, one reverted, one skipped; every result matches
+ * the eager loop.  Compiles: the two quick graphs and one unrolled loop.
+ */
+Test(tier, an_adapter_whose_upgrade_lost_its_trial_builds_no_more_of_that_kind)
+{
+	const char *args[] = {
+	    "--no-probe", "--quick-tier-steps", "4", "--upgrade-keep-percent", "1", NULL};
+	struct tl_builder *b = tl_builder_new();
+	struct h_bufs bb = {{0}, 0};
+	struct tl_tree *c8, *x8, *c12, *x12;
+	struct tl_client *c;
+	struct tl_reply *r;
+	struct tl_error err;
+	char cache[512], verdict[16] = "trial";
+	json_t *sp, *up;
+	struct hd d;
+
+	h_tmpdir(cache, sizeof cache, "tpay");
+	ema_trees(b, &bb, 8, 61, &c8, &x8);
+	ema_trees(b, &bb, 12, 63, &c12, &x12);
+	hd_start(&d, cache, args);
+	hd_wait_ready(&d, 120);
+	c = hd_connect(&d);
+	hd_register(c, "pay.ema", EMA, "body", 64, 4096, 4);
+	check_scan(c, "pay.ema", EMA, "body", c8, x8, b, "quick");
+	json_decref(await_planned(c, "pay.ema", 8));
+	for (int i = 0; i < 400 && strcmp(verdict, "trial") == 0; i++) {
+		cr_assert_eq(tl_scan(c, "pay.ema", c8, x8, &r, &err), 0, "%s", err.message);
+		tl_reply_free(r);
+		sp = spec_at(c, "pay.ema", 8);
+		snprintf(verdict, sizeof verdict, "%s",
+		         str(json_object_get(sp, "upgrade"), "verdict"));
+		json_decref(sp);
+	}
+	cr_assert_str_eq(verdict, "reverted");
+	check_scan(c, "pay.ema", EMA, "body", c8, x8, b, NULL);
+
+	check_scan(c, "pay.ema", EMA, "body", c12, x12, b, NULL);
+	sp = await_planned(c, "pay.ema", 12);
+	up = json_object_get(sp, "upgrade");
+	cr_assert_str_eq(str(up, "plan"), "");
+	cr_assert_str_eq(str(sp, "tier"), "quick");
+	cr_assert_str_eq(str(sp, "lowered"), "scan");
+	cr_assert(strstr(str(sp, "note"), "lost its trial") && strstr(str(sp, "note"), "T=8 "),
+	          "note: %s", str(sp, "note"));
+	json_decref(sp);
+	check_scan(c, "pay.ema", EMA, "body", c12, x12, b, NULL);
+	cr_assert_eq(hd_counter(c, "pay.ema", "upgrades_started"), 1);
+	cr_assert_eq(hd_counter(c, "pay.ema", "upgrades_reverted"), 1);
+	cr_assert_eq(hd_counter(c, "pay.ema", "upgrades_skipped"), 1);
+	cr_assert_eq(hd_counter(c, "pay.ema", "upgrades_kept"), 0);
+	cr_assert_eq(hd_counter(c, "pay.ema", "compiles"), 3, "two quick graphs, one unrolled");
+	tl_close(c);
+	cr_assert_eq(hd_stop(&d), 0);
+	h_bufs_free(&bb);
+	tl_builder_free(b);
+}
