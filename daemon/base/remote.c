@@ -451,35 +451,6 @@ void remote_publish(struct remote *r, const char *key, uint8_t *blob, size_t len
 
 /* ---- the tier ----------------------------------------------------------- */
 
-/* The first line of a credentials file (a systemd LoadCredential= path). */
-static int read_secret(const char *path, char *out, size_t size, size_t *len, char *why,
-                       size_t why_size)
-{
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	ssize_t n;
-
-	if (fd < 0) {
-		snprintf(why, why_size, "%s: %s", path, strerror(errno));
-		return -1;
-	}
-	n = read(fd, out, size);
-	close(fd);
-	if (n < 0 || (size_t)n >= size) {
-		snprintf(why, why_size, "%s: %s", path,
-		         n < 0 ? strerror(errno) : "longer than 255 bytes");
-		return -1;
-	}
-	while (n > 0 && (out[n - 1] == '\n' || out[n - 1] == '\r'))
-		n--;
-	out[n] = '\0';
-	if (n == 0) {
-		snprintf(why, why_size, "%s is empty", path);
-		return -1;
-	}
-	*len = (size_t)n;
-	return 0;
-}
-
 /* redis://HOST[:PORT][/DB] or unix:///PATH[?db=N] */
 static int parse_url(struct remote *r, const char *url)
 {
@@ -547,7 +518,8 @@ struct remote *remote_open(uv_loop_t *loop, const struct remote_opts *o, char *w
 		goto bad;
 	}
 	if (o->auth_file && o->auth_file[0] &&
-	    read_secret(o->auth_file, r->auth, sizeof r->auth, &auth_len, why, why_size) != 0)
+	    remote_blob_read_secret(o->auth_file, r->auth, sizeof r->auth, &auth_len, why,
+	                            why_size) != 0)
 		goto bad;
 	if (o->secret_file == NULL || o->secret_file[0] == '\0') {
 		snprintf(why, why_size,
@@ -557,8 +529,8 @@ struct remote *remote_open(uv_loop_t *loop, const struct remote_opts *o, char *w
 		free(r);
 		return NULL;
 	}
-	if (read_secret(o->secret_file, (char *)r->secret, sizeof r->secret, &r->secret_len, why,
-	                why_size) != 0)
+	if (remote_blob_read_secret(o->secret_file, (char *)r->secret, sizeof r->secret,
+	                            &r->secret_len, why, why_size) != 0)
 		goto bad;
 	gethostname(host, sizeof host - 1);
 	snprintf(r->node, sizeof r->node, "%s:%d", host, (int)getpid());

@@ -118,6 +118,11 @@ void remote_publish(struct remote *r, const char *key, uint8_t *blob, size_t len
 
 /* ---- blobs (remote_blob.c) --------------------------------------------- */
 
+/* The first line of a credentials file (the shared secret's, a systemd
+ * LoadCredential= path) into out: 0, or -1 with why. */
+int remote_blob_read_secret(const char *path, char *out, size_t size, size_t *len, char *why,
+                            size_t why_size);
+
 /* What travels with the artifact: what a compile reply carries. */
 struct remote_meta {
 	uint32_t n_inputs, n_outputs, step_ops;

@@ -11,12 +11,15 @@
  * cache like a compile's output (sha256 of the bytes, the .meta's key).
  *
  * Pure functions (the pool seals and opens blobs); HMAC and the
- * constant-time comparison are OpenSSL's libcrypto.
+ * constant-time comparison are OpenSSL's libcrypto.  Also here: reading the
+ * secret itself from its credentials file (at start).
  */
 #include "remote.h"
 
 #include "mpguard.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <msgpack.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -24,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MAGIC     "TLB1"
 #define MAGIC_LEN 4
@@ -221,4 +225,33 @@ enum remote_refusal remote_blob_open(const uint8_t *secret, size_t secret_len, c
 	*so = blob + so_off;
 	*so_len = len - so_off;
 	return BLOB_OK;
+}
+
+/* The first line of a credentials file (a systemd LoadCredential= path). */
+int remote_blob_read_secret(const char *path, char *out, size_t size, size_t *len, char *why,
+                            size_t why_size)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	ssize_t n;
+
+	if (fd < 0) {
+		snprintf(why, why_size, "%s: %s", path, strerror(errno));
+		return -1;
+	}
+	n = read(fd, out, size);
+	close(fd);
+	if (n < 0 || (size_t)n >= size) {
+		snprintf(why, why_size, "%s: %s", path,
+		         n < 0 ? strerror(errno) : "longer than 255 bytes");
+		return -1;
+	}
+	while (n > 0 && (out[n - 1] == '\n' || out[n - 1] == '\r'))
+		n--;
+	out[n] = '\0';
+	if (n == 0) {
+		snprintf(why, why_size, "%s is empty", path);
+		return -1;
+	}
+	*len = (size_t)n;
+	return 0;
 }

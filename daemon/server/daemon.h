@@ -302,6 +302,8 @@ int daemon_graphs_start_worker(struct daemon *d,
 void daemon_begin_shutdown(struct daemon *d, const char *why);
 /* Seconds the oldest pool canary has waited (0 when none is waiting). */
 double daemon_pool_wait(const struct daemon *d);
+/* The pool timer's tick (canary.c): sends the canaries, marks a stall. */
+void daemon_pool_canary(uv_timer_t *t);
 void daemon_request_done(struct daemon *d);
 
 /* worker_target.c: the ISA and worker digest of every cache key (-1: the
