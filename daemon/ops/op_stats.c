@@ -11,6 +11,27 @@ struct counter {
  * adapters */
 #define STATS_OTHER_KEYS 6
 
+/* stats' error_codes (those sent at least once) and adapters (bounds and counters) */
+static void write_codes_and_adapters(struct writer *w, const struct daemon *d)
+{
+	uint32_t n_codes = 0;
+
+	for (int c = 1; c < PROTO_E__COUNT; c++)
+		n_codes += d->stats.error_codes[c] != 0;
+	writer_str(w, "error_codes");
+	msgpack_pack_map(&w->pk, n_codes);
+	for (int c = 1; c < PROTO_E__COUNT; c++)
+		if (d->stats.error_codes[c])
+			writer_key_u64(w, proto_code_name(c), d->stats.error_codes[c]);
+	writer_str(w, "adapters");
+	msgpack_pack_array(&w->pk, d->graphs.reg.count);
+	for (const struct adapter *a = d->graphs.reg.head; a; a = a->next) {
+		msgpack_pack_map(&w->pk, DESCRIBE_BOUNDS + DESCRIBE_COUNTERS);
+		describe_bounds(w, a);
+		describe_counters(w, a);
+	}
+}
+
 static void op_stats(struct request *req)
 {
 	struct daemon *d = req->d;
@@ -51,7 +72,6 @@ static void op_stats(struct request *req)
 	};
 	size_t n = sizeof counters / sizeof counters[0];
 	struct outmsg *out = request_begin_result(req, (uint32_t)(n + STATS_OTHER_KEYS));
-	uint32_t n_codes = 0;
 
 	if (out == NULL)
 		return;
@@ -63,20 +83,7 @@ static void op_stats(struct request *req)
 	describe_lanes(&out->w, d->compiler, true);
 	writer_str(&out->w, "remote");
 	describe_remote(&out->w, d->graphs.remote, true);
-	for (int c = 1; c < PROTO_E__COUNT; c++)
-		n_codes += d->stats.error_codes[c] != 0;
-	writer_str(&out->w, "error_codes");
-	msgpack_pack_map(&out->w.pk, n_codes);
-	for (int c = 1; c < PROTO_E__COUNT; c++)
-		if (d->stats.error_codes[c])
-			writer_key_u64(&out->w, proto_code_name(c), d->stats.error_codes[c]);
-	writer_str(&out->w, "adapters");
-	msgpack_pack_array(&out->w.pk, d->graphs.reg.count);
-	for (const struct adapter *a = d->graphs.reg.head; a; a = a->next) {
-		msgpack_pack_map(&out->w.pk, DESCRIBE_BOUNDS + DESCRIBE_COUNTERS);
-		describe_bounds(&out->w, a);
-		describe_counters(&out->w, a);
-	}
+	write_codes_and_adapters(&out->w, d);
 	request_reply(req, out);
 }
 

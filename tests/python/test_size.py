@@ -20,7 +20,6 @@ SOURCES = ["proto/*.[ch]", "daemon/*/*.[ch]", "daemon/worker/*.py", "daemon/work
 ALLOWED: dict[str, str] = {
     "client/python/torchloop/adapter.py": "being split (issue 57): the autograd Function out",
     "client/tl_scan.c:run_op": "62: one round trip's steps in order (send, events, reply, decode)",
-    "daemon/ops/op_stats.c:op_stats": "67: a flat list of stats keys, one line each",
     "daemon/server/conn.c:conn_send": "69: the write path's cases (inline, queued, paused) in one place",
     "daemon/graph/run.c:run_chunks": "72: the chunk loop with its carry hand-over and fault checks",
     "client/python/torchloop/_fast.c:conn_call": "80: the C round trip (encode, send, poll, read, decode)",
