@@ -187,6 +187,32 @@ static bool pid_gone(pid_t pid, int timeout_s)
 	return false;
 }
 
+/* Waits until the stats op's key is at most max; 120 s is only a failure guard. */
+static void await_stat_at_most(struct tl_client *c, const char *key, uint64_t max, const char *what)
+{
+	uint64_t v = h_stat(c, key);
+
+	for (int k = 0; k < 1200 && v > max; k++) {
+		usleep(100000);
+		v = h_stat(c, key);
+	}
+	cr_assert_leq(v, max, "%s: stats' %s still %llu after 120 s", what, key,
+	              (unsigned long long)v);
+}
+
+/* Waits until describe's counter of adapter is at least min (120 s: a failure guard). */
+static void await_counter(struct tl_client *c, const char *adapter, const char *counter, double min,
+                          const char *what)
+{
+	double v = hd_counter(c, adapter, counter);
+
+	for (int k = 0; k < 1200 && v < min; k++) {
+		usleep(100000);
+		v = hd_counter(c, adapter, counter);
+	}
+	cr_assert_geq(v, min, "%s: %s's %s still %g after 120 s", what, adapter, counter, v);
+}
+
 /* A scan in a thread of its own (its own connection). */
 struct bg {
 	const char *sock, *adapter;
@@ -331,7 +357,8 @@ Test(reliability, re_registering_mid_compile_never_blocks_a_pool_thread)
 		cr_assert_eq(tl_unregister(c, "rel.wedge", &err), 0, "%s", err.message);
 		reg_ok(c, "rel.wedge", src);
 		bg_start(&scans[k], &d, "rel.wedge", 3);
-		usleep(300000);
+		/* the scan found this registration (before the next unregister) */
+		await_counter(c, "rel.wedge", "requests", 1, "the scan after a re-registration");
 	}
 	for (int k = 0; k < 20; k++) /* the pool still runs graphs */
 		scan_sum_ok(c, "rel.warm", 3);
@@ -474,7 +501,9 @@ Test(reliability, a_client_that_never_reads_holds_only_its_reply_bytes)
 	for (int k = 0; k < 600 && h_stat(c, "memory_pauses") == 0; k++)
 		usleep(100000);
 	cr_assert_geq(h_stat(c, "memory_pauses"), 1, "the non-reading client was paused");
-	sleep(1);
+	/* what it holds is final once every request it sent is answered: in
+	 * flight is only this stats */
+	await_stat_at_most(c, "inflight", 1, "the paused client's requests");
 	queued = h_stat(c, "queued_bytes");
 	after = h_rss_kib(d.pid);
 	cr_log_info("paused after %llu requests: RSS +%ld KiB holding %llu accounted bytes",
@@ -596,7 +625,7 @@ static size_t send_some(int fd, const uint8_t *p, size_t n)
 
 struct trickle {
 	int fd[10];
-	_Atomic int stop;
+	_Atomic int stop, rounds;
 };
 
 /* One byte per connection every 0.5 s: never silent long enough for the
@@ -609,6 +638,7 @@ static void *trickle(void *arg)
 	while (!t->stop) {
 		for (int i = 0; i < 10; i++)
 			send_some(t->fd[i], &b, 1);
+		t->rounds++;
 		usleep(500 * 1000);
 	}
 	return NULL;
@@ -655,7 +685,7 @@ Test(reliability, trickled_frames_are_held_to_the_caps_and_closed_by_their_deadl
 	                      "8388608",    "--max-connections-per-uid",
 	                      "11",         NULL};
 	uint8_t head[4], *chunk = calloc(1, 5u << 20);
-	struct trickle t = {{0}, 0};
+	struct trickle t = {{0}, 0, 0};
 	size_t sent[10] = {0};
 	int admitted = 0;
 	struct hd d;
@@ -682,7 +712,10 @@ Test(reliability, trickled_frames_are_held_to_the_caps_and_closed_by_their_deadl
 	cr_assert_geq(admitted, 1, "some bodies were taken");
 	cr_assert_lt(admitted, 10, "not all: they would be 50 MiB");
 	pthread_create(&th, NULL, trickle, &t);
-	sleep(3);
+	/* measured while they trickle: every connection has had 6 more bytes */
+	for (int k = 0; k < 1200 && t.rounds < 6; k++)
+		usleep(100 * 1000);
+	cr_assert_geq(t.rounds, 6, "the trickle thread made no 6 rounds within 120 s");
 	rss = h_rss_kib(d.pid);
 	cr_assert_leq(h_stat(c, "queued_bytes"), 16u << 20, "within --max-queued-memory");
 	cr_assert_lt(rss - base, 24 * 1024, "RSS grew %ld KiB (caps: 16 MiB)", rss - base);
@@ -1021,7 +1054,6 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	struct hd d;
 	struct tl_client *c;
 	struct tl_error err;
-	uint64_t tries;
 	bool backoff = false;
 	pid_t w;
 
@@ -1049,10 +1081,15 @@ Test(reliability, a_worker_that_cannot_start_backs_off_and_fails_waiters)
 	cr_assert(backoff, "health reports the worker in backoff");
 	expect_code(reg_src(c, "rel.nostart", CUMSUM_SRC, &err), &err, "WORKER_CRASHED");
 	cr_assert_not_null(strstr(err.message, "cannot start"), "%s", err.message);
-	tries = h_stat(c, "worker_start_failures");
-	sleep(4);
-	cr_assert_leq(h_stat(c, "worker_start_failures") - tries, 4,
-	              "backoff: a few tries in 4 s, not dozens");
+	/* backoff, not a tight loop: each failed start doubles the wait before the next */
+	cr_assert(
+	    log_has(&d, "compile worker: 3 start failure(s) in a row; next try in 1.00 s", 120),
+	    "no third failed start within 120 s; log %s", d.log);
+	cr_assert(log_has(&d, "compile worker: 1 start failure(s) in a row; next try in 0.25 s", 0),
+	          "log %s", d.log);
+	cr_assert(log_has(&d, "compile worker: 2 start failure(s) in a row; next try in 0.50 s", 0),
+	          "log %s", d.log);
+	cr_assert_geq(h_stat(c, "worker_start_failures"), 3);
 	unlink(flag);
 	hd_wait_ready(&d, 60); /* the next try (at most 32 s away) succeeds */
 	reg_ok(c, "rel.nostart", CUMSUM_SRC);
@@ -1387,7 +1424,8 @@ Test(reliability, one_uid_cannot_take_every_connection)
 	close(fd);
 	cr_assert_eq(hello_as(d.sock, 65534), 0, "another uid still gets in");
 	tl_close(c[2]);
-	usleep(200000);
+	/* the daemon closed its end: c[0] and c[1] are all that is open */
+	await_stat_at_most(c[0], "open_connections", 2, "the closed client's connection");
 	c[2] = hd_connect(&d); /* a slot came free */
 	for (int k = 0; k < 3; k++)
 		tl_close(c[k]);

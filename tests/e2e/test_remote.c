@@ -130,6 +130,25 @@ static size_t redis_keys(const struct redis *r, const char *pattern, char *first
 	return n;
 }
 
+/* How many times Redis ran cmd (INFO commandstats; a script's commands count). */
+static long redis_calls(const struct redis *r, const char *cmd)
+{
+	redisContext *c = redis_cli(r);
+	redisReply *rep = redisCommand(c, "INFO commandstats");
+	char needle[64];
+	const char *at;
+	long n = 0;
+
+	cr_assert(rep && rep->type == REDIS_REPLY_STRING, "INFO commandstats");
+	snprintf(needle, sizeof needle, "cmdstat_%s:calls=", cmd);
+	at = strstr(rep->str, needle);
+	if (at)
+		n = atol(at + strlen(needle));
+	freeReplyObject(rep);
+	redisFree(c);
+	return n;
+}
+
 static void redis_set(const struct redis *r, const char *key, const void *val, size_t len)
 {
 	redisContext *c = redis_cli(r);
@@ -388,6 +407,7 @@ Test(remote, a_lease_holder_killed_mid_compile_is_taken_over_within_the_lease_ti
 	struct asked qa, qb;
 	pthread_t ta, tb;
 	struct timespec t0;
+	long renewed;
 
 	redis_start(&r);
 	node_up(&a, &r, lease);
@@ -402,7 +422,14 @@ Test(remote, a_lease_holder_killed_mid_compile_is_taken_over_within_the_lease_ti
 	qb = (struct asked){b.d.sock, 5, -1, {{0}}};
 	pthread_create(&tb, NULL, ask, &qb);
 	await_stat(b.c, "lease_waits", 1, 30);
-	usleep(2000 * 1000); /* longer than the lease: a renews it, b keeps waiting */
+	/* longer than the lease: a renews it (its script's PEXPIRE, a third of the
+	 * lease apart) 5 times, 2 s from the first to the last; b keeps waiting */
+	renewed = redis_calls(&r, "pexpire");
+	for (int k = 0; k < 1200 && redis_calls(&r, "pexpire") < renewed + 5; k++)
+		usleep(100 * 1000);
+	cr_assert_geq(redis_calls(&r, "pexpire"), renewed + 5,
+	              "a did not renew its lease 5 times within 120 s");
+	cr_assert_eq(redis_keys(&r, "tl:l:*", NULL, 0), 1, "a still holds the lease");
 	cr_assert_eq(remote_stat(b.c, "lease_takeovers"), 0);
 	kill(a.d.pid, SIGKILL); /* its lease is no longer renewed (its workers die with it) */
 	waitpid(a.d.pid, NULL, 0);

@@ -123,6 +123,33 @@ struct retried {
 	double sent_at;
 };
 
+/* Waits until d's log has needle; 120 s is only a failure guard. */
+static void await_log(const struct hd *d, const char *needle)
+{
+	for (int k = 0; k < 1200; k++) {
+		char *text = h_slurp(d->log);
+		bool seen = strstr(text, needle) != NULL;
+		free(text);
+		if (seen)
+			return;
+		usleep(100 * 1000);
+	}
+	cr_assert_fail("no '%s' within 120 s; log %s", needle, d->log);
+}
+
+/* Waits until c's daemon has n requests in flight (the stats asking
+ * included); 120 s is only a failure guard. */
+static void await_inflight(struct tl_client *c, uint64_t n)
+{
+	uint64_t v = h_stat(c, "inflight");
+
+	for (int k = 0; k < 1200 && v < n; k++) {
+		usleep(100 * 1000);
+		v = h_stat(c, "inflight");
+	}
+	cr_assert_geq(v, n, "%llu requests in flight after 120 s", (unsigned long long)v);
+}
+
 /* The request the stopping daemon refuses; its retry waits for the next one. */
 static void *stats_across(void *p)
 {
@@ -163,9 +190,10 @@ Test(restart, a_request_a_stopping_daemon_refused_is_sent_again_after_the_restar
 	cr_assert_eq(s.rc, 0, "%s %s", s.err.code, s.err.message);
 	tl_set_reconnect(rt.c, 120000);
 	pthread_create(&slow_t, NULL, slow_scan, &s);
-	usleep(500 * 1000); /* its scan runs */
+	await_inflight(rt.c, 2); /* its scan runs (and this stats) */
 	kill(d.pid, SIGTERM);
-	usleep(300 * 1000); /* the daemon drains it */
+	/* the daemon drains it: stopping with the scan in flight */
+	await_log(&d, "shutting down (SIGTERM); 1 requests in flight");
 	pthread_create(&stats_t, NULL, stats_across, &rt);
 	/* this thread starts the next daemon: a daemon's parent death signal
 	 * follows the thread that forked it */
