@@ -4,20 +4,9 @@
  * continued by its own short function on the loop (the `stages` table;
  * docs/architecture.md, "The cold path", draws it).
  *
- *   LOOKUP     pool: the cache; on a miss the key's flock is tried (never
- *              waited on by a pool thread), on a hit the artifact dlopened
- *     hit            -> READY (an upgrade: it takes over)
- *     lock busy      -> LOCK_WAIT
- *     miss, a long unrolled graph (tier_applies) -> LOOKUP of the quick
- *                       tier's key (the scan op's graph)
- *     miss, prewarm  -> dropped, or a request's when requests joined
- *     miss           -> COMPILE
- *   LOCK_WAIT  loop timer: another holder compiles this key; after
- *              CACHE_LOCK_RETRY_MS -> LOOKUP, for at most --compile-timeout
- *   COMPILE    the worker builds it
- *     failed, quick tier, a lowering problem -> COMPILE unrolled
- *     built          -> COMMIT
- *   COMMIT     pool: verify and commit to the cache, dlopen -> READY
+ * What each stage does and which it may enter next is the table at the end
+ * (stages[], .next asserted by enter()); docs/architecture.md draws it
+ * (LOOKUP, LOCK_WAIT, REMOTE, LEASE, LEASE_WAIT, COMPILE, COMMIT).
  *
  * Any failure ends the job: the specialization FAILED (specs.c), or for an
  * upgrade, the quick graph keeps serving.  A READY quick graph starts its
@@ -35,6 +24,7 @@
 #include "shapes.h"
 #include "signature.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,11 +45,15 @@ struct stage {
 	uv_work_cb pool;
 	void (*start)(struct load_job *j);
 	void (*done)(struct load_job *j);
+	unsigned next; /* the stages it may enter (1 << stage each), asserted by enter() */
 };
 static const struct stage stages[STAGES];
 
+/* A job begins in LOOKUP (start_lookup: its stage is 0 before) and moves
+ * only along stages[].next. */
 static void enter(struct load_job *j, enum load_stage s)
 {
+	assert(stages[j->stage].next & (1u << s));
 	j->stage = s;
 	log_line(LOG_DEBUG, 0, j->sp->adapter->def.name, "%s %s: %s (%s key %.16s)",
 	         spec_kinds[j->sp->kind].name, j->sp->signature, stages[s].name,
@@ -448,7 +442,7 @@ static void start_compile(struct load_job *j)
 		         spec_kinds[sp->kind].name, sp->signature, sp->upgrade.plan,
 		         sp->upgrade.estimate_s);
 	} else if (sp->state != SPEC_COMPILING) {
-		sp->state = SPEC_COMPILING;
+		spec_set_state(sp, SPEC_COMPILING);
 		log_line(LOG_INFO, 0, a->def.name, "compiling %s %s%s", spec_kinds[sp->kind].name,
 		         sp->signature,
 		         j->quick ? " with the scan op first (quick tier), then its upgrade" : "");
@@ -506,7 +500,7 @@ static void compiled(struct load_job *j)
 	if (j->purpose != LOAD_UPGRADE) {
 		sp->compile_seconds = j->res.compile_seconds;
 		memcpy(sp->compile_phases, j->res.phases, sizeof sp->compile_phases);
-		sp->state = SPEC_LOADING;
+		spec_set_state(sp, SPEC_LOADING);
 	}
 	enter(j, STAGE_COMMIT);
 }
@@ -589,12 +583,16 @@ static void start_upgrade(struct graphs *g, struct specialization *sp, struct lo
 	start_lookup(g, sp, j, key);
 }
 
+#define TO(s) (1u << STAGE_##s)
 static const struct stage stages[STAGES] = {
-    [STAGE_LOOKUP] = {"lookup", lookup_work, start_pool, looked_up},
-    [STAGE_LOCK_WAIT] = {"lock_wait", NULL, start_lock_wait, lock_waited},
-    [STAGE_REMOTE] = {"remote", NULL, start_fetch, fetched},
-    [STAGE_LEASE] = {"lease", NULL, start_lease, leased},
-    [STAGE_LEASE_WAIT] = {"lease_wait", NULL, start_lease_wait, lease_waited},
-    [STAGE_COMPILE] = {"compile", NULL, start_compile, compiled},
-    [STAGE_COMMIT] = {"commit", commit_work, start_pool, committed},
+    [STAGE_LOOKUP] = {"lookup", lookup_work, start_pool, looked_up,
+                      TO(LOOKUP) | TO(LOCK_WAIT) | TO(REMOTE) | TO(COMPILE)},
+    [STAGE_LOCK_WAIT] = {"lock_wait", NULL, start_lock_wait, lock_waited, TO(LOOKUP)},
+    [STAGE_REMOTE] = {"remote", NULL, start_fetch, fetched, TO(COMMIT) | TO(LEASE) | TO(COMPILE)},
+    [STAGE_LEASE] = {"lease", NULL, start_lease, leased, TO(COMPILE) | TO(LEASE_WAIT)},
+    [STAGE_LEASE_WAIT] = {"lease_wait", NULL, start_lease_wait, lease_waited,
+                          TO(REMOTE) | TO(COMPILE)},
+    [STAGE_COMPILE] = {"compile", NULL, start_compile, compiled, TO(COMPILE) | TO(COMMIT)},
+    [STAGE_COMMIT] = {"commit", commit_work, start_pool, committed, TO(COMPILE)},
 };
+#undef TO

@@ -90,6 +90,8 @@ void spec_add_waiter(struct specialization *sp, struct graph_waiter *w);
 void spec_start_progress(struct graphs *g, struct specialization *sp);
 /* The ends: the waiters get the graph, or the error (remembered unless transient). */
 void spec_ready(struct graphs *g, struct specialization *sp);
+/* Moves sp to state s, asserting the move is one of specs.c's SPEC_NEXT. */
+void spec_set_state(struct specialization *sp, enum spec_state s);
 void spec_failed(struct graphs *g, struct specialization *sp, const struct proto_err *err);
 /* The largest batch size whose leaves stay within max_elements (sizes at 1). */
 int64_t spec_max_batch(const struct specialization *sp);

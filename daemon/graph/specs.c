@@ -14,6 +14,7 @@
 #include "shapes.h"
 #include "signature.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,6 +229,22 @@ static bool transient(const struct proto_err *err)
 	       code == PROTO_E_INTERNAL || code == PROTO_E_ARTIFACT_CORRUPT;
 }
 
+/* The state machine of a specialization: the states each may move to. */
+#define TO(s) (1u << SPEC_##s)
+static const unsigned SPEC_NEXT[] = {
+    [SPEC_LOADING] = TO(LOADING) | TO(COMPILING) | TO(READY) | TO(FAILED),
+    [SPEC_COMPILING] = TO(LOADING) | TO(COMPILING) | TO(READY) | TO(FAILED),
+    [SPEC_READY] = TO(READY),
+    [SPEC_FAILED] = 0,
+};
+#undef TO
+
+void spec_set_state(struct specialization *sp, enum spec_state s)
+{
+	assert(SPEC_NEXT[sp->state] & (1u << s));
+	sp->state = s;
+}
+
 void spec_failed(struct graphs *g, struct specialization *sp, const struct proto_err *err)
 {
 	struct adapter *a = sp->adapter;
@@ -235,7 +252,7 @@ void spec_failed(struct graphs *g, struct specialization *sp, const struct proto
 
 	spec_unlock(sp);
 	spec_refund(sp);
-	sp->state = SPEC_FAILED;
+	spec_set_state(sp, SPEC_FAILED);
 	sp->error = *err;
 	remember = !transient(err) && a->live;
 	log_line(LOG_WARN, 0, a->def.name, "%s: %s: %s%s", sp->signature,
@@ -255,7 +272,7 @@ void spec_failed(struct graphs *g, struct specialization *sp, const struct proto
 void spec_ready(struct graphs *g, struct specialization *sp)
 {
 	(void)g;
-	sp->state = SPEC_READY;
+	spec_set_state(sp, SPEC_READY);
 	if (sp->from_cache || sp->compile_phases[3] <= 0)
 		log_line(LOG_INFO, 0, sp->adapter->def.name, "%s %s ready (%s, %.1f s compile)",
 		         spec_kinds[sp->kind].name, sp->signature,
@@ -382,7 +399,7 @@ struct specialization *spec_new(struct graphs *g, struct adapter *a, const struc
 	sp->next = a->specs;
 	a->specs = sp;
 	sp->uid = args->uid;
-	sp->state = SPEC_LOADING;
+	spec_set_state(sp, SPEC_LOADING); /* new: calloc'ed in LOADING */
 	spec_charge(sp);
 	sp->wait_started = log_now();
 	sp->last_used = ++g->reg.tick;

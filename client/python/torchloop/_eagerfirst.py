@@ -77,7 +77,7 @@ class _Background:
 
 def tree_map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """The tree with fn applied to every tensor (the package's tree walk)."""
-    from .adapter import flatten, unflatten
+    from ._call import flatten, unflatten
 
     leaves: list[torch.Tensor] = []
     tdef = flatten(tree, "tree", leaves)
@@ -144,7 +144,7 @@ class EagerFirst:
 def eager_scan(body: Callable[..., Any], carry: Any, inputs_def: Any,
                xs: Sequence[torch.Tensor]) -> tuple[Any, Any]:
     """The reference's eager loop: the body T times, the ys stacked."""
-    from .adapter import flatten, unflatten
+    from ._call import flatten, unflatten
 
     ys: list[list[torch.Tensor]] = []
     y_def: Any = None

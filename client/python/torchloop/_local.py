@@ -50,7 +50,7 @@ class _Sender(Protocol):
 
 
 class _PairCall(Protocol):
-    """What the saved pair's local runs read of a scan (adapter._Call)."""
+    """What the saved pair's local runs read of a scan (_call._Call)."""
 
     @property
     def target(self) -> object: ...  # a Doc: _Call.local_save checks it
@@ -81,7 +81,7 @@ Spec = Union[None, dict[str, object]]
 
 
 def unflatten(tdef: object, leaves: list[torch.Tensor], pos: list[int]) -> object:
-    from .adapter import unflatten as tree  # the package's own tree walk
+    from ._call import unflatten as tree  # the package's own tree walk
 
     return tree(tdef, leaves, pos)
 
