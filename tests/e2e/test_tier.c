@@ -436,6 +436,40 @@ static double num(json_t *o, const char *key)
  * A grad over the same budget gets no upgrade (a VJP is not built in
  * blocks): the scan op's VJP keeps serving.  Every reply matches eager.
  */
+/* The specialization of adapter at T steps, as describe shows it (caller decrefs). */
+static json_t *spec_at(struct tl_client *c, const char *adapter, int T)
+{
+	json_t *desc = h_call_json(c, "describe", adapter), *found = NULL;
+	json_t *specs = json_object_get(desc, "specializations");
+	char want[32];
+
+	snprintf(want, sizeof want, "T=%d ", T);
+	for (size_t i = 0; i < json_array_size(specs); i++)
+		if (strstr(str(json_array_get(specs, i), "signature"), want))
+			found = json_incref(json_array_get(specs, i));
+	json_decref(desc);
+	cr_assert_not_null(found, "no specialization at T=%d", T);
+	return found;
+}
+
+/* Scans until the upgrade's trial at T steps has its verdict (into verdict). */
+static void run_trial(struct tl_client *c, const char *adapter, int T, struct tl_tree *carry,
+                      struct tl_tree *inputs, char *verdict, size_t size)
+{
+	struct tl_reply *r;
+	struct tl_error err;
+
+	snprintf(verdict, size, "trial");
+	for (int i = 0; i < 400 && strcmp(verdict, "trial") == 0; i++) {
+		json_t *sp;
+		cr_assert_eq(tl_scan(c, adapter, carry, inputs, &r, &err), 0, "%s", err.message);
+		tl_reply_free(r);
+		sp = spec_at(c, adapter, T);
+		snprintf(verdict, size, "%s", str(json_object_get(sp, "upgrade"), "verdict"));
+		json_decref(sp);
+	}
+}
+
 Test(tier, an_upgrade_over_its_budget_is_built_in_blocks_and_kept_only_when_faster)
 {
 	const char *args[] = {"--no-probe", "--quick-tier-steps", "4", "--upgrade-budget", "1",
@@ -444,8 +478,6 @@ Test(tier, an_upgrade_over_its_budget_is_built_in_blocks_and_kept_only_when_fast
 	struct h_bufs bb = {{0}, 0};
 	struct tl_tree *carry, *inputs, *cot_c, *cot_y;
 	struct tl_client *c;
-	struct tl_reply *r;
-	struct tl_error err;
 	char cache[512], plan[32], verdict[16] = "trial";
 	json_t *sp, *up;
 	struct hd d;
@@ -471,14 +503,7 @@ Test(tier, an_upgrade_over_its_budget_is_built_in_blocks_and_kept_only_when_fast
 	check_scan(c, "tier.ema", EMA, "body", carry, inputs, b, NULL);
 
 	/* the trial: 16 runs of each graph (runs that try an OpenMP team do not count) */
-	for (int i = 0; i < 400 && strcmp(verdict, "trial") == 0; i++) {
-		cr_assert_eq(tl_scan(c, "tier.ema", carry, inputs, &r, &err), 0, "%s", err.message);
-		tl_reply_free(r);
-		sp = spec_of_kind(c, "tier.ema", "scan");
-		snprintf(verdict, sizeof verdict, "%s",
-		         str(json_object_get(sp, "upgrade"), "verdict"));
-		json_decref(sp);
-	}
+	run_trial(c, "tier.ema", 64, carry, inputs, verdict, sizeof verdict);
 	sp = spec_of_kind(c, "tier.ema", "scan");
 	up = json_object_get(sp, "upgrade");
 	cr_assert_eq(num(up, "trial_runs"), 32, "verdict %s", verdict);
@@ -514,22 +539,6 @@ Test(tier, an_upgrade_over_its_budget_is_built_in_blocks_and_kept_only_when_fast
 	tl_builder_free(b);
 }
 
-/* The specialization of adapter at T steps, as describe shows it (caller decrefs). */
-static json_t *spec_at(struct tl_client *c, const char *adapter, int T)
-{
-	json_t *desc = h_call_json(c, "describe", adapter), *found = NULL;
-	json_t *specs = json_object_get(desc, "specializations");
-	char want[32];
-
-	snprintf(want, sizeof want, "T=%d ", T);
-	for (size_t i = 0; i < json_array_size(specs); i++)
-		if (strstr(str(json_array_get(specs, i), "signature"), want))
-			found = json_incref(json_array_get(specs, i));
-	json_decref(desc);
-	cr_assert_not_null(found, "no specialization at T=%d", T);
-	return found;
-}
-
 /* Waits until the upgrade of adapter's T steps is planned and not under way. */
 static json_t *await_planned(struct tl_client *c, const char *adapter, int T)
 {
@@ -561,8 +570,6 @@ Test(tier, an_adapter_whose_upgrade_lost_its_trial_builds_no_more_of_that_kind)
 	struct h_bufs bb = {{0}, 0};
 	struct tl_tree *c8, *x8, *c12, *x12;
 	struct tl_client *c;
-	struct tl_reply *r;
-	struct tl_error err;
 	char cache[512], verdict[16] = "trial";
 	json_t *sp, *up;
 	struct hd d;
@@ -576,14 +583,7 @@ Test(tier, an_adapter_whose_upgrade_lost_its_trial_builds_no_more_of_that_kind)
 	hd_register(c, "pay.ema", EMA, "body", 64, 4096, 4);
 	check_scan(c, "pay.ema", EMA, "body", c8, x8, b, "quick");
 	json_decref(await_planned(c, "pay.ema", 8));
-	for (int i = 0; i < 400 && strcmp(verdict, "trial") == 0; i++) {
-		cr_assert_eq(tl_scan(c, "pay.ema", c8, x8, &r, &err), 0, "%s", err.message);
-		tl_reply_free(r);
-		sp = spec_at(c, "pay.ema", 8);
-		snprintf(verdict, sizeof verdict, "%s",
-		         str(json_object_get(sp, "upgrade"), "verdict"));
-		json_decref(sp);
-	}
+	run_trial(c, "pay.ema", 8, c8, x8, verdict, sizeof verdict);
 	cr_assert_str_eq(verdict, "reverted");
 	check_scan(c, "pay.ema", EMA, "body", c8, x8, b, NULL);
 
