@@ -325,7 +325,14 @@ Test(reliability, jobs_behind_a_timed_out_compile_run_on_a_fresh_worker)
 	h.stop = 1;
 	pthread_join(th, NULL);
 	cr_assert_eq(h.failed, 0, "%d registrations failed; last: %s", (int)h.failed, h.last);
-	cr_assert_eq(h_stat(c, "worker_restarts"), 2, "one new worker per timeout");
+	{
+		long long restarts = (long long)h_stat(c, "worker_restarts");
+		char *log = restarts == 2 ? NULL : h_slurp(d.log);
+		cr_assert_eq(restarts, 2,
+		             "one new worker per timeout, not %lld; the daemon's log:\n%s",
+		             restarts, log ? log : "");
+		free(log);
+	}
 	still_serves(&d);
 	reg_ok(c, "rel.after", CUMSUM_SRC);
 	down(&d, c);
