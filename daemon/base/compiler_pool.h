@@ -63,8 +63,8 @@ struct compiler {
 	char launcher[1024], scratch_root[1024], inductor_dir[1024];
 	const char *write[2]; /* what workers may write besides their scratch */
 	/* what they may not read, and what beneath it they may (sandbox_paths) */
-	const char *hide[SANDBOX_MAX_PATHS / 2 + 1], *keep[4];
-	char kept[3][1024];
+	const char *hide[SANDBOX_MAX_PATHS / 2 + 1], *keep[5];
+	char kept[4][1024];
 	char sandbox[160];  /* compiler_sandbox */
 	unsigned scratches; /* scratch directories made so far (their names) */
 	double timeout, start_timeout;

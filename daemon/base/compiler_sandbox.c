@@ -6,6 +6,7 @@
  */
 #include "compiler_pool.h"
 
+#include "config.h"
 #include "log.h"
 
 #include <errno.h>
@@ -43,7 +44,8 @@ static void which(const char *name, char *out, size_t size)
 /*
  * What workers may not read (the daemon's, as many as the launcher takes),
  * and what they keep beneath it: the interpreter's prefix (as named: a
- * virtual environment's; and as resolved) and the worker's package.
+ * virtual environment's; and as resolved), the worker's directory (--worker)
+ * and the build's own worker package (a wrapper named by --worker imports it).
  */
 static void sandbox_paths(struct compiler *c, const struct compiler_opts *opts)
 {
@@ -63,8 +65,9 @@ static void sandbox_paths(struct compiler *c, const struct compiler_opts *opts)
 		parent_of(bin, c->kept[1], sizeof c->kept[1]);
 	}
 	parent_of(opts->script, c->kept[2], sizeof c->kept[2]);
+	snprintf(c->kept[3], sizeof c->kept[3], "%s", CONFIG_WORKER_DIR);
 	n = 0;
-	for (size_t i = 0; i < 3; i++)
+	for (size_t i = 0; i < 4; i++)
 		if (c->kept[i][0])
 			c->keep[n++] = c->kept[i];
 	c->keep[n] = NULL;

@@ -17,10 +17,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#ifndef TORCHLOOPD_PREFIX
-#define TORCHLOOPD_PREFIX ""
-#endif
-
 enum {
 	OPT_SOCKET = 1000,
 	OPT_CACHE,
@@ -139,8 +135,7 @@ static void default_paths(struct config *c)
 	if (state && *state && strlen(state) < sizeof c->state_dir)
 		snprintf(c->state_dir, sizeof c->state_dir, "%s", state);
 	snprintf(c->python, sizeof c->python, "%s", TORCHLOOPD_PREFIX "/.venv/bin/python");
-	snprintf(c->worker, sizeof c->worker, "%s",
-	         TORCHLOOPD_PREFIX "/daemon/worker/compile_worker.py");
+	snprintf(c->worker, sizeof c->worker, "%s", CONFIG_WORKER_DIR "/compile_worker.py");
 	credential(c->remote_secret_file, sizeof c->remote_secret_file, "remote-secret");
 	credential(c->remote_auth_file, sizeof c->remote_auth_file, "remote-auth");
 }

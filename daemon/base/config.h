@@ -13,6 +13,14 @@
 
 #include "sandbox.h"
 
+#ifndef TORCHLOOPD_PREFIX
+#define TORCHLOOPD_PREFIX "" /* the checkout or install it was built for (the Makefile) */
+#endif
+/* The build's own compile worker package (--worker's default is its
+ * compile_worker.py): a sandboxed worker may read it whatever --worker names,
+ * since a wrapper script imports it (compiler_sandbox.c). */
+#define CONFIG_WORKER_DIR TORCHLOOPD_PREFIX "/daemon/worker"
+
 /* --max-uids-per-adapter's largest value: what an adapter's budget table holds
  * (graphs.h, struct adapter's shares) */
 #define CONFIG_MAX_UIDS_PER_ADAPTER 256
