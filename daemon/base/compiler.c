@@ -133,7 +133,9 @@ static void grow(struct compiler *c, struct lane *l, uint32_t tenant)
 		starting += s->p && !s->hello && s->tenant == tenant;
 		if (s->p == NULL && free_slot == NULL)
 			free_slot = s;
-		if (s->p && s->hello && s->current == NULL && s->tenant != tenant && other == NULL)
+		/* the first worker last: while it restarts, only the others serve */
+		if (s->p && s->hello && s->current == NULL && s->tenant != tenant &&
+		    (other == NULL || other == PRIMARY(c)))
 			other = s;
 	}
 	if (queued <= starting || (free_slot == NULL && other == NULL))

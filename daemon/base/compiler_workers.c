@@ -36,9 +36,18 @@ unsigned compiler_default_workers(void)
 	return n < 1 ? 1 : n > LANE_SLOTS ? LANE_SLOTS : n;
 }
 
+/*
+ * Alive: some worker said hello, or -- once the service has been up and no
+ * start has failed since -- the first worker is being replaced (a tenant's
+ * turn, idle retirement, a crash): that is not a fault a prober should see.
+ */
 bool compiler_alive(const struct compiler *c)
 {
-	return PRIMARY(c)->p != NULL && PRIMARY(c)->hello;
+	for (int k = 0; k < COMPILER_LANES; k++)
+		for (unsigned i = 0; i < c->lanes[k].max; i++)
+			if (c->lanes[k].slots[i].p != NULL && c->lanes[k].slots[i].hello)
+				return true;
+	return c->ready == NULL && c->start_failures == 0 && PRIMARY(c)->p != NULL;
 }
 void pool_fail_current(struct slot *s, enum proto_code code, unsigned flags, const char *why)
 {

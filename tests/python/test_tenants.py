@@ -6,8 +6,12 @@ worker can.  A private daemon and cache (so the graph is compiled here, not
 found): the test-only probe hook (torchloop_worker/sandbox_probe.py) runs in
 every worker at its start and tries the trusted Inductor cache; the child of
 test_index.py registers and scans its gather graph as uid 65534; then a
-scan of the suite's own uid is served, checked against eager.  Root is needed to become 65534, Landlock for the EACCES half: each
-says so loudly when missing.  Compiles: 1 (the tenant's; T = 3)."""
+scan of the suite's own uid is served, checked against eager.  One
+foreground worker (--compile-workers 1), so the tenant's compile takes the
+first worker's place: a thread asks health all the while, and every answer
+is ready (a worker replaced for a tenant is no fault).  Root is needed to
+become 65534, Landlock for the EACCES half: each says so loudly when
+missing.  Compiles: 1 (the tenant's; T = 3)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -49,10 +54,28 @@ def test_another_users_graph_compiles_in_workers_of_its_own(monkeypatch: pytest.
     probe = {"files": {"trusted_inductor": str(trusted / f"probe.{os.getpid()}")},
              "read": {"trusted_inductor": str(trusted)}}
     monkeypatch.setenv("TORCHLOOP_TEST_SANDBOX_PROBE", json.dumps(probe))
-    with conftest.running_daemon(tmp, "--cache-dir", str(cache), "--socket-mode", "0666") as sock:
+    with conftest.running_daemon(tmp, "--cache-dir", str(cache), "--socket-mode", "0666",
+                                 "--compile-workers", "1") as sock:
         monkeypatch.delenv("TORCHLOOP_TEST_SANDBOX_PROBE")
         health = torchloop.Client(sock).health()
-        out = test_index.child(sock)
+        polled: list[dict[str, object]] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            with torchloop.Client(sock) as client:
+                while not done.is_set():
+                    polled.append(client.health())
+                    done.wait(0.02)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            out = test_index.child(sock)
+        finally:
+            done.set()
+            poller.join()
+        assert polled and all(h["ready"] for h in polled), \
+            [h for h in polled if not h["ready"]][:3]
         assert out["good"] <= 1e-12 * 16, out
         body = test_index.make_body()
         carry, xs = test_index.good_inputs()
@@ -74,6 +97,7 @@ def test_another_users_graph_compiles_in_workers_of_its_own(monkeypatch: pytest.
     if as_root:
         assert out["uid"] == 65534 and out["owner"] == 65534, out
         assert 65534 in tenants, f"no worker of tenant 65534:\n{log}"
+        assert "replaced by one for tenant 65534" in log, log
         own = cache / "tenants" / "65534" / "inductor"
         assert own.is_dir() and any(own.iterdir()), "the tenant's compile wrote no Inductor cache"
     sandboxed = health.get("sandbox") == "landlock+seccomp"
