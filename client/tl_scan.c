@@ -160,6 +160,46 @@ static int hint_kind(const char *op, const struct op_fields *f)
 	return (strcmp(op, "grad") == 0) + 2 * (f->save || f->saved_key != NULL);
 }
 
+/*
+ * The request's "out" field: an area of the region for the reply's tensors,
+ * as large as the daemon said this adapter's replies need, else like the
+ * inputs (staged bytes).  Returns its offset (*size its bytes), or UINT64_MAX
+ * when the region has no room (the field is nil: the reply comes inline).
+ */
+static uint64_t write_out_area(struct tl_client *c, struct writer *w, const char *adapter, int hint,
+                               uint64_t staged, uint64_t *size)
+{
+	const struct out_hint *h = find_hint(c, adapter, hint);
+	uint64_t area;
+
+	*size = h ? h->needed : (hint ? 2 : 1) * (staged ? staged : 1);
+	area = *size ? shm_region_alloc(c->shm, *size) : UINT64_MAX;
+	writer_str(w, "out");
+	if (area == UINT64_MAX) {
+		msgpack_pack_nil(&w->pk);
+	} else {
+		msgpack_pack_map(&w->pk, 3);
+		writer_key_u64(w, "offset", area);
+		writer_key_u64(w, "size", *size);
+		writer_key_u64(w, "min_bytes", c->shm_threshold);
+	}
+	return area;
+}
+
+/* A reply came: it holds the region (its tensors may lie in the area, which
+ * it frees), and the daemon's "out_needed" sizes this adapter's next area. */
+static void keep_out_area(struct tl_client *c, struct tl_reply *out, const char *adapter, int hint,
+                          uint64_t area, uint64_t area_size)
+{
+	double needed = tl_reply_number(out, "out_needed");
+
+	out->shm = c->shm;
+	shm_region_ref(c->shm);
+	out->area = area;
+	if (!isnan(needed) && (uint64_t)needed != area_size)
+		remember_hint(c, adapter, hint, (uint64_t)needed);
+}
+
 /* op ("scan", "grad") over trees named keys, with f's fields. */
 static int run_op(struct tl_client *c, const char *op, const char *adapter,
                   const struct tl_tree *const *trees, const char *const *keys, uint32_t n,
@@ -169,7 +209,6 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 	struct stage st = {.c = c};
 	uint64_t id = 0, area = UINT64_MAX, area_size = 0;
 	int hint = hint_kind(op, f), rc;
-	const struct out_hint *h;
 	uint32_t more = f->checkpoint + f->save + (f->saved_key != NULL);
 
 	if (tlc_begin(c, &w, op, 1 + n + (c->shm != NULL) + more, &id, err) != 0)
@@ -188,37 +227,18 @@ static int run_op(struct tl_client *c, const char *op, const char *adapter,
 		else
 			tree_encode_placed(&w, CNODE(trees[i]), stage_place, &st);
 	}
-	if (c->shm) {
-		/* outputs like the inputs unless the daemon told us better */
-		h = find_hint(c, adapter, hint);
-		area_size = h ? h->needed : (hint ? 2 : 1) * (st.bytes ? st.bytes : 1);
-		area = area_size ? shm_region_alloc(c->shm, area_size) : UINT64_MAX;
-		writer_str(&w, "out");
-		if (area == UINT64_MAX) {
-			msgpack_pack_nil(&w.pk);
-		} else {
-			msgpack_pack_map(&w.pk, 3);
-			writer_key_u64(&w, "offset", area);
-			writer_key_u64(&w, "size", area_size);
-			writer_key_u64(&w, "min_bytes", c->shm_threshold);
-		}
-	}
+	if (c->shm)
+		area = write_out_area(c, &w, adapter, hint, st.bytes, &area_size);
 	c->poll_reply = w.pos + st.bytes < BUSYPOLL_MAX_REQUEST;
 	rc = tlc_roundtrip(c, &w, id, out, err);
 	c->poll_reply = true;
 	for (size_t i = 0; i < st.n; i++)
 		shm_region_free(c->shm, st.blocks[i]);
 	free(st.blocks);
-	if (rc == 0 && c->shm) {
-		double needed = tl_reply_number(*out, "out_needed");
-		(*out)->shm = c->shm;
-		shm_region_ref(c->shm);
-		(*out)->area = area;
-		if (!isnan(needed) && (uint64_t)needed != area_size)
-			remember_hint(c, adapter, hint, (uint64_t)needed);
-	} else if (area != UINT64_MAX) {
+	if (rc == 0 && c->shm)
+		keep_out_area(c, *out, adapter, hint, area, area_size);
+	else if (area != UINT64_MAX)
 		shm_region_free(c->shm, area);
-	}
 	if (rc == 0 && tlc_read_trees(*out, err) != 0) {
 		tl_reply_free(*out);
 		*out = NULL;

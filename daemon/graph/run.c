@@ -104,6 +104,41 @@ static void team_result(struct run_job *j)
 }
 
 /*
+ * Chunk c's tensors, for run_chunks: its inputs view rows [cK, (c+1)K) of
+ * the request's, its carry the previous chunk's (out, as left by that chunk;
+ * the request's for the first); its stacked outputs go to their rows of the
+ * results, its carry to p (the results' carry for the last chunk).
+ */
+static void bind_chunk(const struct run_job *j, int64_t c, uint8_t *p, struct engine_tensor *in,
+                       struct engine_tensor *out)
+{
+	const struct engine_tensor *whole = j->res->tensors;
+	size_t nc = j->n_carry;
+
+	for (size_t k = 0; k < j->n_in; k++) {
+		uint64_t rows = engine_tensor_bytes(&j->expected[k]);
+		in[k] = j->expected[k];
+		in[k].nbytes = rows;
+		if (k < nc)
+			in[k].data = c == 0 ? j->in[k].data : out[k].data;
+		else
+			in[k].data = (uint8_t *)j->in[k].data + (uint64_t)c * rows;
+	}
+	for (size_t k = 0; k < j->sp->n_out; k++) {
+		uint64_t rows = engine_tensor_bytes(&j->chunk_out[k]);
+		out[k] = j->chunk_out[k];
+		if (k >= nc) {
+			out[k].data = (uint8_t *)whole[k].data + (uint64_t)c * rows;
+		} else if (c == j->chunks - 1) {
+			out[k].data = whole[k].data;
+		} else {
+			out[k].data = p;
+			p += (rows + 63) & ~(uint64_t)63;
+		}
+	}
+}
+
+/*
  * strategy = chunk, on the pool: the graph of K steps runs T / K times.  Chunk
  * c reads rows [cK, (c+1)K) of every input leaf in place (slices along the
  * leading axis of a C-contiguous tensor are contiguous), writes its stacked
@@ -151,28 +186,8 @@ static int run_chunks(struct run_job *j, uint8_t *base)
 		res->tensors[k].data = base + off[k];
 	}
 	for (int64_t c = 0; c < j->chunks; c++) {
-		uint8_t *p = scratch + (size_t)(c % 2) * carry_bytes; /* this chunk's carry */
-		for (size_t k = 0; k < n_in; k++) {
-			uint64_t rows = engine_tensor_bytes(&j->expected[k]);
-			in[k] = j->expected[k];
-			in[k].nbytes = rows;
-			if (k < nc)
-				in[k].data = c == 0 ? j->in[k].data : out[k].data;
-			else
-				in[k].data = (uint8_t *)j->in[k].data + (uint64_t)c * rows;
-		}
-		for (size_t k = 0; k < n_out; k++) {
-			uint64_t rows = engine_tensor_bytes(&j->chunk_out[k]);
-			out[k] = j->chunk_out[k];
-			if (k >= nc) {
-				out[k].data = (uint8_t *)res->tensors[k].data + (uint64_t)c * rows;
-			} else if (c == j->chunks - 1) {
-				out[k].data = res->tensors[k].data;
-			} else {
-				out[k].data = p;
-				p += (rows + 63) & ~(uint64_t)63;
-			}
-		}
+		/* this chunk's carry: the scratch half the previous one did not write */
+		bind_chunk(j, c, scratch + (size_t)(c % 2) * carry_bytes, in, out);
 		if (engine_run_into(j->graph, in, n_in, j->expected, out, n_out, &j->err) != 0)
 			goto done;
 	}

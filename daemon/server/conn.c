@@ -314,47 +314,15 @@ static void sent_now(struct conn *c, struct outmsg *out)
 }
 
 /*
- * Writes the frame now if the socket takes all of it (the common case for a
- * reply to a waiting client: one writev, no write request, no callback on the
- * next loop turn); queues what is left otherwise.
+ * The socket took only the first `skip` bytes of bv[0, n) (or it has writes
+ * queued already): the rest goes with a write request, its memory accounted
+ * to the connection until on_write.  Takes ownership of out.
  */
-void conn_send(struct conn *c, struct outmsg *out)
+static void queue_unsent(struct conn *c, struct outmsg *out, uv_buf_t *bv, int n, size_t skip)
 {
-	struct iovec iov[256];
-	uv_buf_t bufs[256];
-	struct proto_err err;
-	size_t need = writer_iovcnt(&out->w), total = 0;
-	struct iovec *iv = need <= 256 ? iov : malloc(need * sizeof *iv);
-	uv_buf_t *bv = need <= 256 ? bufs : malloc(need * sizeof *bv);
-	int n, first = 0, sent;
+	int first = 0;
 
-	if (c->closing || iv == NULL || bv == NULL) {
-		conn_outmsg_free(out);
-		goto done;
-	}
-	n = writer_finish(&out->w, iv, need, (uint32_t)c->d->cfg.max_frame, &err);
-	if (n < 0) {
-		log_error("cannot send a reply: %s", err.message);
-		conn_outmsg_free(out);
-		goto done;
-	}
-	for (int i = 0; i < n; i++) {
-		bv[i] = uv_buf_init(iv[i].iov_base, (unsigned)iv[i].iov_len);
-		total += iv[i].iov_len;
-	}
-	sent = uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) == 0
-	           ? uv_try_write((uv_stream_t *)&c->handle, bv, (unsigned)n)
-	           : UV_EAGAIN;
-	if (sent < 0 && sent != UV_EAGAIN) {
-		conn_close(c);
-		conn_outmsg_free(out);
-		goto done;
-	}
-	if (sent > 0 && (size_t)sent == total) {
-		sent_now(c, out);
-		goto done;
-	}
-	for (size_t skip = sent > 0 ? (size_t)sent : 0; skip > 0;) {
+	while (skip > 0) {
 		if (skip >= bv[first].len) {
 			skip -= bv[first++].len;
 			continue;
@@ -378,10 +346,53 @@ void conn_send(struct conn *c, struct outmsg *out)
 	             on_write) != 0) {
 		conn_outmsg_free(out);
 		conn_close(c);
-		goto done;
+		return;
 	}
 	account(c, &c->mem_replies, (int64_t)out->mem);
 	check_memory(c);
+}
+
+/*
+ * Writes the frame now if the socket takes all of it (the common case for a
+ * reply to a waiting client: one writev, no write request, no callback on the
+ * next loop turn); queues what is left otherwise.
+ */
+void conn_send(struct conn *c, struct outmsg *out)
+{
+	struct iovec iov[256];
+	uv_buf_t bufs[256];
+	struct proto_err err;
+	size_t need = writer_iovcnt(&out->w), total = 0;
+	struct iovec *iv = need <= 256 ? iov : malloc(need * sizeof *iv);
+	uv_buf_t *bv = need <= 256 ? bufs : malloc(need * sizeof *bv);
+	int n, sent;
+
+	if (c->closing || iv == NULL || bv == NULL) {
+		conn_outmsg_free(out);
+		goto done;
+	}
+	n = writer_finish(&out->w, iv, need, (uint32_t)c->d->cfg.max_frame, &err);
+	if (n < 0) {
+		log_error("cannot send a reply: %s", err.message);
+		conn_outmsg_free(out);
+		goto done;
+	}
+	for (int i = 0; i < n; i++) {
+		bv[i] = uv_buf_init(iv[i].iov_base, (unsigned)iv[i].iov_len);
+		total += iv[i].iov_len;
+	}
+	sent = uv_stream_get_write_queue_size((uv_stream_t *)&c->handle) == 0
+	           ? uv_try_write((uv_stream_t *)&c->handle, bv, (unsigned)n)
+	           : UV_EAGAIN;
+	if (sent < 0 && sent != UV_EAGAIN) {
+		conn_close(c);
+		conn_outmsg_free(out);
+		goto done;
+	}
+	if (sent > 0 && (size_t)sent == total)
+		sent_now(c, out);
+	else
+		queue_unsent(c, out, bv, n, sent > 0 ? (size_t)sent : 0);
 done:
 	if (iv != iov)
 		free(iv);

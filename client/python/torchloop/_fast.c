@@ -241,6 +241,53 @@ static PyObject *conn_recv_body(PyObject *self, PyObject *unused)
 	return conn_body((Conn *)self);
 }
 
+/*
+ * What one decoded frame, msg, means to the call waiting for the reply to
+ * id: an event (to on_event), a reply to an earlier request (skipped), or
+ * the end.  Returns 0 to read on, or 1 with *ret the call's value: the
+ * result map (a new dict when there is none), or for an error reply, a
+ * frame-level error or an odd result the 1-tuple (msg,); NULL when raised.
+ * Borrows msg.
+ */
+static int conn_reply(PyObject *msg, PyObject *id, PyObject *on_event, PyObject **ret)
+{
+	PyObject *event = PyDict_GetItemWithError(msg, G.s_event);
+	if (event == NULL && PyErr_Occurred())
+		return 1;
+	if (event != NULL) {
+		if (on_event == Py_None)
+			return 0;
+		PyObject *r = PyObject_CallOneArg(on_event, msg);
+		if (r == NULL)
+			return 1;
+		Py_DECREF(r);
+		return 0;
+	}
+	PyObject *rid = PyDict_GetItemWithError(msg, G.s_id);
+	if (rid == NULL && PyErr_Occurred())
+		return 1;
+	int mine = rid != NULL ? PyObject_RichCompareBool(rid, id, Py_EQ) : 0;
+	int err = mine >= 0 ? PyDict_Contains(msg, G.s_error) : -1;
+	if (err < 0)
+		return 1;
+	if (mine && !err) {
+		PyObject *result = PyDict_GetItemWithError(msg, G.s_result);
+		if (result == NULL && PyErr_Occurred())
+			return 1;
+		if (result == NULL || PyDict_CheckExact(result)) {
+			*ret = result ? Py_NewRef(result) : PyDict_New();
+			return 1;
+		}
+	}
+	if (mine || (err && (rid == NULL || rid == Py_None))) {
+		/* its error, or a frame-level error, or an odd result: the
+		 * Client's to raise or return */
+		*ret = PyTuple_Pack(1, msg);
+		return 1;
+	}
+	return 0; /* a reply to an earlier request: skipped */
+}
+
 static PyObject *conn_call(PyObject *self, PyObject *args)
 {
 	Conn *c = (Conn *)self;
@@ -278,48 +325,11 @@ static PyObject *conn_call(PyObject *self, PyObject *args)
 			return body; /* _wire.py parses it and says what is wrong */
 		}
 		Py_DECREF(body);
-		PyObject *event = PyDict_GetItemWithError(msg, G.s_event);
-		if (event == NULL && PyErr_Occurred())
-			goto fail;
-		if (event != NULL) {
-			if (on_event != Py_None) {
-				PyObject *r = PyObject_CallOneArg(on_event, msg);
-				if (r == NULL)
-					goto fail;
-				Py_DECREF(r);
-			}
-			Py_DECREF(msg);
-			continue;
-		}
-		PyObject *rid = PyDict_GetItemWithError(msg, G.s_id);
-		if (rid == NULL && PyErr_Occurred())
-			goto fail;
-		int mine = rid != NULL ? PyObject_RichCompareBool(rid, id, Py_EQ) : 0;
-		int err = mine >= 0 ? PyDict_Contains(msg, G.s_error) : -1;
-		if (err < 0)
-			goto fail;
-		if (mine && !err) {
-			PyObject *result = PyDict_GetItemWithError(msg, G.s_result);
-			if (result == NULL && PyErr_Occurred())
-				goto fail;
-			if (result == NULL || PyDict_CheckExact(result)) {
-				result = result ? Py_NewRef(result) : PyDict_New();
-				Py_DECREF(msg);
-				return result;
-			}
-		}
-		if (mine || (err && (rid == NULL || rid == Py_None))) {
-			/* its error, or a frame-level error, or an odd result: the
-			 * Client's to raise or return */
-			PyObject *t = PyTuple_Pack(1, msg);
-			Py_DECREF(msg);
-			return t;
-		}
-		Py_DECREF(msg); /* a reply to an earlier request: skipped */
-		continue;
-	fail:
+		PyObject *ret = NULL;
+		int end = conn_reply(msg, id, on_event, &ret);
 		Py_DECREF(msg);
-		return NULL;
+		if (end != 0)
+			return ret; /* NULL: raised */
 	}
 }
 

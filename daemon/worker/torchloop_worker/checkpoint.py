@@ -23,7 +23,7 @@ captures from its module are the loops' additional inputs (as Scan.hop).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -36,26 +36,8 @@ def checkpointed_vjp(step: Flat, nc: int, nx: int, n_lifted: int,
     returning (*final carry, *stacked ys, *carry grads, *xs grads), as the
     plain VJP does.  example: one step's (*carry, *x row, *lifted)."""
     from torch._higher_order_ops.scan import scan_op
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.func import vjp
 
-    fwd = make_fx(step, tracing_mode="fake")(*example)
-    out = _outputs(fwd)
-    phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
-    # carry leaves the step returns as they came: constants of both loops
-    passed = [k for k in range(nc) if out[k] is phs[k]]
-    kept = [k for k in range(nc) if k not in passed]
-    ny = len(out) - nc
-
-    def step_vjp(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        c, x = args[:nc], args[nc: nc + nx]
-        lifted = args[nc + nx: nc + nx + n_lifted]
-        cots = args[nc + nx + n_lifted:]
-        pullback = vjp(lambda *p: tuple(fwd(*p, *lifted)), *c, *x)[1]
-        return tuple(pullback(tuple(cots)))
-
-    joint = make_fx(step_vjp, tracing_mode="fake")(*example, *[_like(o) for o in out])
-    fwd_fresh, joint_fresh = _fresh(fwd), _fresh(joint)
+    fwd_fresh, joint_fresh, passed, kept, ny = _trace_step(step, nc, nx, n_lifted, example)
 
     def carry_of(var: Sequence[torch.Tensor],
                  const: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,6 +80,42 @@ def checkpointed_vjp(step: Flat, nc: int, nx: int, n_lifted: int,
         return tuple(final) + tuple(ys) + tuple(back[:nc]) + tuple(grad_xs)
 
     return module
+
+
+class _Traced(NamedTuple):
+    """One step, traced: its forward and its VJP (each fresh, see _fresh),
+    the carry leaves it hands back as they came (passed: constants of both
+    loops) and the others (kept), and how many ys it returns."""
+
+    fwd: Flat
+    joint: Flat
+    passed: list[int]
+    kept: list[int]
+    ny: int
+
+
+def _trace_step(step: Flat, nc: int, nx: int, n_lifted: int, example: list[Any]) -> _Traced:
+    """step's forward and its VJP traced with make_fx (fake tensors), the
+    VJP over (*carry, *x row, *lifted, *carry cots, *y cots) returning
+    (*carry grads, *x grads)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import vjp
+
+    fwd = make_fx(step, tracing_mode="fake")(*example)
+    out = _outputs(fwd)
+    phs = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    passed = [k for k in range(nc) if out[k] is phs[k]]
+    kept = [k for k in range(nc) if k not in passed]
+
+    def step_vjp(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c, x = args[:nc], args[nc: nc + nx]
+        lifted = args[nc + nx: nc + nx + n_lifted]
+        cots = args[nc + nx + n_lifted:]
+        pullback = vjp(lambda *p: tuple(fwd(*p, *lifted)), *c, *x)[1]
+        return tuple(pullback(tuple(cots)))
+
+    joint = make_fx(step_vjp, tracing_mode="fake")(*example, *[_like(o) for o in out])
+    return _Traced(_fresh(fwd), _fresh(joint), passed, kept, len(out) - nc)
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
