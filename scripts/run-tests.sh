@@ -33,6 +33,12 @@ start=$(date +%s)
 # Inductor compiles so far: the daemons' logs (the C suites' and, under
 # pytest's basetemp, the Python suite's) say "compiling" once each
 compiles() { find "$TORCHLOOP_TEST_TMP" -name log -type f -exec grep -h 'compiling ' {} + 2>/dev/null | wc -l; }
+# compile workers that got a job: each imported torch's compile path (~4.5 s
+# of CPU here) for it
+imports() { find "$TORCHLOOP_TEST_TMP" -name log -type f -exec grep -h 'compile path imported' {} + 2>/dev/null | wc -l; }
+# the machine's busy share of the run, from /proc/stat (all CPUs)
+cpu_busy_idle() { awk '/^cpu /{print $2+$3+$4+$7+$8, $5+$6}' /proc/stat; }
+read -r busy0 idle0 < <(cpu_busy_idle)
 for bin in "$@"; do
 	[ -x "$bin" ] || continue
 	echo "=== $bin"
@@ -114,7 +120,9 @@ if [ -s "$failures" ]; then
 	sed 's/^/  /' "$failures"
 fi
 rm -f "$times" "$failures"
-echo "compiles in this run: $(compiles) (cache: $TORCHLOOP_TEST_CACHE)"
+echo "compiles in this run: $(compiles) (cache: $TORCHLOOP_TEST_CACHE); compile workers that imported torch: $(imports)"
+read -r busy1 idle1 < <(cpu_busy_idle)
+echo "CPU busy: $(( 100 * (busy1 - busy0) / (busy1 - busy0 + idle1 - idle0 + 1) ))% of $(nproc) CPUs over the run"
 echo "test time: $(( $(date +%s) - start )) s"
 echo "tests: $passed passed, $failed failed, $skipped skipped, $unchecked not checked"
 exit $status

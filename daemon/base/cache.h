@@ -12,6 +12,7 @@
  *                       place it may write); entries of dead daemons are
  *                       removed at start (names carry the daemon's pid)
  *   quarantine/         entries that failed verification, kept for a look
+ *   checked             register checks passed (cache_checked.c), fixed size
  *
  * A lookup verifies size and sha256 of the .so against its .meta before the
  * caller may dlopen it; anything that fails is moved to quarantine and
@@ -25,6 +26,7 @@
 #include "protocol.h"
 
 #include <limits.h>
+#include <stdbool.h>
 #include <msgpack.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -105,6 +107,15 @@ void cache_meta_free(struct cache_meta *meta);
 #define CACHE_ARTIFACT_MAX (1ULL << 30)
 int cache_commit(const struct cache *c, const char *key, const char *tmp_so,
                  struct cache_meta *meta, struct proto_err *err);
+
+/*
+ * Register checks passed, remembered (cache_checked.c): find is true only
+ * for a key added before and not since displaced; add never fails the
+ * caller.  Blocking: thread pool only.
+ */
+#define CACHE_CHECKED_SLOTS 4096
+bool cache_checked_find(const struct cache *c, const char *key);
+void cache_checked_add(const struct cache *c, const char *key);
 
 /* Moves an entry to quarantine/. */
 void cache_quarantine(const struct cache *c, const char *key, const char *why);

@@ -15,7 +15,8 @@
  * --state-dir: the client registers them again when the daemon forgot them.
  *
  * The request waits for the check; struct reg_check owns the parsed
- * definition until the worker answers (loop thread, compiler callback).
+ * definition until the worker answers (loop thread, compiler callback).  A
+ * check passed before on this cache is not run again (check_key).
  */
 #include "daemon.h"
 
@@ -169,7 +170,12 @@ static int parse_def(struct request *req, struct adapter_def *def, struct proto_
 struct reg_check {
 	struct compile_job job;
 	struct request *req;
+	struct daemon *d;
 	struct adapter_def def; /* owns def.source until registered */
+	struct worker_info wi;  /* the loop's, copied for the pool's check_key */
+	uv_work_t work;         /* the remembered check's lookup, then its record */
+	char key[CACHE_KEY_HEX];
+	bool remembered;
 };
 
 /* A new graph of a uid at its --max-graphs-per-uid: its least recently used
@@ -232,6 +238,46 @@ static void finish_register(struct request *req, struct adapter_def *def)
 	request_reply(req, out);
 }
 
+/*
+ * A check's outcome is a function of the definition's text and the worker
+ * that checks it: a pass is remembered in the cache under that key
+ * (cache_checked.c), so the same definition registered again, by this
+ * daemon or another on the cache, skips the worker.  A failure is never
+ * remembered.  For body_source, what its module imports is read at its
+ * compile (BODY_ERROR there), as for any body whose graphs are cached.
+ */
+static void check_key(struct reg_check *rc)
+{
+	const char *parts[] = {"torchloopd.check", rc->def.graph ? "graph" : "source",
+	                       rc->def.source,     rc->job.body_file,
+	                       rc->def.entry,      rc->d->worker_sha,
+	                       rc->wi.torch,       rc->wi.torch_git,
+	                       TORCHLOOP_VERSION};
+
+	cache_key(parts, sizeof parts / sizeof parts[0], rc->key);
+}
+
+static void find_work(uv_work_t *w)
+{
+	struct reg_check *rc = w->data;
+
+	check_key(rc);
+	rc->remembered = cache_checked_find(&rc->d->cache, rc->key);
+}
+
+static void add_work(uv_work_t *w)
+{
+	struct reg_check *rc = w->data;
+
+	cache_checked_add(&rc->d->cache, rc->key);
+}
+
+static void added(uv_work_t *w, int status)
+{
+	(void)status;
+	free(w->data);
+}
+
 static void checked(struct compile_job *job, const struct compile_result *res,
                     const struct proto_err *err)
 {
@@ -241,10 +287,27 @@ static void checked(struct compile_job *job, const struct compile_result *res,
 	if (err != NULL) {
 		free(rc->def.source);
 		request_fail(rc->req, err);
-	} else {
-		finish_register(rc->req, &rc->def);
+		free(rc);
+		return;
 	}
-	free(rc);
+	finish_register(rc->req, &rc->def);
+	if (uv_queue_work(rc->d->loop, &rc->work, add_work, added) != 0)
+		free(rc);
+}
+
+/* Remembered: registered at once; else the worker checks it. */
+static void found(uv_work_t *w, int status)
+{
+	struct reg_check *rc = w->data;
+
+	if (status == 0 && rc->remembered) {
+		log_line(LOG_INFO, rc->req->id, rc->def.name,
+		         "checked before (the cache remembers it): no check job");
+		finish_register(rc->req, &rc->def);
+		free(rc);
+		return;
+	}
+	compiler_submit(rc->d->compiler, &rc->job);
 }
 
 static void op_register(struct request *req)
@@ -278,7 +341,11 @@ static void op_register(struct request *req)
 	rc->job.entry = rc->def.entry;
 	rc->job.done = checked;
 	rc->job.data = rc;
-	compiler_submit(req->d->compiler, &rc->job);
+	rc->d = req->d;
+	rc->wi = *compiler_info(req->d->compiler);
+	rc->work.data = rc;
+	if (uv_queue_work(req->d->loop, &rc->work, find_work, found) != 0)
+		compiler_submit(req->d->compiler, &rc->job);
 }
 
 const struct op_desc op_register_desc = {"register", op_register, 0};
