@@ -93,7 +93,7 @@ void ops_release_held(struct daemon *d)
 	for (; req; req = next) {
 		next = req->held_next;
 		if (req->conn->closing)
-			request_free(req); /* its client is gone: nothing to answer */
+			request_drop(req); /* its client is gone: nothing to answer */
 		else
 			proceed(req, true);
 	}

@@ -75,6 +75,17 @@ struct shm_out {
 	uint8_t *base; /* region base + offset */
 };
 
+/* Where a request is between its frame and its one reply (request.c's
+ * REQ_NEXT, asserted): replied exactly once, then freed exactly once. */
+enum request_state {
+	REQ_OPEN,     /* with its op (or held for the start-up) */
+	REQ_REPLYING, /* request_begin_result: its result frame is being built */
+	REQ_REPLIED,  /* request_reply sent the result */
+	REQ_FAILED,   /* request_fail sent an error */
+	REQ_DROPPED,  /* request_drop: held, and its client closed; no reply */
+	REQ_FREED,    /* request_free ran (the memory is gone) */
+};
+
 struct request {
 	struct conn *conn; /* holds a reference */
 	struct daemon *d;
@@ -84,6 +95,7 @@ struct request {
 	bool has_id;
 	uint64_t id;
 	int op;
+	enum request_state reply_state; /* request.c REQ_NEXT */
 	double started;
 	struct adapter *adapter; /* set by ops that run on one; holds a reference */
 	/* waiting for a specialization (request_acquire): ready runs when it can */
@@ -211,7 +223,9 @@ struct daemon {
 	void (*worker_up)(struct daemon *d, const struct proto_err *err);
 };
 
-/* request.c */
+/* request.c: every request ends in exactly one of request_reply (after
+ * request_begin_result), request_fail(_code) or request_drop, which free it;
+ * any other sequence aborts (the state machine at the top of request.c). */
 void request_reply(struct request *req, struct outmsg *out);
 void request_fail(struct request *req, const struct proto_err *err);
 void request_fail_code(struct request *req, enum proto_code code, const char *path, const char *fmt,
@@ -221,7 +235,9 @@ void request_fail_code(struct request *req, enum proto_code code, const char *pa
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields);
 /* A request of c for a whole frame (owned from here); NULL when out of memory. */
 struct request *request_new(struct conn *c, uint8_t *body, uint32_t len);
-void request_free(struct request *req);
+/* Frees a request that was never answered: only one held for the start-up
+ * whose connection closed meanwhile (asserted: c->closing). */
+void request_drop(struct request *req);
 bool request_is_admin(const struct request *req);
 /* graphs_acquire for the request: ready(req, sp) when sp can run (sp is
  * referenced for the call); otherwise the request fails with the reason.

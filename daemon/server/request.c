@@ -5,11 +5,32 @@
  * connection; ops_dispatch (ops.c) hands it to its op, and it ends with
  * exactly one request_reply or request_fail, which frees it.  A reply to a connection
  * that has closed is dropped.
+ *
+ * That is code: struct request's reply_state moves only along REQ_NEXT (asserted
+ * by request_set_state, on in every build):
+ *
+ *   OPEN -> REPLYING   request_begin_result: a result frame is being built
+ *   OPEN or REPLYING -> FAILED   request_fail(_code): an error frame (or
+ *                      nothing, out of memory); also a result's failure
+ *   REPLYING -> REPLIED   request_reply (a result over --max-frame goes out
+ *                      as FRAME_TOO_LARGE instead, still REPLIED)
+ *   OPEN -> DROPPED    request_drop: no reply, for the one reason there is
+ *                      nobody to hear it - the start-up held it (ops.c
+ *                      ops_release_held) and its connection closed meanwhile
+ *   REPLIED, FAILED or DROPPED -> FREED   request_free, the only free, run
+ *                      by the three above
+ *
+ * So a second reply, a reply after free (while the memory still reads as
+ * FREED) or a free without a reply aborts the daemon.  Every other end is a
+ * reply: a connection that closes with requests in flight gets them
+ * answered into the void (conn_send drops them), shutdown refuses the held
+ * ones (SHUTTING_DOWN) and fails or finishes the running ones.
  */
 #include "daemon.h"
 
 #include "log.h"
 
+#include <assert.h>
 #include <grp.h>
 #include <pwd.h>
 #include <stdarg.h>
@@ -20,8 +41,27 @@
 #include <time.h>
 #include <unistd.h>
 
-void request_free(struct request *req)
+/* The moves of the comment at the top, each (1 << state) it may enter. */
+#define TO(s) (1u << REQ_##s)
+static const unsigned REQ_NEXT[] = {
+    [REQ_OPEN] = TO(REPLYING) | TO(FAILED) | TO(DROPPED),
+    [REQ_REPLYING] = TO(REPLIED) | TO(FAILED),
+    [REQ_REPLIED] = TO(FREED),
+    [REQ_FAILED] = TO(FREED),
+    [REQ_DROPPED] = TO(FREED),
+    [REQ_FREED] = 0,
+};
+#undef TO
+
+static void request_set_state(struct request *req, enum request_state s)
 {
+	assert(REQ_NEXT[req->reply_state] & (1u << s));
+	req->reply_state = s;
+}
+
+static void request_free(struct request *req)
+{
+	request_set_state(req, REQ_FREED);
 	if (req->state_free)
 		req->state_free(req->state);
 	if (req->adapter)
@@ -37,10 +77,19 @@ void request_free(struct request *req)
 	free(req);
 }
 
+void request_drop(struct request *req)
+{
+	assert(req->conn->closing); /* the only reason not to answer: nobody hears it */
+	request_set_state(req, REQ_DROPPED);
+	request_free(req);
+}
+
 struct outmsg *request_begin_result(struct request *req, uint32_t nfields)
 {
-	struct outmsg *out = conn_outmsg_new(req->conn);
+	struct outmsg *out;
 
+	request_set_state(req, REQ_REPLYING);
+	out = conn_outmsg_new(req->conn);
 	if (out == NULL) {
 		request_fail_code(req, PROTO_E_INTERNAL, NULL, "out of memory for the reply");
 		return NULL;
@@ -49,8 +98,11 @@ struct outmsg *request_begin_result(struct request *req, uint32_t nfields)
 	return out;
 }
 
+static void send_error(struct request *req, const struct proto_err *failed);
+
 void request_reply(struct request *req, struct outmsg *out)
 {
+	request_set_state(req, REQ_REPLIED);
 	if (out->w.pos > (uint64_t)req->d->cfg.max_frame) {
 		/* a frame the client could not take: it hears why instead of nothing */
 		struct proto_err err;
@@ -62,7 +114,7 @@ void request_reply(struct request *req, struct outmsg *out)
 		           "come back inline unless they fit the request's output area in shared "
 		           "memory (docs/protocol.md, \"Shared memory\")",
 		           (unsigned long long)n, (unsigned long long)req->d->cfg.max_frame);
-		request_fail(req, &err);
+		send_error(req, &err);
 		return;
 	}
 	out->keep_body = req->body; /* output tensors may alias input bytes */
@@ -91,7 +143,8 @@ static void params_path(char *s, size_t size)
 	snprintf(s, size, "%s", out);
 }
 
-void request_fail(struct request *req, const struct proto_err *failed)
+/* The error frame of request_fail (request_reply's too, once REPLIED). */
+static void send_error(struct request *req, const struct proto_err *failed)
 {
 	struct outmsg *out = conn_outmsg_new(req->conn);
 	struct daemon *d = req->d;
@@ -115,6 +168,12 @@ void request_fail(struct request *req, const struct proto_err *failed)
 		conn_send(req->conn, out);
 	}
 	request_free(req);
+}
+
+void request_fail(struct request *req, const struct proto_err *failed)
+{
+	request_set_state(req, REQ_FAILED);
+	send_error(req, failed);
 }
 
 void request_fail_code(struct request *req, enum proto_code code, const char *path, const char *fmt,
@@ -263,6 +322,7 @@ struct request *request_new(struct conn *c, uint8_t *body, uint32_t len)
 	req->body = body;
 	req->len = len;
 	req->op = -1;
+	req->reply_state = REQ_OPEN;
 	req->started = log_now();
 	conn_ref(c);
 	c->inflight++;

@@ -49,6 +49,17 @@ const char *h_shared_cache(void)
 	return dir;
 }
 
+void h_unchecked_src(char *out, size_t size, const char *src)
+{
+	static unsigned n;
+	struct timespec t;
+
+	clock_gettime(CLOCK_REALTIME, &t);
+	cr_assert_lt((size_t)snprintf(out, size, "%s\n# unchecked %d.%lld.%ld.%u\n", src,
+	                              (int)getpid(), (long long)t.tv_sec, t.tv_nsec, n++),
+	             size, "h_unchecked_src: %zu bytes are too few", size);
+}
+
 void h_tmpdir(char *out, size_t size, const char *tag)
 {
 	snprintf(out, size, "%s/%s.XXXXXX", scratch(), tag);

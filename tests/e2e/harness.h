@@ -30,6 +30,13 @@ const char *h_root(void);
 const char *h_build(void);
 /* The compile cache shared by the whole test run. */
 const char *h_shared_cache(void);
+/*
+ * src with a comment no other test process writes appended, into out: a
+ * definition whose register check the cache cannot remember (checks passed
+ * are, daemon/base/cache_checked.c), for tests whose point is that check
+ * job.  The adapter's artifacts are new too (its text is in their key).
+ */
+void h_unchecked_src(char *out, size_t size, const char *src);
 /* A fresh private directory under the run's scratch space. */
 void h_tmpdir(char *out, size_t size, const char *tag);
 

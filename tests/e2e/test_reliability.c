@@ -277,7 +277,7 @@ static void *hammer_register(void *arg)
 	cr_assert_eq(tl_connect(h->sock, 5000, &c, &err), 0);
 	for (int n = 0; !h->stop; n++) {
 		char src[256], name[64];
-		snprintf(src, sizeof src, "%s# %d\n", CUMSUM_SRC, n);
+		h_unchecked_src(src, sizeof src, CUMSUM_SRC); /* a check job each */
 		snprintf(name, sizeof name, "hammer.%d", n % 4);
 		if (reg_src(c, name, src, &err) == 0) {
 			h->ok++;
@@ -1245,11 +1245,12 @@ Test(reliability, the_worker_sees_only_an_allow_listed_environment)
 	    "    check()\n"
 	    "    carry = carry + x\n"
 	    "    return carry, carry\n";
-	char src[sizeof fmt + PATH_MAX];
+	char text[sizeof fmt + PATH_MAX], src[sizeof text + 64];
 	struct hd d;
 	struct tl_client *c;
 
-	snprintf(src, sizeof src, fmt, h_shared_cache());
+	snprintf(text, sizeof text, fmt, h_shared_cache());
+	h_unchecked_src(src, sizeof src, text); /* imported at this register, not remembered */
 	setenv("TL_TEST_SECRET", "hunter2", 1);
 	setenv("OMP_TEST_VAR", "3", 1);
 	unsetenv("TORCHINDUCTOR_CACHE_DIR");

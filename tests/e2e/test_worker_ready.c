@@ -153,7 +153,8 @@ static int scan_once(struct tl_client *c, const char *name, struct tl_error *err
 }
 
 /*
- * The register's check is the worker's first job (TORCHLOOP_WORKER_PRELOAD=0;
+ * The register's check is the worker's first job (a text no run has had
+ * checked, so not remembered; TORCHLOOP_WORKER_PRELOAD=0;
  * with preload the import runs after hello and a job waits for it the same
  * way, but the gate would be reached before any job came).  Its import is
  * held past --compile-timeout (2 s): until a FRAME_TIMEOUT of 3 s, asked for
@@ -170,12 +171,14 @@ Test(worker_ready, an_import_longer_than_the_compile_timeout_does_not_fail_the_j
 	struct tl_client *c;
 	struct tl_error err;
 	struct bg_register reg;
+	char src[256];
 
 	start_gated(&d, "TORCHLOOP_TEST_READY_GATE", gate, sizeof gate, flags);
 	hd_wait_ready(&d, 120);
 	c = hd_connect(&d);
 
-	reg = (struct bg_register){.sock = d.sock, .name = "ready.sum", .src = SUM_SRC};
+	h_unchecked_src(src, sizeof src, SUM_SRC); /* a check job, not a remembered one */
+	reg = (struct bg_register){.sock = d.sock, .name = "ready.sum", .src = src};
 	pthread_create(&reg.th, NULL, bg_register_run, &reg);
 	await_log(&d, "ready gate: waiting for");
 	await_frame_timeout(&d);
@@ -189,7 +192,8 @@ Test(worker_ready, an_import_longer_than_the_compile_timeout_does_not_fail_the_j
 	cr_assert_eq(register_src(c, "ready.slow", SLOW_SRC, &err), 0, "%s", err.message);
 	cr_assert_eq(scan_once(c, "ready.slow", &err), -1, "a compile that sleeps 600 s");
 	cr_assert_str_eq(err.code, "COMPILE_TIMEOUT", "%s", err.message);
-	cr_assert_eq(register_src(c, "ready.after", SUM_SRC, &err), 0, "on the next worker: %s %s",
+	h_unchecked_src(src, sizeof src, SUM_SRC);
+	cr_assert_eq(register_src(c, "ready.after", src, &err), 0, "on the next worker: %s %s",
 	             err.code, err.message);
 	cr_assert_eq(h_stat(c, "worker_restarts"), 1, "one new worker, for the timeout");
 	tl_close(c);
@@ -210,11 +214,13 @@ Test(worker_ready, a_worker_that_never_gets_ready_fails_its_job_after_the_start_
 	struct hd d;
 	struct tl_client *c;
 	struct tl_error err;
+	char src[256];
 
 	start_gated(&d, "TORCHLOOP_TEST_READY_GATE", gate, sizeof gate, flags);
 	hd_wait_ready(&d, 120);
 	c = hd_connect(&d);
-	cr_assert_eq(register_src(c, "ready.stuck", SUM_SRC, &err), -1,
+	h_unchecked_src(src, sizeof src, SUM_SRC); /* a check job, not a remembered one */
+	cr_assert_eq(register_src(c, "ready.stuck", src, &err), -1,
 	             "the worker never got ready");
 	cr_assert_str_eq(err.code, "WORKER_CRASHED", "%s", err.message);
 	cr_assert_not_null(strstr(err.message, "--worker-start-timeout=10"), "%s", err.message);
