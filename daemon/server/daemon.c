@@ -444,8 +444,11 @@ int daemon_start(struct daemon *d)
 	}
 	conns_start_sweep(d);
 	log_info("cache %s", d->cfg.cache_dir);
-	if (daemon_graphs_start_worker(d, worker_up) != 0)
+	if (daemon_graphs_start_worker(d, worker_up) != 0) { /* it says why */
+		/* the listener and the sweep would keep the loop for ever */
+		daemon_begin_shutdown(d, "the compile service did not start");
 		return -1;
+	}
 	/* on the pool while the worker starts; requests for them wait (ops.c) */
 	if (persist_restore(d, restored) != 0)
 		restored(d, 1);

@@ -41,15 +41,15 @@ def _wait_ready(sock: str, proc: subprocess.Popen, log: Path, timeout: float = 1
     pytest.fail(f"torchloopd not ready within {timeout} s:\n{log.read_text()}")
 
 
-def start_daemon(tmp: Path, *extra: str) -> subprocess.Popen:
+def start_daemon(tmp: Path, *extra: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
     """A torchloopd on tmp/sock with the run's cache, logging (appending) to
-    tmp/log; not waited for."""
+    tmp/log; not waited for.  prefix: a command that runs it (its argv)."""
     build = os.environ.get("TORCHLOOP_TEST_BUILD", "build")
     cache = os.environ.get("TORCHLOOP_TEST_CACHE", str(ROOT / "build" / "test-cache"))
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0")
     with open(tmp / "log", "ab") as out:
         return subprocess.Popen(
-            [str(ROOT / build / "torchloopd"), "--socket", str(tmp / "sock"), "--cache-dir",
+            [*prefix, str(ROOT / build / "torchloopd"), "--socket", str(tmp / "sock"), "--cache-dir",
              cache, "--no-probe", *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -62,9 +62,9 @@ def stop_daemon(proc: subprocess.Popen, tmp: Path) -> None:
 
 
 @contextlib.contextmanager
-def running_daemon(tmp: Path, *extra: str) -> Iterator[str]:
+def running_daemon(tmp: Path, *extra: str, prefix: tuple[str, ...] = ()) -> Iterator[str]:
     """A torchloopd on tmp/sock with the run's cache; stopped and checked to exit 0."""
-    proc = start_daemon(tmp, *extra)
+    proc = start_daemon(tmp, *extra, prefix=prefix)
     try:
         _wait_ready(str(tmp / "sock"), proc, tmp / "log")
         yield str(tmp / "sock")
