@@ -414,7 +414,8 @@ Test(reliability, health_reports_a_thread_pool_that_takes_no_work)
 	cr_assert_not(pool_stalled(c, &ready), "an idle pool is not stalled");
 	cr_assert(ready);
 	kill(d.pid, SIGUSR1);
-	usleep(100000);
+	/* the hook has queued its work once it says so: the scan comes after it */
+	cr_assert(log_has(&d, "test hook: stalling the graph runner", 60), "log %s", d.log);
 	bg_start(&queued, &d, "rel.warm", 3); /* behind the busy runner */
 	for (int k = 0; k < 35 && !stalled; k++) {
 		stalled = pool_stalled(c, &ready);
