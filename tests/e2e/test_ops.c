@@ -516,7 +516,8 @@ Test(ops, request_text_and_worker_output_cannot_forge_a_log_line)
 	                               "sys.stderr.flush()\n"
 	                               "def body(c, x):\n"
 	                               "    return c + x, c\n";
-	struct tl_adapter_def def = {"t4.noisy", src, NULL, NULL, NULL, 12, 64, 3, NULL};
+	char text[512]; /* imported at this register: a text no check remembers */
+	struct tl_adapter_def def = {"t4.noisy", text, NULL, NULL, NULL, 12, 64, 3, NULL};
 	struct fixture f;
 	struct writer w;
 	struct proto_err perr;
@@ -528,6 +529,7 @@ Test(ops, request_text_and_worker_output_cannot_forge_a_log_line)
 	bool starts, holds, raw;
 	int fd = setup_raw(&f, NULL);
 
+	h_unchecked_src(text, sizeof text, src);
 	cr_assert_eq(writer_init(&w), 0);
 	msg_begin_request(&w, 5, op, 0);
 	frame = writer_flatten(&w, &len, PROTO_FRAME_MAX, &perr);
