@@ -96,7 +96,8 @@ out=$("${pyenv[@]}" .venv/bin/python -m pytest -q -rfEs -p no:cacheprovider "${x
 	--basetemp "$TORCHLOOP_TEST_TMP/pytest" tests/python 2>&1); rc=$?
 printf '%s\n' "$out" | tail -45
 # pytest prints each warning once per place in its summary
-nc=$(printf '%s\n' "$out" | grep 'NOT CHECKED:' | sort -u)
+# (the warning's message, not the source line pytest prints under it)
+nc=$(printf '%s\n' "$out" | grep -E '(^|Warning: )NOT CHECKED:' | sort -u)
 [ -z "$nc" ] || { printf '%s\n' "$nc"; unchecked=$((unchecked + $(printf '%s\n' "$nc" | wc -l))); }
 echo "(pytest: $(( $(date +%s) - t0 )) s, $(( $(compiles) - c0 )) compiles)"
 line=$(printf '%s\n' "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1)
