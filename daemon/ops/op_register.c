@@ -291,7 +291,8 @@ static void checked(struct compile_job *job, const struct compile_result *res,
 		return;
 	}
 	finish_register(rc->req, &rc->def);
-	if (uv_queue_work(rc->d->loop, &rc->work, add_work, added) != 0)
+	/* no key when the lookup could not be queued (op_register): nothing to record */
+	if (rc->key[0] == '\0' || uv_queue_work(rc->d->loop, &rc->work, add_work, added) != 0)
 		free(rc);
 }
 
